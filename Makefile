@@ -1,0 +1,94 @@
+# kvforge build. `make setup` installs the Debian packages, `make test` builds
+# and runs the cmocka suite, `make demo` runs the main job.
+CUDA_HOME ?= /usr/local/cuda
+O ?= out
+CC ?= cc
+PYTHON ?= python3
+
+LUA_CFLAGS := -I/usr/include/lua5.4
+WARN := -Wall -Wextra -Werror
+CFLAGS ?= -O2 -g
+ALL_CFLAGS := -std=c11 -D_GNU_SOURCE $(WARN) $(CFLAGS) -fPIC -pthread \
+	-Iinclude -Iruntime -Igen -I$(O)/gen $(LUA_CFLAGS) -I$(CUDA_HOME)/include \
+	-DKVF_DEFAULT_CUDA_HOME='"$(CUDA_HOME)"'
+
+# Executables carry Lua, xxHash and Jansson statically (they run on the GPU
+# machine as they are); the shared library links them dynamically (Debian's
+# archives are not PIC) and `make carry` copies them beside it.
+STATIC_DEPS := -Wl,-Bstatic -llua5.4 -lxxhash -ljansson -Wl,-Bdynamic -lm -ldl -pthread
+SHARED_DEPS := -llua5.4 -lxxhash -ljansson -lm -ldl -pthread
+
+RUNTIME_SRC := $(sort $(wildcard runtime/*.c))
+GEN_SRC := $(filter-out gen/embed.c,$(sort $(wildcard gen/*.c)))
+LIB_SRC := $(RUNTIME_SRC) $(GEN_SRC)
+LIB_OBJ := $(patsubst %.c,$(O)/obj/%.o,$(LIB_SRC)) $(O)/obj/embedded.o
+TEMPLATES := $(sort $(wildcard templates/*))
+SCHEMES := $(sort $(wildcard schemes/*.lua))
+TEST_SRC := $(sort $(wildcard tests/test_*.c))
+TEST_BIN := $(patsubst tests/%.c,$(O)/bin/%,$(TEST_SRC))
+
+.PHONY: all setup test test-cpu test-gpu demo clean carry lib
+
+all: $(O)/lib/libkvforge.a $(O)/lib/libkvforge.so $(O)/bin/kvforge $(TEST_BIN)
+
+setup:
+	apt-get update
+	DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+		make gcc liblua5.4-dev libcmocka-dev libxxhash-dev libjansson-dev
+
+$(O)/bin/embed: gen/embed.c
+	@mkdir -p $(dir $@)
+	$(CC) -std=c11 $(WARN) -O2 -o $@ $<
+
+# Shipped schemes and kernel templates are compiled into the library: JIT and
+# `base = "..."` work wherever the library goes.
+$(O)/gen/embedded.c: $(O)/bin/embed $(TEMPLATES) $(SCHEMES)
+	@mkdir -p $(dir $@)
+	$(O)/bin/embed $@ kvf_embedded_schemes $(SCHEMES) -- kvf_embedded_templates $(TEMPLATES)
+
+$(O)/obj/embedded.o: $(O)/gen/embedded.c runtime/internal.h
+	@mkdir -p $(dir $@)
+	$(CC) $(ALL_CFLAGS) -c -o $@ $<
+
+$(O)/obj/%.o: %.c $(wildcard include/*.h runtime/*.h gen/*.h)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALL_CFLAGS) -c -o $@ $<
+
+$(O)/lib/libkvforge.a: $(LIB_OBJ)
+	@mkdir -p $(dir $@)
+	rm -f $@
+	ar rcs $@ $^
+
+$(O)/lib/libkvforge.so: $(LIB_OBJ)
+	@mkdir -p $(dir $@)
+	$(CC) -shared -o $@ $^ -Wl,--no-undefined -Wl,-soname,libkvforge.so.0 \
+		-Wl,-rpath,'$$ORIGIN' $(SHARED_DEPS)
+
+$(O)/bin/kvforge: $(O)/obj/tools/kvforge.o $(O)/lib/libkvforge.a
+	@mkdir -p $(dir $@)
+	$(CC) -o $@ $< $(O)/lib/libkvforge.a $(STATIC_DEPS)
+
+$(O)/bin/test_%: $(O)/obj/tests/test_%.o $(O)/obj/tests/testutil.o $(O)/lib/libkvforge.a
+	@mkdir -p $(dir $@)
+	$(CC) -o $@ $< $(O)/obj/tests/testutil.o $(O)/lib/libkvforge.a -lcmocka $(STATIC_DEPS)
+
+lib: $(O)/lib/libkvforge.a $(O)/lib/libkvforge.so
+
+# Unit tests. GPU tests skip (and say so) where there is no GPU.
+test: all
+	@KVF_SRC=$(CURDIR) O=$(O) sh tests/run_all.sh $(TEST_BIN)
+
+test-gpu: all
+	@KVF_SRC=$(CURDIR) O=$(O) sh tests/run_all.sh $(O)/bin/test_gpu
+
+demo: $(O)/bin/kvforge
+	$(O)/bin/kvforge demo
+
+# Copy what the binaries need at run time on a machine with none of the
+# Debian packages (the GPU machine) into $(O)/lib.
+carry: all
+	cp -L /usr/lib/x86_64-linux-gnu/libcmocka.so.0 /usr/lib/x86_64-linux-gnu/liblua5.4.so.0 \
+		/usr/lib/x86_64-linux-gnu/libxxhash.so.0 /usr/lib/x86_64-linux-gnu/libjansson.so.4 $(O)/lib/
+
+clean:
+	rm -rf $(O)

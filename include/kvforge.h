@@ -1,0 +1,162 @@
+/*
+ * kvforge: KV-cache compression for video world models.
+ *
+ * Public C API. Every function returns a status: KVF_OK (0) or a negative
+ * kvf_status; kvf_strerror() names the code and kvf_last_error() gives the
+ * detailed message of the last failure on the calling thread (file, line and
+ * field for schemes; the CUDA call, file and line for GPU errors).
+ *
+ * Device pointers and streams are the caller's: kvforge never allocates the
+ * packed cache or the BF16 tensors. Streams are passed as void* (a CUstream or
+ * cudaStream_t; NULL is the legacy default stream).
+ */
+#ifndef KVFORGE_H
+#define KVFORGE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KVF_VERSION_MAJOR 0
+#define KVF_VERSION_MINOR 1
+#define KVF_VERSION_PATCH 0
+#define KVF_VERSION_STRING "0.1.0"
+
+typedef enum kvf_status {
+    KVF_OK = 0,
+    KVF_EINVAL = -1,     /* bad argument (null, size, stride, alignment) */
+    KVF_ENOMEM = -2,     /* host allocation failed */
+    KVF_ESCHEME = -3,    /* scheme file invalid (message names file:line: field) */
+    KVF_ENOTIMPL = -4,   /* valid configuration not implemented yet */
+    KVF_ENOCUDA = -5,    /* libcuda could not be loaded */
+    KVF_ENODEV = -6,     /* no CUDA device (or the ordinal does not exist) */
+    KVF_ENONVRTC = -7,   /* libnvrtc could not be loaded: only AOT kernels load */
+    KVF_ECOMPILE = -8,   /* NVRTC compile failed (log in the message) */
+    KVF_ECUDA = -9,      /* a CUDA driver call failed */
+    KVF_EIO = -10,       /* file system error */
+    KVF_EFORMAT = -11,   /* packed cache or file of the wrong format/scheme/version */
+    KVF_ERANGE = -12,    /* buffer too small */
+    KVF_ETOOL = -13      /* an external tool (fatbinary) failed */
+} kvf_status;
+
+/* Name and one-line description of a status code, like strerror. */
+const char *kvf_strerror(int status);
+const char *kvf_status_name(int status);
+/* Detailed message of the last error on this thread ("" if none). */
+const char *kvf_last_error(void);
+
+const char *kvf_version(void);
+
+/* ------------------------------------------------------------------ schemes */
+
+typedef struct kvf_scheme kvf_scheme;
+
+/* Load a scheme from a Lua file (sandboxed). */
+int kvf_scheme_load(const char *path, kvf_scheme **out);
+/* Load from text; chunkname is used in messages (e.g. "@myscheme.lua"). */
+int kvf_scheme_load_string(const char *text, size_t len, const char *chunkname,
+                           kvf_scheme **out);
+/* Load one of the schemes shipped inside the library, by name ("rtn_int2"). */
+int kvf_scheme_load_builtin(const char *name, kvf_scheme **out);
+void kvf_scheme_free(kvf_scheme *s);
+
+const char *kvf_scheme_name(const kvf_scheme *s);
+/* Normalized configuration as canonical Lua text (every field, sorted). */
+const char *kvf_scheme_canonical(const kvf_scheme *s);
+/* 64-bit hash of the canonical text; id = name + "_" + 8 hex digits. */
+uint64_t kvf_scheme_hash(const kvf_scheme *s);
+const char *kvf_scheme_id(const kvf_scheme *s);
+int kvf_scheme_head_dim(const kvf_scheme *s);
+
+/* Names of the shipped schemes, NULL-terminated. */
+const char *const *kvf_builtin_schemes(void);
+
+/* ------------------------------------------------------------ packed layout */
+
+/*
+ * Shape and strides (in elements) of a BF16 K or V tensor of one chunk:
+ * element (token t, head h, channel c) is at t*token_stride + h*head_stride + c.
+ * Strides of 0 mean head-major contiguous [n_heads][n_tokens][head_dim]
+ * (torch's [B=1, H, N, d]). Channels are always contiguous.
+ */
+typedef struct kvf_shape {
+    int64_t n_tokens;
+    int32_t n_heads;
+    int64_t token_stride;
+    int64_t head_stride;
+} kvf_shape;
+
+/* Bytes of the packed cache of n_tokens x n_heads (K and V, header included). */
+int kvf_packed_size(const kvf_scheme *s, int64_t n_tokens, int32_t n_heads, size_t *bytes);
+
+/* Stored bytes against BF16 bytes of K and V of the same tokens. */
+typedef struct kvf_footprint {
+    size_t packed_bytes;   /* everything stored, header included */
+    size_t bf16_bytes;     /* 2 * n_tokens * n_heads * head_dim * 2 */
+    double compression;    /* bf16_bytes / packed_bytes */
+    double bits_per_value; /* 8 * packed_bytes / (2 * n_tokens * n_heads * head_dim) */
+} kvf_footprint;
+int kvf_footprint_of(const kvf_scheme *s, int64_t n_tokens, int32_t n_heads, kvf_footprint *out);
+
+/* ----------------------------------------------------------------- contexts */
+
+typedef struct kvf_context kvf_context;
+
+#define KVF_DEVICE_CPU (-1)
+
+/* Number of CUDA devices (0 when libcuda is missing or sees none: status tells). */
+int kvf_device_count(int *count);
+
+/*
+ * Create a context for a scheme on a CUDA device ordinal, or KVF_DEVICE_CPU for
+ * the CPU reference backend (host pointers). On a device this JIT-compiles the
+ * scheme's kernels with NVRTC for the device's arch, through the disk cache
+ * ($KVFORGE_CACHE_DIR, else $XDG_CACHE_HOME/kvforge, else ~/.cache/kvforge;
+ * KVFORGE_CACHE=0 turns it off).
+ */
+int kvf_context_create(const kvf_scheme *s, int device, kvf_context **out);
+/*
+ * Create a context from precompiled kernels (an exported fatbin or cubin image)
+ * and the scheme's canonical text: needs no NVRTC. See `kvforge export`.
+ */
+int kvf_context_create_from_image(const char *scheme_canonical, const void *image,
+                                  size_t image_size, int device, kvf_context **out);
+void kvf_context_destroy(kvf_context *ctx);
+
+const kvf_scheme *kvf_context_scheme(const kvf_context *ctx);
+/* "cpu" or "sm_90" and so on. */
+const char *kvf_context_backend(const kvf_context *ctx);
+/* How the kernels were obtained: "cpu", "nvrtc", "disk-cache", "image". */
+const char *kvf_context_origin(const kvf_context *ctx);
+
+/*
+ * Encode the BF16 K and V of one chunk into `packed` (packed_bytes at least
+ * kvf_packed_size()). On a device, all pointers are device pointers, work is
+ * queued on `stream` and the call returns before it finishes.
+ * Alignment: k, v and packed 16-byte aligned; strides multiples of 8.
+ */
+int kvf_encode(kvf_context *ctx, const void *k, const void *v, const kvf_shape *shape,
+               void *packed, size_t packed_bytes, void *stream);
+/* Decode a packed chunk back to BF16 K and V with the given shape and strides. */
+int kvf_decode(kvf_context *ctx, const void *packed, size_t packed_bytes,
+               const kvf_shape *shape, void *k_out, void *v_out, void *stream);
+
+/* Host-side check of a packed cache's header (a host copy of its first 64 bytes
+ * or more) against a scheme and shape: KVF_EFORMAT with the reason otherwise. */
+int kvf_packed_check(const kvf_scheme *s, const void *header, size_t header_bytes,
+                     int64_t n_tokens, int32_t n_heads);
+
+/* ------------------------------------------------------------- disk cache */
+
+/* Directory the disk cache uses now (after the environment), or NULL if off. */
+int kvf_cache_dir(char *buf, size_t buflen);
+/* Remove every entry (all arches). */
+int kvf_cache_clear(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

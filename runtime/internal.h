@@ -1,0 +1,179 @@
+/* Internal interfaces of libkvforge shared by runtime/, gen/ and tests/. */
+#ifndef KVF_INTERNAL_H
+#define KVF_INTERNAL_H
+
+#include "kvforge.h"
+#include <stdbool.h>
+#include <stdio.h>
+
+/* ------------------------------------------------------------ errors (error.c) */
+
+/* Record the detailed message for the calling thread and return status. */
+int kvf_set_error(int status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* Prefix the current message ("ctx: <old message>"), keep status. */
+int kvf_wrap_error(int status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void kvf_clear_error(void);
+/* Print a warning to stderr once per key (process-wide). */
+void kvf_warn_once(const char *key, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* ------------------------------------------------------------ scheme (scheme.c) */
+
+enum kvf_axis { KVF_AXIS_CHANNEL = 0, KVF_AXIS_TOKEN = 1 };
+enum kvf_mode { KVF_MODE_AFFINE = 0, KVF_MODE_SYMMETRIC = 1 };
+enum kvf_scale_format { KVF_SCALE_FP16 = 0, KVF_SCALE_INT8_FP16 = 1 };
+enum kvf_rope_placement { KVF_ROPE_NONE = 0, KVF_ROPE_PRE = 1, KVF_ROPE_POST = 2 };
+enum kvf_rope_layout { KVF_ROPE_HALF = 0, KVF_ROPE_INTERLEAVED = 1 };
+
+/* One of the two tensor sections (key, value) of a scheme. */
+typedef struct kvf_tensor_cfg {
+    int bits;            /* 2, 4, 8, or 16 (= kept BF16) */
+    int group_size;      /* values per quantization group */
+    int axis;            /* enum kvf_axis */
+    int mode;            /* enum kvf_mode */
+    int scale_format;    /* enum kvf_scale_format */
+    int centroids;       /* 0 = no k-means smoothing, else 1..256 */
+    int kmeans_iters;    /* Lloyd iterations */
+    int64_t seed;        /* k-means seed */
+    int qsac_candidates; /* QSAC M (1 = plain nearest centroid) */
+    int psac_rank;       /* PSAC r (0 = off; keys only) */
+    int stages;          /* progressive residual stages (1 = QVG) */
+} kvf_tensor_cfg;
+
+typedef struct kvf_rope_cfg {
+    int placement; /* enum kvf_rope_placement */
+    int layout;    /* enum kvf_rope_layout */
+    double theta;
+} kvf_rope_cfg;
+
+typedef struct kvf_chunk_cfg {
+    int tokens; /* tokens per chunk */
+    int span;   /* chunks quantized together */
+    int recent; /* most recent chunks kept BF16 */
+    int sink;   /* first chunks never quantized */
+} kvf_chunk_cfg;
+
+struct kvf_scheme {
+    char name[64];
+    char source[512];   /* file the scheme was loaded from ("<builtin>/x.lua" for shipped) */
+    int head_dim;       /* 64, 128, 256 */
+    kvf_tensor_cfg key, value;
+    kvf_rope_cfg rope;
+    kvf_chunk_cfg chunk;
+    char *canonical;    /* normalized configuration (Lua text), owned */
+    uint64_t hash;      /* XXH3-64 of canonical */
+    char id[96];        /* name_xxxxxxxx */
+};
+
+/* Fill every field with its documented default (name left empty). */
+void kvf_scheme_defaults(struct kvf_scheme *s);
+/* Build canonical text, hash and id from the fields. */
+int kvf_scheme_finalize(struct kvf_scheme *s);
+
+/* ------------------------------------------------------ embedded files (embed) */
+
+typedef struct kvf_embedded_file {
+    const char *name;  /* basename, e.g. "rtn_int2.lua" or "kvf_rtn.cuh" */
+    const char *data;  /* NUL-terminated */
+    size_t size;
+} kvf_embedded_file;
+
+extern const kvf_embedded_file kvf_embedded_schemes[];  /* terminated by name == NULL */
+extern const kvf_embedded_file kvf_embedded_templates[];
+const kvf_embedded_file *kvf_find_embedded(const kvf_embedded_file *table, const char *name);
+
+/* -------------------------------------------------------------- layout (layout.c) */
+
+#define KVF_PACKED_MAGIC 0x3146564bu /* "KVF1" little-endian */
+#define KVF_FORMAT_VERSION 1u
+#define KVF_HEADER_BYTES 64u
+#define KVF_PLANE_ALIGN 256u
+
+/* The 64-byte header at the start of every packed cache (little-endian). */
+typedef struct kvf_packed_header {
+    uint32_t magic;          /* KVF_PACKED_MAGIC */
+    uint32_t format_version; /* KVF_FORMAT_VERSION */
+    uint64_t scheme_hash;    /* kvf_scheme_hash() */
+    uint64_t n_tokens;
+    uint32_t n_heads;
+    uint32_t head_dim;
+    uint64_t total_bytes;    /* kvf_packed_size() */
+    uint8_t key_bits, value_bits, reserved0[6];
+    uint64_t reserved[2];
+} kvf_packed_header;
+_Static_assert(sizeof(kvf_packed_header) == KVF_HEADER_BYTES, "header is 64 bytes");
+
+/* Byte offsets of the planes of one tensor section inside a packed cache. */
+typedef struct kvf_section_layout {
+    int bits, group_size, groups_per_token, mode;
+    size_t code_bytes_per_token;  /* per head: head_dim * bits / 8 */
+    size_t codes_off, codes_bytes;   /* [n_heads][n_tokens][code_bytes_per_token] */
+    size_t scales_off, scales_bytes; /* [n_heads][n_tokens][groups] fp16; 0 if bits == 16 */
+    size_t zeros_off, zeros_bytes;   /* [n_heads][n_tokens][groups] fp16; 0 unless affine */
+} kvf_section_layout;
+
+typedef struct kvf_layout {
+    int64_t n_tokens;
+    int32_t n_heads;
+    int head_dim;
+    kvf_section_layout key, value;
+    size_t total_bytes;
+} kvf_layout;
+
+int kvf_layout_compute(const struct kvf_scheme *s, int64_t n_tokens, int32_t n_heads,
+                       kvf_layout *out);
+void kvf_header_fill(const struct kvf_scheme *s, const kvf_layout *l, kvf_packed_header *h);
+/* Check that a method is implemented for this scheme (KVF_ENOTIMPL names the field). */
+int kvf_scheme_check_supported(const struct kvf_scheme *s);
+
+/* ------------------------------------------------- number formats (numfmt.c) */
+
+float kvf_bf16_to_f32(uint16_t b);
+uint16_t kvf_f32_to_bf16(float f);  /* round to nearest even; NaN stays NaN */
+float kvf_f16_to_f32(uint16_t h);
+uint16_t kvf_f32_to_f16(float f);   /* round to nearest even; saturates to +-65504 */
+
+/* --------------------------------------------------- CPU reference (ref_*.c) */
+
+/* RTN encode/decode of a whole packed cache on host memory (ref_rtn.c). */
+int kvf_ref_encode(const struct kvf_scheme *s, const uint16_t *k, const uint16_t *v,
+                   const kvf_shape *shape, uint8_t *packed, size_t packed_bytes);
+int kvf_ref_decode(const struct kvf_scheme *s, const uint8_t *packed, size_t packed_bytes,
+                   const kvf_shape *shape, uint16_t *k_out, uint16_t *v_out);
+
+/* Resolve strides of 0 to head-major contiguous; check they are valid. */
+int kvf_shape_resolve(const kvf_shape *in, int head_dim, kvf_shape *out);
+
+/* ------------------------------------------------------ synthetic data (synth.c) */
+
+/*
+ * Deterministic BF16 tensor [n_heads][n_tokens][head_dim] with video-like
+ * statistics: unit-variance base values, a per-token scale in [0.5, 1.5] and
+ * two outlier channels per token of amplitude ~20 that differ from token to
+ * token (ANCHORS.md's heterogeneous data). Same seed, same bytes.
+ */
+void kvf_synth_kv(uint16_t *x, int64_t n_tokens, int n_heads, int head_dim, uint64_t seed);
+
+/* -------------------------------------------------------------- cache (cache.c) */
+
+typedef struct kvf_cache_key {
+    uint8_t bytes[16]; /* XXH3-128 */
+    char hex[33];
+} kvf_cache_key;
+
+/* Key over: kvforge version, arch, NVRTC version, options, source parts. */
+void kvf_cache_make_key(const char *arch, int nvrtc_major, int nvrtc_minor,
+                        const char *const *options, int n_options,
+                        const char *const *sources, const size_t *source_lens, int n_sources,
+                        kvf_cache_key *out);
+/* Look up: KVF_OK and a malloc'ed payload on a hit; 1 on a miss (corrupt = miss). */
+int kvf_cache_get(const char *arch, const kvf_cache_key *key, void **payload, size_t *size);
+/* Store atomically (temp file + rename). Failure to write only warns (once). */
+int kvf_cache_put(const char *arch, const kvf_cache_key *key, const char *meta_json,
+                  const void *payload, size_t size);
+/* Serialize compiles of one key across processes: returns a lock fd or -1. */
+int kvf_cache_lock(const char *arch, const kvf_cache_key *key);
+void kvf_cache_unlock(int fd);
+/* Print the entries (kvforge cache list). */
+int kvf_cache_list(FILE *out);
+
+#endif
