@@ -27,7 +27,7 @@ SCHEMES := $(sort $(wildcard schemes/*.lua))
 TEST_SRC := $(sort $(wildcard tests/test_*.c))
 TEST_BIN := $(patsubst tests/%.c,$(O)/bin/%,$(TEST_SRC))
 
-.PHONY: all setup test test-cpu test-gpu demo clean carry lib
+.PHONY: all setup test test-gpu demo clean carry lib aot-demo
 
 all: $(O)/lib/libkvforge.a $(O)/lib/libkvforge.so $(O)/bin/kvforge $(TEST_BIN)
 
@@ -92,3 +92,12 @@ carry: all
 
 clean:
 	rm -rf $(O)
+
+# An application linking exported (precompiled) kernels: no NVRTC at run time.
+AOT_SCHEME ?= rtn_int2
+aot-demo: $(O)/bin/kvforge
+	rm -rf $(O)/export && $(O)/bin/kvforge export $(AOT_SCHEME) --arch sm_80,sm_90 -o $(O)/export
+	id=$$($(O)/bin/kvforge info $(AOT_SCHEME) | sed -n 's/.*(id \(.*\))/\1/p'); \
+	$(CC) $(ALL_CFLAGS) -I$(O)/export -include $(O)/export/$${id}_aot.h -DKVF_AOT_ID=$$id \
+		-o $(O)/bin/aot_demo examples/aot_demo.c $(O)/export/$${id}_aot.c $(O)/export/$${id}.c \
+		$(O)/lib/libkvforge.a $(STATIC_DEPS)

@@ -1,0 +1,285 @@
+/* The generator: configuration-only CUDA and C from a scheme (see gen.h). */
+#include "gen.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+/* ------------------------------------------------------------ growable text */
+
+static void buf_reserve(kvf_buf *b, size_t extra) {
+    if (b->oom || b->len + extra + 1 <= b->cap) return;
+    size_t cap = b->cap ? b->cap : 4096;
+    while (cap < b->len + extra + 1) cap *= 2;
+    char *p = realloc(b->p, cap);
+    if (!p) { b->oom = 1; return; }
+    b->p = p;
+    b->cap = cap;
+}
+
+void kvf_buf_append(kvf_buf *b, const char *s, size_t n) {
+    buf_reserve(b, n);
+    if (b->oom) return;
+    memcpy(b->p + b->len, s, n);
+    b->len += n;
+    b->p[b->len] = 0;
+}
+
+void kvf_buf_printf(kvf_buf *b, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(NULL, 0, fmt, ap);
+    va_end(ap);
+    if (n < 0) { b->oom = 1; return; }
+    buf_reserve(b, (size_t)n);
+    if (b->oom) return;
+    va_start(ap, fmt);
+    vsnprintf(b->p + b->len, (size_t)n + 1, fmt, ap);
+    va_end(ap);
+    b->len += (size_t)n;
+}
+
+void kvf_buf_c_string(kvf_buf *b, const char *s, size_t n) {
+    kvf_buf_append(b, "\"", 1);
+    for (size_t i = 0; i < n; i++) {
+        unsigned char c = (unsigned char)s[i];
+        if (c == '\n') kvf_buf_append(b, i + 1 < n ? "\\n\"\n    \"" : "\\n", i + 1 < n ? 9 : 2);
+        else if (c == '"' || c == '\\') kvf_buf_printf(b, "\\%c", c);
+        else if (c == '\t') kvf_buf_append(b, "\\t", 2);
+        else if (c < 32 || c >= 127) kvf_buf_printf(b, "\\%03o", c);
+        else kvf_buf_append(b, (const char *)&c, 1);
+    }
+    kvf_buf_append(b, "\"", 1);
+}
+
+void kvf_buf_c_bytes(kvf_buf *b, const void *data, size_t n) {
+    const unsigned char *p = data;
+    for (size_t i = 0; i < n; i++) kvf_buf_printf(b, "%s0x%02x,", i % 16 ? "" : "\n    ", p[i]);
+    kvf_buf_append(b, "\n", 1);
+}
+
+char *kvf_buf_take(kvf_buf *b) {
+    if (b->oom) { free(b->p); b->p = NULL; return NULL; }
+    char *p = b->p ? b->p : calloc(1, 1);
+    b->p = NULL;
+    b->len = b->cap = 0;
+    return p;
+}
+
+/* ---------------------------------------------------------------- naming */
+
+static const char *const kernel_suffix[KVF_KERNEL_COUNT] = {"encode_k", "encode_v", "decode_k", "decode_v"};
+
+void kvf_gen_kernel_name(const struct kvf_scheme *s, int kernel, char *buf, size_t len) {
+    snprintf(buf, len, "kvf_%s_%s", s->id, kernel_suffix[kernel]);
+}
+
+static void upper_id(const struct kvf_scheme *s, char *buf, size_t len) {
+    snprintf(buf, len, "KVF_%s", s->id);
+    for (char *p = buf; *p; p++) *p = (char)toupper((unsigned char)*p);
+}
+
+static const char *mode_macro(int mode) {
+    return mode == KVF_MODE_SYMMETRIC ? "KVF_MODE_SYMMETRIC" : "KVF_MODE_AFFINE";
+}
+
+/* The first line of every generated file. Only the source's basename, so the
+ * output (and the JIT cache key) does not depend on where the file was read. */
+static void header_line(kvf_buf *b, const struct kvf_scheme *s, const char *comment) {
+    const char *base = strrchr(s->source, '/');
+    base = base ? base + 1 : s->source;
+    kvf_buf_printf(b, "%s Generated from schemes/%s by kvforge gen %s. Do not edit.\n", comment,
+                   *base ? base : "(text)", KVF_VERSION_STRING);
+}
+
+/* ------------------------------------------------------------------ CUDA */
+
+static char *gen_cuda(const struct kvf_scheme *s) {
+    kvf_buf b = {0};
+    char name[160];
+    header_line(&b, s, "//");
+    kvf_buf_printf(&b, "// Scheme %s (hash %016llx): configuration and instantiations only;\n"
+                       "// the algorithm is in templates/kvf_rtn.cuh.\n",
+                   s->name, (unsigned long long)s->hash);
+    kvf_buf_printf(&b, "#include \"kvf_rtn.cuh\"\n\n");
+    const kvf_tensor_cfg *sec[2] = {&s->key, &s->value};
+    for (int dir = 0; dir < 2; dir++)
+        for (int t = 0; t < 2; t++) {
+            int kernel = dir * 2 + t;
+            kvf_gen_kernel_name(s, kernel, name, sizeof name);
+            kvf_buf_printf(&b, "KVF_RTN_%s_KERNEL(%s, %d, %d, %d, %s)\n", dir ? "DECODE" : "ENCODE", name,
+                           s->head_dim, sec[t]->bits, sec[t]->bits == 16 ? 8 : sec[t]->group_size,
+                           mode_macro(sec[t]->mode));
+        }
+    return kvf_buf_take(&b);
+}
+
+/* --------------------------------------------------------------- C header */
+
+static void section_defines(kvf_buf *b, const char *up, const char *tag, const kvf_section_layout *l) {
+    size_t per_token = l->code_bytes_per_token + (l->scales_bytes ? 2u * (size_t)l->groups_per_token : 0) +
+                       (l->zeros_bytes ? 2u * (size_t)l->groups_per_token : 0);
+    kvf_buf_printf(b, "#define %s_%s_BITS %d\n", up, tag, l->bits);
+    kvf_buf_printf(b, "#define %s_%s_GROUP_SIZE %d\n", up, tag, l->group_size);
+    kvf_buf_printf(b, "#define %s_%s_CODE_BYTES_PER_TOKEN_HEAD %zu\n", up, tag, l->code_bytes_per_token);
+    kvf_buf_printf(b, "#define %s_%s_BYTES_PER_TOKEN_HEAD %zu\n", up, tag, per_token);
+}
+
+static char *gen_h(const struct kvf_scheme *s, const kvf_layout *l) {
+    kvf_buf b = {0};
+    char up[128];
+    upper_id(s, up, sizeof up);
+    header_line(&b, s, "/*");
+    kvf_buf_printf(&b, "   Layout constants, kernel names and typed wrappers for scheme %s. */\n", s->name);
+    kvf_buf_printf(&b, "#ifndef %s_H\n#define %s_H\n#include <stddef.h>\n#include <stdint.h>\n", up, up);
+    kvf_buf_printf(&b, "#include \"kvforge.h\"\n\n");
+    kvf_buf_printf(&b, "#define %s_HASH 0x%016llxull\n", up, (unsigned long long)s->hash);
+    kvf_buf_printf(&b, "#define %s_HEAD_DIM %d\n", up, s->head_dim);
+    kvf_buf_printf(&b, "#define %s_HEADER_BYTES %u\n", up, KVF_HEADER_BYTES);
+    section_defines(&b, up, "KEY", &l->key);
+    section_defines(&b, up, "VALUE", &l->value);
+    kvf_buf_printf(&b, "#define %s_KERNEL_COUNT %d\n\n", up, KVF_KERNEL_COUNT);
+    kvf_buf_printf(&b, "extern const char kvf_%s_scheme[];       /* canonical configuration */\n", s->id);
+    kvf_buf_printf(&b, "extern const char kvf_%s_cuda_source[];  /* %s.cu, for JIT */\n", s->id, s->id);
+    kvf_buf_printf(&b, "extern const char *const kvf_%s_kernel_names[%d];\n\n", s->id, KVF_KERNEL_COUNT);
+    kvf_buf_printf(&b, "/* Load the scheme this file was generated from. */\n"
+                       "int kvf_%s_load_scheme(kvf_scheme **out);\n", s->id);
+    kvf_buf_printf(&b, "/* Encode/decode a head-major [n_heads][n_tokens][%d] BF16 chunk; fail with\n"
+                       "   KVF_EINVAL if ctx was made for another scheme. */\n", s->head_dim);
+    kvf_buf_printf(&b, "int kvf_%s_encode(kvf_context *ctx, const void *k, const void *v, int64_t n_tokens,\n"
+                       "    int32_t n_heads, void *packed, size_t packed_bytes, void *stream);\n", s->id);
+    kvf_buf_printf(&b, "int kvf_%s_decode(kvf_context *ctx, const void *packed, size_t packed_bytes,\n"
+                       "    int64_t n_tokens, int32_t n_heads, void *k_out, void *v_out, void *stream);\n", s->id);
+    kvf_buf_printf(&b, "\n#endif\n");
+    return kvf_buf_take(&b);
+}
+
+/* ------------------------------------------------------------------ C source */
+
+static char *gen_c(const struct kvf_scheme *s, const char *cuda) {
+    kvf_buf b = {0};
+    char up[128], name[160];
+    upper_id(s, up, sizeof up);
+    header_line(&b, s, "/*");
+    kvf_buf_printf(&b, "   Configuration data and wrappers for scheme %s. */\n", s->name);
+    kvf_buf_printf(&b, "#include \"%s.h\"\n\n", s->id);
+    kvf_buf_printf(&b, "const char kvf_%s_scheme[] =\n    ", s->id);
+    kvf_buf_c_string(&b, s->canonical, strlen(s->canonical));
+    kvf_buf_printf(&b, ";\n\nconst char kvf_%s_cuda_source[] =\n    ", s->id);
+    kvf_buf_c_string(&b, cuda, strlen(cuda));
+    kvf_buf_printf(&b, ";\n\nconst char *const kvf_%s_kernel_names[%d] = {\n", s->id, KVF_KERNEL_COUNT);
+    for (int k = 0; k < KVF_KERNEL_COUNT; k++) {
+        kvf_gen_kernel_name(s, k, name, sizeof name);
+        kvf_buf_printf(&b, "    \"%s\",\n", name);
+    }
+    kvf_buf_printf(&b, "};\n\n");
+    kvf_buf_printf(&b,
+                   "int kvf_%s_load_scheme(kvf_scheme **out) {\n"
+                   "    return kvf_scheme_load_string(kvf_%s_scheme, sizeof kvf_%s_scheme - 1, \"=%s\", out);\n"
+                   "}\n\n", s->id, s->id, s->id, s->id);
+    kvf_buf_printf(&b,
+                   "static int check_ctx(kvf_context *ctx) {\n"
+                   "    if (!ctx || kvf_scheme_hash(kvf_context_scheme(ctx)) != %s_HASH) return KVF_EINVAL;\n"
+                   "    return KVF_OK;\n"
+                   "}\n\n", up);
+    kvf_buf_printf(&b,
+                   "int kvf_%s_encode(kvf_context *ctx, const void *k, const void *v, int64_t n_tokens,\n"
+                   "    int32_t n_heads, void *packed, size_t packed_bytes, void *stream) {\n"
+                   "    kvf_shape shape = {n_tokens, n_heads, 0, 0};\n"
+                   "    int rc = check_ctx(ctx);\n"
+                   "    return rc ? rc : kvf_encode(ctx, k, v, &shape, packed, packed_bytes, stream);\n"
+                   "}\n\n", s->id);
+    kvf_buf_printf(&b,
+                   "int kvf_%s_decode(kvf_context *ctx, const void *packed, size_t packed_bytes,\n"
+                   "    int64_t n_tokens, int32_t n_heads, void *k_out, void *v_out, void *stream) {\n"
+                   "    kvf_shape shape = {n_tokens, n_heads, 0, 0};\n"
+                   "    int rc = check_ctx(ctx);\n"
+                   "    return rc ? rc : kvf_decode(ctx, packed, packed_bytes, &shape, k_out, v_out, stream);\n"
+                   "}\n", s->id);
+    return kvf_buf_take(&b);
+}
+
+static char *file_name(const struct kvf_scheme *s, const char *ext) {
+    size_t n = strlen(s->id) + strlen(ext) + 1;
+    char *p = malloc(n);
+    if (p) snprintf(p, n, "%s%s", s->id, ext);
+    return p;
+}
+
+int kvf_gen(const struct kvf_scheme *s, kvf_gen_output *out) {
+    memset(out, 0, sizeof *out);
+    int rc = kvf_scheme_check_supported(s);
+    if (rc) return rc;
+    kvf_layout l;
+    if ((rc = kvf_layout_compute(s, 1, 1, &l))) return rc;
+    out->cu = gen_cuda(s);
+    out->c = out->cu ? gen_c(s, out->cu) : NULL;
+    out->h = gen_h(s, &l);
+    out->cu_name = file_name(s, ".cu");
+    out->c_name = file_name(s, ".c");
+    out->h_name = file_name(s, ".h");
+    if (!out->cu || !out->c || !out->h || !out->cu_name || !out->c_name || !out->h_name) {
+        kvf_gen_output_free(out);
+        return kvf_set_error(KVF_ENOMEM, "generator: out of memory for scheme %s", s->name);
+    }
+    return KVF_OK;
+}
+
+void kvf_gen_output_free(kvf_gen_output *out) {
+    free(out->cu_name); free(out->cu);
+    free(out->c_name); free(out->c);
+    free(out->h_name); free(out->h);
+    memset(out, 0, sizeof *out);
+}
+
+int kvf_write_file(const char *path, const void *data, size_t n) {
+    size_t plen = strlen(path);
+    char *tmp = malloc(plen + 16);
+    if (!tmp) return kvf_set_error(KVF_ENOMEM, "out of memory writing %s", path);
+    snprintf(tmp, plen + 16, "%s.tmp.XXXXXX", path);
+    int fd = mkstemp(tmp);
+    if (fd < 0) {
+        int e = errno;
+        free(tmp);
+        return kvf_set_error(KVF_EIO, "cannot create a file beside %s: %s", path, strerror(e));
+    }
+    const char *p = data;
+    size_t left = n;
+    while (left) {
+        ssize_t w = write(fd, p, left);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) {
+            int e = errno;
+            close(fd); unlink(tmp); free(tmp);
+            return kvf_set_error(KVF_EIO, "writing %s: %s", path, strerror(e));
+        }
+        p += w;
+        left -= (size_t)w;
+    }
+    fchmod(fd, 0644);
+    if (close(fd) || rename(tmp, path)) {
+        int e = errno;
+        unlink(tmp); free(tmp);
+        return kvf_set_error(KVF_EIO, "writing %s: %s", path, strerror(e));
+    }
+    free(tmp);
+    return KVF_OK;
+}
+
+int kvf_gen_write(const kvf_gen_output *out, const char *dir) {
+    if (mkdir(dir, 0755) && errno != EEXIST)
+        return kvf_set_error(KVF_EIO, "cannot create directory %s: %s", dir, strerror(errno));
+    const char *names[3] = {out->cu_name, out->c_name, out->h_name};
+    const char *data[3] = {out->cu, out->c, out->h};
+    for (int i = 0; i < 3; i++) {
+        char path[4096];
+        snprintf(path, sizeof path, "%s/%s", dir, names[i]);
+        int rc = kvf_write_file(path, data[i], strlen(data[i]));
+        if (rc) return rc;
+    }
+    return KVF_OK;
+}

@@ -1,0 +1,47 @@
+/*
+ * The generator: from a loaded scheme, the configuration-only CUDA source (it
+ * includes the hand-written templates/) and a C source + header with layout
+ * constants, the kernel name table, typed wrappers and the CUDA source as a
+ * string. A library: the CLI (`kvforge gen`) and the runtime's JIT both use it.
+ */
+#ifndef KVF_GEN_H
+#define KVF_GEN_H
+
+#include "internal.h"
+
+enum kvf_kernel_id {
+    KVF_KERNEL_ENCODE_K = 0,
+    KVF_KERNEL_ENCODE_V,
+    KVF_KERNEL_DECODE_K,
+    KVF_KERNEL_DECODE_V,
+    KVF_KERNEL_COUNT
+};
+
+typedef struct kvf_gen_output {
+    char *cu_name, *cu; /* "<id>.cu": configuration + instantiations */
+    char *c_name, *c;   /* "<id>.c": constants, name table, wrappers, source string */
+    char *h_name, *h;   /* "<id>.h" */
+} kvf_gen_output;
+
+/* Generate the files for a scheme (KVF_ENOTIMPL if a method is not implemented). */
+int kvf_gen(const struct kvf_scheme *s, kvf_gen_output *out);
+void kvf_gen_output_free(kvf_gen_output *out);
+/* Write the three files into dir (created if missing). */
+int kvf_gen_write(const kvf_gen_output *out, const char *dir);
+/* Kernel entry name, e.g. "kvf_rtn_int2_1a2b3c4d_encode_k". */
+void kvf_gen_kernel_name(const struct kvf_scheme *s, int kernel, char *buf, size_t len);
+
+/* Growable string used by the generator and the exporter. */
+typedef struct kvf_buf { char *p; size_t len, cap; int oom; } kvf_buf;
+void kvf_buf_printf(kvf_buf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void kvf_buf_append(kvf_buf *b, const char *s, size_t n);
+/* Append data as the body of a C string literal split over lines. */
+void kvf_buf_c_string(kvf_buf *b, const char *s, size_t n);
+/* Append data as a C byte array initializer body. */
+void kvf_buf_c_bytes(kvf_buf *b, const void *data, size_t n);
+char *kvf_buf_take(kvf_buf *b); /* NULL if an allocation failed */
+
+/* Write a whole file atomically (temp + rename). */
+int kvf_write_file(const char *path, const void *data, size_t n);
+
+#endif

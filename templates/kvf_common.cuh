@@ -1,0 +1,64 @@
+// kvforge kernel templates: shared device helpers.
+// Hand-written; compiled by NVRTC with no CUDA headers (none are needed at
+// run time). Number conversions match runtime/numfmt.c bit for bit.
+#pragma once
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef long long i64;
+
+#define KVF_MODE_AFFINE 0
+#define KVF_MODE_SYMMETRIC 1
+
+// The 64-byte packed-cache header, passed by value and written by one thread.
+struct kvf_header_words { u64 w[8]; };
+
+// Where one tensor section's planes start inside the packed buffer.
+struct kvf_planes { u64 codes, scales, zeros; };
+
+__device__ __forceinline__ float kvf_bf16_to_f32(u16 b) { return __uint_as_float((u32)b << 16); }
+
+__device__ __forceinline__ u16 kvf_f32_to_bf16(float f) {
+    u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u16)((u >> 16) | 0x0040u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (u16)(u >> 16);
+}
+
+__device__ __forceinline__ float kvf_f16_to_f32(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+// Round to nearest even; finite values saturate to +-65504 (numfmt.c).
+__device__ __forceinline__ u16 kvf_f32_to_f16(float f) {
+    u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u16)(((u >> 16) & 0x8000u) | 0x7e00u);
+    if ((u & 0x7fffffffu) != 0x7f800000u) f = fminf(fmaxf(f, -65504.0f), 65504.0f);
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// Reduce over the `width` consecutive lanes of a group (width a power of two).
+template <int WIDTH>
+__device__ __forceinline__ float kvf_group_max(float v) {
+#pragma unroll
+    for (int off = WIDTH / 2; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+    return v;
+}
+template <int WIDTH>
+__device__ __forceinline__ float kvf_group_min(float v) {
+#pragma unroll
+    for (int off = WIDTH / 2; off > 0; off >>= 1) v = fminf(v, __shfl_xor_sync(0xffffffffu, v, off));
+    return v;
+}
+
+__device__ __forceinline__ void kvf_write_header(u8 *packed, const kvf_header_words &h) {
+    u64 *p = (u64 *)packed;
+#pragma unroll
+    for (int i = 0; i < 8; i++) p[i] = h.w[i];
+}

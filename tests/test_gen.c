@@ -1,0 +1,108 @@
+/* Generator: determinism, file naming and headers, generated C compiles clean. */
+#include "testutil.h"
+#include "gen.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static void generates_deterministically(void **state) {
+    (void)state;
+    for (const char *const *n = kvf_builtin_schemes(); *n; n++) {
+        kvf_scheme *a = tu_scheme(*n), *b;
+        assert_int_equal(kvf_scheme_load(tu_path("schemes/rtn_int2.lua"), &b), KVF_OK);
+        kvf_scheme_free(b);
+        b = tu_scheme(*n); /* loaded a second time, after another scheme */
+        kvf_gen_output x, y;
+        assert_int_equal(kvf_gen(a, &x), KVF_OK);
+        assert_int_equal(kvf_gen(b, &y), KVF_OK);
+        assert_string_equal(x.cu, y.cu);
+        assert_string_equal(x.c, y.c);
+        assert_string_equal(x.h, y.h);
+        kvf_gen_output_free(&x);
+        kvf_gen_output_free(&y);
+        kvf_scheme_free(a);
+        kvf_scheme_free(b);
+    }
+}
+
+static void names_and_headers(void **state) {
+    (void)state;
+    kvf_scheme *s = tu_scheme("rtn_int2");
+    kvf_gen_output g;
+    assert_int_equal(kvf_gen(s, &g), KVF_OK);
+    char want[128];
+    snprintf(want, sizeof want, "%s.cu", kvf_scheme_id(s));
+    assert_string_equal(g.cu_name, want);
+    assert_non_null(strstr(g.cu_name, "rtn_int2_"));
+    /* Every file says where it came from and not to edit it, on line one. */
+    const char *files[3] = {g.cu, g.c, g.h};
+    for (int i = 0; i < 3; i++) {
+        const char *nl = strchr(files[i], '\n');
+        assert_non_null(nl);
+        char first[256];
+        snprintf(first, sizeof first, "%.*s", (int)(nl - files[i]), files[i]);
+        assert_non_null(strstr(first, "Generated from schemes/rtn_int2.lua"));
+        assert_non_null(strstr(first, "Do not edit"));
+    }
+    /* Configuration only: the CUDA file instantiates, the template computes. */
+    assert_non_null(strstr(g.cu, "#include \"kvf_rtn.cuh\""));
+    assert_null(strstr(g.cu, "__device__"));
+    assert_null(strstr(g.cu, "for ("));
+    char kname[160];
+    kvf_gen_kernel_name(s, KVF_KERNEL_DECODE_V, kname, sizeof kname);
+    assert_non_null(strstr(g.cu, kname));
+    assert_non_null(strstr(g.c, kname));
+    /* A different configuration gets a different id and different files. */
+    kvf_scheme *s4 = tu_scheme("rtn_int4");
+    kvf_gen_output g4;
+    assert_int_equal(kvf_gen(s4, &g4), KVF_OK);
+    assert_string_not_equal(g.cu_name, g4.cu_name);
+    assert_string_not_equal(g.cu, g4.cu);
+    kvf_gen_output_free(&g4);
+    kvf_scheme_free(s4);
+    kvf_gen_output_free(&g);
+    kvf_scheme_free(s);
+}
+
+/* The generated C and header compile with -Wall -Wextra -Werror. */
+static void generated_c_compiles(void **state) {
+    (void)state;
+    char *dir = tu_mkdtemp();
+    for (const char *const *n = kvf_builtin_schemes(); *n; n++) {
+        kvf_scheme *s = tu_scheme(*n);
+        kvf_gen_output g;
+        assert_int_equal(kvf_gen(s, &g), KVF_OK);
+        assert_int_equal(kvf_gen_write(&g, dir), KVF_OK);
+        char cmd[4096];
+        snprintf(cmd, sizeof cmd, "cc -std=c11 -Wall -Wextra -Werror -pedantic -I%s -I%s -c %s/%s -o %s/x.o",
+                 tu_path("include"), dir, dir, g.c_name, dir);
+        assert_int_equal(system(cmd), 0);
+        kvf_gen_output_free(&g);
+        kvf_scheme_free(s);
+    }
+    tu_rmtree(dir);
+    free(dir);
+}
+
+/* A valid scheme naming a method this build does not have is refused clearly. */
+static void unimplemented_method_refused(void **state) {
+    (void)state;
+    const char *text = "return { base = 'rtn_int2', name = 'km', key = { centroids = 256 } }";
+    kvf_scheme *s;
+    assert_int_equal(kvf_scheme_load_string(text, strlen(text), "=km", &s), KVF_OK);
+    kvf_gen_output g;
+    assert_int_equal(kvf_gen(s, &g), KVF_ENOTIMPL);
+    assert_non_null(strstr(kvf_last_error(), "centroids"));
+    kvf_scheme_free(s);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(generates_deterministically),
+        cmocka_unit_test(names_and_headers),
+        cmocka_unit_test(generated_c_compiles),
+        cmocka_unit_test(unimplemented_method_refused),
+    };
+    return cmocka_run_group_tests_name("generator", tests, NULL, NULL);
+}

@@ -1,0 +1,267 @@
+/* kvforge command line: gen, compile, export, info, cache, demo. */
+#include "cuda_api.h"
+#include "gen.h"
+#include "jit.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+static int usage(void) {
+    fputs("usage:\n"
+          "  kvforge gen SCHEME.lua [-o DIR]                 write the generated CUDA, C and header\n"
+          "  kvforge compile SCHEME.lua [--arch sm_90,...]   NVRTC compile only (no GPU needed)\n"
+          "  kvforge export SCHEME.lua --arch sm_80,sm_90 -o DIR   fatbin + C/header embedding it\n"
+          "  kvforge info SCHEME.lua                         canonical configuration and footprint\n"
+          "  kvforge cache list | cache clear | cache dir    the JIT disk cache\n"
+          "  kvforge demo [SCHEME.lua] [--cpu]                encode/decode a synthetic chunk\n"
+          "A SCHEME is a file path, or the name of a shipped scheme (rtn_int2).\n",
+          stderr);
+    return 2;
+}
+
+static int fail(int rc) {
+    fprintf(stderr, "kvforge: %s: %s\n", kvf_strerror(rc), kvf_last_error());
+    return 1;
+}
+
+static int load_scheme(const char *arg, kvf_scheme **s) {
+    if (strchr(arg, '/') || strstr(arg, ".lua") || access(arg, F_OK) == 0) return kvf_scheme_load(arg, s);
+    return kvf_scheme_load_builtin(arg, s);
+}
+
+/* Split "sm_80,sm_90" in place. */
+static int split_archs(char *list, const char **archs, int max) {
+    int n = 0;
+    for (char *tok = strtok(list, ","); tok && n < max; tok = strtok(NULL, ",")) archs[n++] = tok;
+    return n;
+}
+
+static const char *opt_value(int argc, char **argv, const char *name, const char *def) {
+    for (int i = 0; i + 1 < argc; i++)
+        if (!strcmp(argv[i], name)) return argv[i + 1];
+    return def;
+}
+
+static int has_flag(int argc, char **argv, const char *name) {
+    for (int i = 0; i < argc; i++)
+        if (!strcmp(argv[i], name)) return 1;
+    return 0;
+}
+
+static int cmd_gen(int argc, char **argv) {
+    if (argc < 1) return usage();
+    kvf_scheme *s;
+    int rc = load_scheme(argv[0], &s);
+    if (rc) return fail(rc);
+    const char *dir = opt_value(argc, argv, "-o", "out/gen");
+    kvf_gen_output g;
+    if (!(rc = kvf_gen(s, &g))) {
+        rc = kvf_gen_write(&g, dir);
+        if (!rc) printf("wrote %s/%s, %s/%s, %s/%s\n", dir, g.cu_name, dir, g.c_name, dir, g.h_name);
+        kvf_gen_output_free(&g);
+    }
+    kvf_scheme_free(s);
+    return rc ? fail(rc) : 0;
+}
+
+static int cmd_compile(int argc, char **argv) {
+    if (argc < 1) return usage();
+    kvf_scheme *s;
+    int rc = load_scheme(argv[0], &s);
+    if (rc) return fail(rc);
+    char list[256];
+    snprintf(list, sizeof list, "%s", opt_value(argc, argv, "--arch", "sm_80,sm_90"));
+    const char *archs[16];
+    int n = split_archs(list, archs, 16);
+    for (int i = 0; i < n && !rc; i++) {
+        void *image;
+        size_t size;
+        const char *origin;
+        struct timespec t0, t1;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        rc = kvf_jit_image(s, archs[i], 0, &image, &size, &origin);
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        if (!rc) {
+            printf("%s %s: %zu-byte cubin from %s in %.1f ms\n", kvf_scheme_id(s), archs[i], size, origin,
+                   (t1.tv_sec - t0.tv_sec) * 1e3 + (t1.tv_nsec - t0.tv_nsec) / 1e6);
+            free(image);
+        }
+    }
+    kvf_scheme_free(s);
+    return rc ? fail(rc) : 0;
+}
+
+static int cmd_export(int argc, char **argv) {
+    if (argc < 1) return usage();
+    kvf_scheme *s;
+    int rc = load_scheme(argv[0], &s);
+    if (rc) return fail(rc);
+    char list[256];
+    snprintf(list, sizeof list, "%s", opt_value(argc, argv, "--arch", "sm_80,sm_90"));
+    const char *archs[16];
+    int n = split_archs(list, archs, 16);
+    const char *dir = opt_value(argc, argv, "-o", "out/export");
+    rc = kvf_export(s, archs, n, dir);
+    if (!rc) printf("exported %s for %s to %s (%s.fatbin, %s_aot.c/.h, %s.c/.h)\n", kvf_scheme_id(s),
+                    opt_value(argc, argv, "--arch", "sm_80,sm_90"), dir, kvf_scheme_id(s), kvf_scheme_id(s),
+                    kvf_scheme_id(s));
+    kvf_scheme_free(s);
+    return rc ? fail(rc) : 0;
+}
+
+static int cmd_info(int argc, char **argv) {
+    if (argc < 1) return usage();
+    kvf_scheme *s;
+    int rc = load_scheme(argv[0], &s);
+    if (rc) return fail(rc);
+    printf("-- %s (id %s)\n%s", argv[0], kvf_scheme_id(s), kvf_scheme_canonical(s));
+    static const int64_t spans[] = {4680, 37440};
+    for (int i = 0; i < 2; i++) {
+        kvf_footprint f;
+        if (kvf_footprint_of(s, spans[i], 1, &f) == KVF_OK)
+            printf("-- %lld tokens x 1 head: %zu bytes packed, %zu BF16, %.3fx, %.3f bits/value\n",
+                   (long long)spans[i], f.packed_bytes, f.bf16_bytes, f.compression, f.bits_per_value);
+    }
+    kvf_scheme_free(s);
+    return 0;
+}
+
+static int cmd_cache(int argc, char **argv) {
+    if (argc < 1) return usage();
+    int rc;
+    if (!strcmp(argv[0], "list")) rc = kvf_cache_list(stdout);
+    else if (!strcmp(argv[0], "clear")) rc = kvf_cache_clear();
+    else if (!strcmp(argv[0], "dir")) {
+        char dir[4096];
+        rc = kvf_cache_dir(dir, sizeof dir);
+        if (!rc) puts(*dir ? dir : "(disk cache off)");
+    } else return usage();
+    return rc ? fail(rc) : 0;
+}
+
+/* ------------------------------------------------------------------ demo */
+
+typedef struct demo_err { double sq_err, sq_ref, max_abs; } demo_err;
+
+static demo_err compare(const uint16_t *x, const uint16_t *y, size_t n) {
+    demo_err e = {0, 0, 0};
+    for (size_t i = 0; i < n; i++) {
+        double a = kvf_bf16_to_f32(x[i]), d = kvf_bf16_to_f32(y[i]) - a;
+        e.sq_err += d * d;
+        e.sq_ref += a * a;
+        if (fabs(d) > e.max_abs) e.max_abs = fabs(d);
+    }
+    return e;
+}
+
+static double now_ms(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
+}
+
+/* Round trip through a device: copies in, encode, decode, copies out. */
+static int demo_gpu(kvf_context *ctx, const uint16_t *k, const uint16_t *v, const kvf_shape *sh, size_t packed_bytes,
+                    uint16_t *k2, uint16_t *v2, double *ms) {
+    const kvf_cuda_api *cu;
+    int rc = kvf_cuda_load(&cu);
+    if (rc) return rc;
+    size_t n = (size_t)sh->n_tokens * sh->n_heads * kvf_scheme_head_dim(kvf_context_scheme(ctx)) * 2;
+    CUcontext pctx, popped;
+    CUdevice dev;
+    CUdeviceptr dk = 0, dv = 0, dp = 0, dk2 = 0, dv2 = 0;
+    KVF_CU(cu, 0, cuDeviceGet(&dev, 0));
+    KVF_CU(cu, 0, cuDevicePrimaryCtxRetain(&pctx, dev));
+    KVF_CU(cu, 0, cuCtxPushCurrent(pctx));
+    KVF_CU(cu, 0, cuMemAlloc(&dk, n));
+    KVF_CU(cu, 0, cuMemAlloc(&dv, n));
+    KVF_CU(cu, 0, cuMemAlloc(&dk2, n));
+    KVF_CU(cu, 0, cuMemAlloc(&dv2, n));
+    KVF_CU(cu, 0, cuMemAlloc(&dp, packed_bytes));
+    KVF_CU(cu, 0, cuMemcpyHtoD(dk, k, n));
+    KVF_CU(cu, 0, cuMemcpyHtoD(dv, v, n));
+    double t0 = now_ms();
+    if (!(rc = kvf_encode(ctx, (void *)dk, (void *)dv, sh, (void *)dp, packed_bytes, NULL)))
+        rc = kvf_decode(ctx, (void *)dp, packed_bytes, sh, (void *)dk2, (void *)dv2, NULL);
+    if (rc) return rc;
+    KVF_CU(cu, 0, cuCtxSynchronize());
+    *ms = now_ms() - t0;
+    KVF_CU(cu, 0, cuMemcpyDtoH(k2, dk2, n));
+    KVF_CU(cu, 0, cuMemcpyDtoH(v2, dv2, n));
+    cu->cuMemFree(dk); cu->cuMemFree(dv); cu->cuMemFree(dk2); cu->cuMemFree(dv2); cu->cuMemFree(dp);
+    cu->cuCtxPopCurrent(&popped);
+    cu->cuDevicePrimaryCtxRelease(dev);
+    return KVF_OK;
+}
+
+static int cmd_demo(int argc, char **argv) {
+    const char *path = argc > 0 && argv[0][0] != '-' ? argv[0] : "schemes/rtn_int2.lua";
+    kvf_scheme *s;
+    int rc = access(path, F_OK) == 0 ? kvf_scheme_load(path, &s) : load_scheme(path, &s);
+    if (rc) return fail(rc);
+    const int heads = 8, d = kvf_scheme_head_dim(s);
+    const int64_t tokens = 4680; /* 3 frames x 1560 tokens: one chunk at 480p */
+    kvf_shape sh = {tokens, heads, 0, 0};
+    size_t n = (size_t)tokens * heads * d, packed_bytes;
+    if ((rc = kvf_packed_size(s, tokens, heads, &packed_bytes))) return fail(rc);
+    uint16_t *k = malloc(n * 2), *v = malloc(n * 2), *k2 = malloc(n * 2), *v2 = malloc(n * 2);
+    uint8_t *packed = malloc(packed_bytes);
+    if (!k || !v || !k2 || !v2 || !packed) return fail(kvf_set_error(KVF_ENOMEM, "demo buffers"));
+    kvf_synth_kv(k, tokens, heads, d, 1);
+    kvf_synth_kv(v, tokens, heads, d, 2);
+
+    int count = 0, want_cpu = has_flag(argc, argv, "--cpu");
+    kvf_context *ctx = NULL;
+    char why[600] = "--cpu given";
+    if (!want_cpu) {
+        rc = kvf_device_count(&count);
+        if (rc) snprintf(why, sizeof why, "%s", kvf_last_error());
+        else if ((rc = kvf_context_create(s, 0, &ctx))) return fail(rc);
+    }
+    double ms = 0;
+    if (ctx) {
+        printf("backend: GPU %s (kernels from %s)\n", kvf_context_backend(ctx), kvf_context_origin(ctx));
+        if ((rc = demo_gpu(ctx, k, v, &sh, packed_bytes, k2, v2, &ms))) return fail(rc);
+    } else {
+        printf("backend: CPU reference (no GPU: %s)\n", why);
+        if ((rc = kvf_context_create(s, KVF_DEVICE_CPU, &ctx))) return fail(rc);
+        double t0 = now_ms();
+        if ((rc = kvf_encode(ctx, k, v, &sh, packed, packed_bytes, NULL)) ||
+            (rc = kvf_decode(ctx, packed, packed_bytes, &sh, k2, v2, NULL)))
+            return fail(rc);
+        ms = now_ms() - t0;
+    }
+    kvf_footprint f;
+    kvf_footprint_of(s, tokens, heads, &f);
+    demo_err ek = compare(k, k2, n), ev = compare(v, v2, n);
+    printf("scheme: %s (%s)\n", kvf_scheme_id(s), path);
+    printf("chunk: %lld tokens x %d heads x d=%d, synthetic video-like K/V (per-token scale, moving outlier channels)\n",
+           (long long)tokens, heads, d);
+    printf("stored: %zu bytes for %zu BF16 bytes: compression %.2fx (%.2f bits per value)\n", f.packed_bytes,
+           f.bf16_bytes, f.compression, f.bits_per_value);
+    printf("K: relative error %.4f, MSE %.5f, max |err| %.3f\n", sqrt(ek.sq_err / ek.sq_ref), ek.sq_err / n, ek.max_abs);
+    printf("V: relative error %.4f, MSE %.5f, max |err| %.3f\n", sqrt(ev.sq_err / ev.sq_ref), ev.sq_err / n, ev.max_abs);
+    printf("encode + decode: %.2f ms (wall clock, %s)\n", ms, kvf_context_backend(ctx));
+    kvf_context_destroy(ctx);
+    kvf_scheme_free(s);
+    free(k); free(v); free(k2); free(v2); free(packed);
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2) return usage();
+    const char *cmd = argv[1];
+    argc -= 2;
+    argv += 2;
+    if (!strcmp(cmd, "gen")) return cmd_gen(argc, argv);
+    if (!strcmp(cmd, "compile")) return cmd_compile(argc, argv);
+    if (!strcmp(cmd, "export")) return cmd_export(argc, argv);
+    if (!strcmp(cmd, "info")) return cmd_info(argc, argv);
+    if (!strcmp(cmd, "cache")) return cmd_cache(argc, argv);
+    if (!strcmp(cmd, "demo")) return cmd_demo(argc, argv);
+    if (!strcmp(cmd, "version") || !strcmp(cmd, "--version")) { puts(KVF_VERSION_STRING); return 0; }
+    return usage();
+}
