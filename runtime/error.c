@@ -57,7 +57,8 @@ int kvf_wrap_error(int status, const char *fmt, ...) {
     vsnprintf(prefix, sizeof prefix, fmt, ap);
     va_end(ap);
     memcpy(old, last_error, sizeof old);
-    snprintf(last_error, sizeof last_error, "%s: %s", prefix, old);
+    if (snprintf(last_error, sizeof last_error, "%s: %s", prefix, old) >= (int)sizeof last_error)
+        last_error[sizeof last_error - 1] = 0; /* truncated: keep what fits */
     return status;
 }
 
