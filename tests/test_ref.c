@@ -407,8 +407,8 @@ static void test_codes_use_stored_scale(void **state) {
  * inputs made of random BF16 bit patterns (integer arithmetic only, so the
  * input is the same on every machine). They pin the exact bytes: a GPU encoder
  * built from docs/FORMAT.md must give the same digests for the same inputs.
- * The values were checked against an independent pure-Python model of
- * FORMAT.md (float32 emulated with struct), which gave the same digests.
+ * tests/format_model.py, an independent pure-Python model of FORMAT.md,
+ * prints the same digests.
  */
 static uint64_t fnv1a(uint64_t h, const void *p, size_t n) {
     const uint8_t *b = p;
