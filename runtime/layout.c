@@ -1,0 +1,286 @@
+/*
+ * Packed cache layout (format version 1): plane offsets, the 64-byte header,
+ * shapes and strides. docs/FORMAT.md describes the bytes; this file is the
+ * one place that computes them.
+ */
+#include "internal.h"
+
+#include <inttypes.h>
+#include <string.h>
+
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "kvforge stores little-endian planes and assumes a little-endian host"
+#endif
+
+/* ---------------------------------------------------------- size arithmetic */
+
+static int mul_size(size_t a, size_t b, size_t *out) { return __builtin_mul_overflow(a, b, out); }
+static int add_size(size_t a, size_t b, size_t *out) { return __builtin_add_overflow(a, b, out); }
+
+/* Round up to KVF_PLANE_ALIGN; nonzero on overflow. */
+static int align_up(size_t x, size_t *out) {
+    if (add_size(x, KVF_PLANE_ALIGN - 1, out)) return 1;
+    *out &= ~(size_t)(KVF_PLANE_ALIGN - 1);
+    return 0;
+}
+
+/* --------------------------------------------------------- supported methods */
+
+static int check_tensor(const kvf_tensor_cfg *c, const char *which) {
+    if (c->centroids != 0)
+        return kvf_set_error(KVF_ENOTIMPL, "%s.centroids = %d: k-means smoothing is not implemented yet",
+                             which, c->centroids);
+    if (c->qsac_candidates != 1)
+        return kvf_set_error(KVF_ENOTIMPL, "%s.qsac_candidates = %d: QSAC is not implemented yet",
+                             which, c->qsac_candidates);
+    if (c->psac_rank != 0)
+        return kvf_set_error(KVF_ENOTIMPL, "%s.psac_rank = %d: PSAC is not implemented yet",
+                             which, c->psac_rank);
+    if (c->stages != 1)
+        return kvf_set_error(KVF_ENOTIMPL,
+                             "%s.stages = %d: progressive residual quantization is not implemented yet",
+                             which, c->stages);
+    if (c->axis != KVF_AXIS_CHANNEL)
+        return kvf_set_error(KVF_ENOTIMPL,
+                             "%s.axis = %d: groups along tokens (KIVI) are not implemented yet",
+                             which, c->axis);
+    if (c->bits < 16 && c->scale_format != KVF_SCALE_FP16)
+        return kvf_set_error(KVF_ENOTIMPL,
+                             "%s.scale_format = %d: two-level INT8 scales are not implemented yet",
+                             which, c->scale_format);
+    return KVF_OK;
+}
+
+int kvf_scheme_check_supported(const struct kvf_scheme *s) {
+    if (!s) return kvf_set_error(KVF_EINVAL, "scheme is NULL");
+    int rc = check_tensor(&s->key, "key");
+    return rc ? rc : check_tensor(&s->value, "value");
+}
+
+/* ----------------------------------------------------------------- layout */
+
+/* Values the loader already checks, checked again so a hand-made struct cannot
+ * produce a layout the kernels would misread. */
+static int check_section_fields(const kvf_tensor_cfg *c, int head_dim, const char *which) {
+    if (c->bits != 2 && c->bits != 4 && c->bits != 8 && c->bits != 16)
+        return kvf_set_error(KVF_ESCHEME, "%s.bits = %d: must be 2, 4, 8 or 16", which, c->bits);
+    if (c->mode != KVF_MODE_AFFINE && c->mode != KVF_MODE_SYMMETRIC)
+        return kvf_set_error(KVF_ESCHEME, "%s.mode = %d: must be affine (0) or symmetric (1)",
+                             which, c->mode);
+    if (c->bits < 16 && (c->group_size < 1 || head_dim % c->group_size != 0))
+        return kvf_set_error(KVF_ESCHEME, "%s.group_size = %d: must divide head_dim = %d", which,
+                             c->group_size, head_dim);
+    return KVF_OK;
+}
+
+/* Place the planes of one section from *off on; *off ends past the last one. */
+static int place_section(const kvf_tensor_cfg *c, int head_dim, size_t rows, size_t *off,
+                         kvf_section_layout *l) {
+    memset(l, 0, sizeof *l);
+    l->bits = c->bits;
+    l->mode = c->mode;
+    l->group_size = c->bits < 16 ? c->group_size : head_dim;
+    l->groups_per_token = c->bits < 16 ? head_dim / c->group_size : 0;
+    l->code_bytes_per_token = (size_t)head_dim * (size_t)c->bits / 8;
+
+    size_t group_bytes = (size_t)l->groups_per_token * 2; /* one fp16 per group */
+    if (align_up(*off, &l->codes_off) || mul_size(rows, l->code_bytes_per_token, &l->codes_bytes) ||
+        add_size(l->codes_off, l->codes_bytes, off))
+        return 1;
+    if (c->bits < 16) {
+        if (align_up(*off, &l->scales_off) || mul_size(rows, group_bytes, &l->scales_bytes) ||
+            add_size(l->scales_off, l->scales_bytes, off))
+            return 1;
+        if (c->mode == KVF_MODE_AFFINE &&
+            (align_up(*off, &l->zeros_off) || mul_size(rows, group_bytes, &l->zeros_bytes) ||
+             add_size(l->zeros_off, l->zeros_bytes, off)))
+            return 1;
+    }
+    return 0;
+}
+
+int kvf_layout_compute(const struct kvf_scheme *s, int64_t n_tokens, int32_t n_heads,
+                       kvf_layout *out) {
+    if (!s || !out) return kvf_set_error(KVF_EINVAL, "kvf_layout_compute: NULL argument");
+    if (n_tokens < 1) return kvf_set_error(KVF_EINVAL, "n_tokens = %" PRId64 ": must be >= 1", n_tokens);
+    if (n_heads < 1) return kvf_set_error(KVF_EINVAL, "n_heads = %" PRId32 ": must be >= 1", n_heads);
+    if (s->head_dim < 8 || s->head_dim % 8 != 0)
+        return kvf_set_error(KVF_ESCHEME, "head_dim = %d: must be a positive multiple of 8", s->head_dim);
+    int rc = check_section_fields(&s->key, s->head_dim, "key");
+    if (!rc) rc = check_section_fields(&s->value, s->head_dim, "value");
+    if (!rc) rc = kvf_scheme_check_supported(s);
+    if (rc) return rc;
+
+    memset(out, 0, sizeof *out);
+    out->n_tokens = n_tokens;
+    out->n_heads = n_heads;
+    out->head_dim = s->head_dim;
+    size_t rows, off = KVF_HEADER_BYTES;
+    if ((uint64_t)n_tokens > SIZE_MAX || mul_size((size_t)n_tokens, (size_t)n_heads, &rows) ||
+        place_section(&s->key, s->head_dim, rows, &off, &out->key) ||
+        place_section(&s->value, s->head_dim, rows, &off, &out->value) ||
+        align_up(off, &out->total_bytes))
+        return kvf_set_error(KVF_EINVAL, "%" PRId64 " tokens x %" PRId32 " heads: packed size overflows",
+                             n_tokens, n_heads);
+    return KVF_OK;
+}
+
+void kvf_header_fill(const struct kvf_scheme *s, const kvf_layout *l, kvf_packed_header *h) {
+    memset(h, 0, sizeof *h);
+    h->magic = KVF_PACKED_MAGIC;
+    h->format_version = KVF_FORMAT_VERSION;
+    h->scheme_hash = s->hash;
+    h->n_tokens = (uint64_t)l->n_tokens;
+    h->n_heads = (uint32_t)l->n_heads;
+    h->head_dim = (uint32_t)l->head_dim;
+    h->total_bytes = l->total_bytes;
+    h->key_bits = (uint8_t)l->key.bits;
+    h->value_bits = (uint8_t)l->value.bits;
+}
+
+/* ------------------------------------------------------------ public API */
+
+int kvf_packed_size(const kvf_scheme *s, int64_t n_tokens, int32_t n_heads, size_t *bytes) {
+    if (!s || !bytes) return kvf_set_error(KVF_EINVAL, "kvf_packed_size: NULL argument");
+    kvf_layout l;
+    int rc = kvf_layout_compute(s, n_tokens, n_heads, &l);
+    if (rc) return rc;
+    *bytes = l.total_bytes;
+    return KVF_OK;
+}
+
+int kvf_footprint_of(const kvf_scheme *s, int64_t n_tokens, int32_t n_heads, kvf_footprint *out) {
+    if (!s || !out) return kvf_set_error(KVF_EINVAL, "kvf_footprint_of: NULL argument");
+    size_t packed;
+    int rc = kvf_packed_size(s, n_tokens, n_heads, &packed);
+    if (rc) return rc;
+    /* Values of K and V together: 2 * N * H * d (no overflow: the packed size,
+     * which is at least a quarter of a byte per value, did not overflow). */
+    double values = 2.0 * (double)n_tokens * (double)n_heads * (double)s->head_dim;
+    size_t bf16;
+    if (mul_size((size_t)n_tokens * (size_t)n_heads, (size_t)s->head_dim * 4, &bf16))
+        return kvf_set_error(KVF_EINVAL, "kvf_footprint_of: BF16 size overflows");
+    out->packed_bytes = packed;
+    out->bf16_bytes = bf16;
+    out->compression = (double)bf16 / (double)packed;
+    out->bits_per_value = 8.0 * (double)packed / values;
+    return KVF_OK;
+}
+
+static int header_mismatch_u64(const char *field, uint64_t got, uint64_t want) {
+    return kvf_set_error(KVF_EFORMAT, "packed cache header: %s is %" PRIu64 ", expected %" PRIu64,
+                         field, got, want);
+}
+
+int kvf_packed_check(const kvf_scheme *s, const void *header, size_t header_bytes,
+                     int64_t n_tokens, int32_t n_heads) {
+    if (!s || !header) return kvf_set_error(KVF_EINVAL, "kvf_packed_check: NULL argument");
+    if (header_bytes < KVF_HEADER_BYTES)
+        return kvf_set_error(KVF_ERANGE, "packed cache header: %zu bytes given, the header is %u",
+                             header_bytes, KVF_HEADER_BYTES);
+    kvf_layout l;
+    int rc = kvf_layout_compute(s, n_tokens, n_heads, &l);
+    if (rc) return rc;
+    kvf_packed_header h, want;
+    memcpy(&h, header, sizeof h);
+    kvf_header_fill(s, &l, &want);
+
+    if (h.magic != KVF_PACKED_MAGIC)
+        return kvf_set_error(KVF_EFORMAT,
+                             "not a kvforge packed cache: magic 0x%08" PRIx32 ", expected 0x%08" PRIx32
+                             " (\"KVF1\")", h.magic, (uint32_t)KVF_PACKED_MAGIC);
+    if (h.format_version != KVF_FORMAT_VERSION)
+        return kvf_set_error(KVF_EFORMAT,
+                             "packed cache has format version %" PRIu32 ", this library reads version %u",
+                             h.format_version, KVF_FORMAT_VERSION);
+    if (h.scheme_hash != want.scheme_hash)
+        return kvf_set_error(KVF_EFORMAT,
+                             "packed cache was written by scheme hash %016" PRIx64
+                             ", this scheme is %016" PRIx64 " (%s)",
+                             h.scheme_hash, want.scheme_hash, s->name);
+    if (h.head_dim != want.head_dim) return header_mismatch_u64("head_dim", h.head_dim, want.head_dim);
+    if (h.key_bits != want.key_bits) return header_mismatch_u64("key_bits", h.key_bits, want.key_bits);
+    if (h.value_bits != want.value_bits)
+        return header_mismatch_u64("value_bits", h.value_bits, want.value_bits);
+    if (h.n_tokens != want.n_tokens) return header_mismatch_u64("n_tokens", h.n_tokens, want.n_tokens);
+    if (h.n_heads != want.n_heads) return header_mismatch_u64("n_heads", h.n_heads, want.n_heads);
+    if (h.total_bytes != want.total_bytes)
+        return header_mismatch_u64("total_bytes", h.total_bytes, want.total_bytes);
+    if (memcmp(h.reserved0, want.reserved0, sizeof h.reserved0) ||
+        memcmp(h.reserved, want.reserved, sizeof h.reserved))
+        return kvf_set_error(KVF_EFORMAT, "packed cache header: reserved bytes are not zero");
+    return KVF_OK;
+}
+
+/* ----------------------------------------------------------------- shapes */
+
+/*
+ * A stride of 0 takes its head-major contiguous value: token_stride = head_dim,
+ * then head_stride = n_tokens * token_stride. The element map must be one to
+ * one: sorting the two outer dimensions by stride, each must step past the
+ * whole extent of the ones inside it. A dimension of extent 1 is never
+ * stepped, so its stride only has to be non-negative.
+ */
+int kvf_shape_resolve(const kvf_shape *in, int head_dim, kvf_shape *out) {
+    if (!in || !out) return kvf_set_error(KVF_EINVAL, "shape is NULL");
+    if (head_dim < 1) return kvf_set_error(KVF_EINVAL, "head_dim = %d: must be >= 1", head_dim);
+    if (in->n_tokens < 1)
+        return kvf_set_error(KVF_EINVAL, "shape.n_tokens = %" PRId64 ": must be >= 1", in->n_tokens);
+    if (in->n_heads < 1)
+        return kvf_set_error(KVF_EINVAL, "shape.n_heads = %" PRId32 ": must be >= 1", in->n_heads);
+    if (in->token_stride < 0)
+        return kvf_set_error(KVF_EINVAL, "shape.token_stride = %" PRId64 ": must be >= 0 (0 = contiguous)",
+                             in->token_stride);
+    if (in->head_stride < 0)
+        return kvf_set_error(KVF_EINVAL, "shape.head_stride = %" PRId64 ": must be >= 0 (0 = contiguous)",
+                             in->head_stride);
+
+    kvf_shape r = *in;
+    if (r.token_stride == 0) r.token_stride = head_dim;
+    if (r.head_stride == 0 && __builtin_mul_overflow(r.n_tokens, r.token_stride, &r.head_stride))
+        return kvf_set_error(KVF_EINVAL, "shape: n_tokens * token_stride overflows");
+
+    /* Span of the last element + 1 must fit in int64. */
+    int64_t a, b, span;
+    if (__builtin_mul_overflow(r.n_tokens - 1, r.token_stride, &a) ||
+        __builtin_mul_overflow((int64_t)r.n_heads - 1, r.head_stride, &b) ||
+        __builtin_add_overflow(a, b, &span) || __builtin_add_overflow(span, (int64_t)head_dim, &span))
+        return kvf_set_error(KVF_EINVAL, "shape: the tensor's extent overflows int64");
+
+    int tok_outer = r.n_tokens > 1, head_outer = r.n_heads > 1;
+    if (tok_outer && head_outer) {
+        if (r.token_stride <= r.head_stride) {
+            if (r.token_stride < head_dim)
+                return kvf_set_error(KVF_EINVAL,
+                                     "shape.token_stride = %" PRId64 ": tokens overlap (must be >= head_dim = %d)",
+                                     r.token_stride, head_dim);
+            if (r.head_stride < (r.n_tokens - 1) * r.token_stride + head_dim)
+                return kvf_set_error(KVF_EINVAL,
+                                     "shape.head_stride = %" PRId64 ": heads overlap (must be >= %" PRId64
+                                     " for %" PRId64 " tokens of stride %" PRId64 ")",
+                                     r.head_stride, (r.n_tokens - 1) * r.token_stride + head_dim,
+                                     r.n_tokens, r.token_stride);
+        } else {
+            if (r.head_stride < head_dim)
+                return kvf_set_error(KVF_EINVAL,
+                                     "shape.head_stride = %" PRId64 ": heads overlap (must be >= head_dim = %d)",
+                                     r.head_stride, head_dim);
+            if (r.token_stride < ((int64_t)r.n_heads - 1) * r.head_stride + head_dim)
+                return kvf_set_error(KVF_EINVAL,
+                                     "shape.token_stride = %" PRId64 ": tokens overlap (must be >= %" PRId64
+                                     " for %" PRId32 " heads of stride %" PRId64 ")",
+                                     r.token_stride, ((int64_t)r.n_heads - 1) * r.head_stride + head_dim,
+                                     r.n_heads, r.head_stride);
+        }
+    } else if (tok_outer && r.token_stride < head_dim) {
+        return kvf_set_error(KVF_EINVAL,
+                             "shape.token_stride = %" PRId64 ": tokens overlap (must be >= head_dim = %d)",
+                             r.token_stride, head_dim);
+    } else if (head_outer && r.head_stride < head_dim) {
+        return kvf_set_error(KVF_EINVAL,
+                             "shape.head_stride = %" PRId64 ": heads overlap (must be >= head_dim = %d)",
+                             r.head_stride, head_dim);
+    }
+    *out = r;
+    return KVF_OK;
+}
