@@ -43,6 +43,24 @@ __device__ __forceinline__ u16 kvf_f32_to_f16(float f) {
     return h;
 }
 
+// What the packed format stores for a scale or offset: a NaN is always
+// 0x7E00 whatever its sign and payload (docs/FORMAT.md, special values).
+__device__ __forceinline__ u16 kvf_stored_f16(float f) { return f != f ? (u16)0x7e00u : kvf_f32_to_f16(f); }
+
+// Decoded values: a NaN is always 0x7FC0.
+__device__ __forceinline__ u16 kvf_output_bf16(float f) { return f != f ? (u16)0x7fc0u : kvf_f32_to_bf16(f); }
+
+// -0 and +0 compare equal and min/max may return either: the format stores +0.
+__device__ __forceinline__ float kvf_plus_zero(float f) { return f == 0.0f ? 0.0f : f; }
+
+// Round to nearest even, as a float (rintf); then clamp, a NaN becoming lo.
+__device__ __forceinline__ float kvf_rint(float f) {
+    float r;
+    asm("cvt.rni.f32.f32 %0, %1;" : "=f"(r) : "f"(f));
+    return r;
+}
+__device__ __forceinline__ float kvf_clamp(float r, float lo, float hi) { return fminf(fmaxf(r, lo), hi); }
+
 // Reduce over the `width` consecutive lanes of a group (width a power of two).
 template <int WIDTH>
 __device__ __forceinline__ float kvf_group_max(float v) {

@@ -83,30 +83,29 @@ __device__ __forceinline__ void encode(const u16 *__restrict__ x, i64 token_stri
     u32 q[VEC];
     u16 scale_h, zero_h = 0;
     if (MODE == KVF_MODE_AFFINE) {
+        // fminf/fmaxf drop NaNs; the group's extremes as the reference has them.
         float mn = v[0], mx = v[0];
 #pragma unroll
         for (int i = 1; i < VEC; i++) { mn = fminf(mn, v[i]); mx = fmaxf(mx, v[i]); }
-        mn = kvf_group_min<C::lanes_per_group>(mn);
-        mx = kvf_group_max<C::lanes_per_group>(mx);
-        scale_h = kvf_f32_to_f16((mx - mn) / (float)qmax_a);
-        zero_h = kvf_f32_to_f16(mn);
+        mn = kvf_plus_zero(kvf_group_min<C::lanes_per_group>(mn));
+        mx = kvf_plus_zero(kvf_group_max<C::lanes_per_group>(mx));
+        scale_h = kvf_stored_f16(__fdiv_rn(__fsub_rn(mx, mn), (float)qmax_a));
+        zero_h = kvf_stored_f16(mn);
         const float S = kvf_f16_to_f32(scale_h), M = kvf_f16_to_f32(zero_h);
 #pragma unroll
-        for (int i = 0; i < VEC; i++) {
-            int qi = S > 0.0f ? __float2int_rn(__fdiv_rn(__fsub_rn(v[i], M), S)) : 0;
-            q[i] = (u32)min(max(qi, 0), qmax_a);
-        }
+        for (int i = 0; i < VEC; i++)
+            q[i] = S > 0.0f ? (u32)kvf_clamp(kvf_rint(__fdiv_rn(__fsub_rn(v[i], M), S)), 0.0f, (float)qmax_a) : 0u;
     } else {
-        float a = fabsf(v[0]);
+        float a = 0.0f;
 #pragma unroll
-        for (int i = 1; i < VEC; i++) a = fmaxf(a, fabsf(v[i]));
+        for (int i = 0; i < VEC; i++) a = fmaxf(a, fabsf(v[i]));
         a = kvf_group_max<C::lanes_per_group>(a);
-        scale_h = kvf_f32_to_f16(a / (float)qmax_s);
+        scale_h = kvf_stored_f16(__fdiv_rn(a, (float)qmax_s));
         const float S = kvf_f16_to_f32(scale_h);
 #pragma unroll
         for (int i = 0; i < VEC; i++) {
-            int qi = S > 0.0f ? __float2int_rn(__fdiv_rn(v[i], S)) : 0;
-            q[i] = (u32)(min(max(qi, -qmax_s), qmax_s) + qmax_s);
+            int qi = S > 0.0f ? (int)kvf_clamp(kvf_rint(__fdiv_rn(v[i], S)), (float)-qmax_s, (float)qmax_s) : 0;
+            q[i] = (u32)(qi + qmax_s);
         }
     }
     if (!live) return;
@@ -140,11 +139,11 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, kvf_planes
     if (MODE == KVF_MODE_AFFINE) {
         const float M = kvf_f16_to_f32(((const u16 *)(packed + planes.zeros))[g]);
 #pragma unroll
-        for (int i = 0; i < VEC; i++) out[i] = kvf_f32_to_bf16(__fmaf_rn(S, (float)q[i], M));
+        for (int i = 0; i < VEC; i++) out[i] = kvf_output_bf16(__fmaf_rn(S, (float)q[i], M));
     } else {
         constexpr int qmax_s = (1 << (BITS - 1)) - 1;
 #pragma unroll
-        for (int i = 0; i < VEC; i++) out[i] = kvf_f32_to_bf16(__fmul_rn(S, (float)((int)q[i] - qmax_s)));
+        for (int i = 0; i < VEC; i++) out[i] = kvf_output_bf16(__fmul_rn(S, (float)((int)q[i] - qmax_s)));
     }
     store8(dst, out);
 }
