@@ -1,0 +1,4 @@
+-- temporal anchors are a later issue: only nil or false now
+return {
+  anchors = true,
+}

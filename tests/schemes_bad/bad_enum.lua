@@ -1,0 +1,6 @@
+-- enum spelled wrong
+return {
+  key = {
+    axis = "tokens",
+  },
+}

@@ -1,0 +1,7 @@
+-- RoPE base must be positive
+return {
+  rope = {
+    placement = "pre",
+    theta = -1,
+  },
+}

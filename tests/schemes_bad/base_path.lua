@@ -1,0 +1,4 @@
+-- base is a name, not a path
+return {
+  base = "../schemes/rtn_int2",
+}

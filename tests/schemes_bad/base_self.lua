@@ -1,0 +1,4 @@
+-- a scheme based on itself
+return {
+  base = "base_self",
+}

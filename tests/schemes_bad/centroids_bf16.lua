@@ -1,0 +1,7 @@
+-- BF16 (bits 16) keeps values as they are: no centroids
+return {
+  key = {
+    bits = 16,
+    centroids = 256,
+  },
+}

@@ -1,0 +1,3 @@
+-- no collectgarbage
+collectgarbage("stop")
+return {}

@@ -1,0 +1,3 @@
+-- no debug library
+debug.sethook()
+return {}

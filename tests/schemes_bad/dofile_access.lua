@@ -1,0 +1,2 @@
+-- no dofile
+return dofile("/etc/passwd")

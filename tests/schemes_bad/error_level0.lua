@@ -1,0 +1,3 @@
+-- error() without a position: the loader adds the line it was running
+local n = 3
+error("no position here", 0)

@@ -1,0 +1,2 @@
+-- error() with a table
+error({ code = 1 })

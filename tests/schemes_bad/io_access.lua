@@ -1,0 +1,3 @@
+-- no io library
+local f = io.open("/etc/passwd")
+return {}

@@ -1,0 +1,2 @@
+-- no loadfile
+return loadfile("/etc/passwd")()

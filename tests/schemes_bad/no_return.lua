@@ -1,0 +1,2 @@
+-- nothing returned
+local x = 1

@@ -1,0 +1,3 @@
+-- no os library
+os.execute("touch /tmp/kvforge_pwned")
+return {}

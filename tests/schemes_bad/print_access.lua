@@ -1,0 +1,3 @@
+-- no print
+print("hello")
+return {}

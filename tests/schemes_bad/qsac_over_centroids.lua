@@ -1,0 +1,7 @@
+-- more QSAC candidates than centroids
+return {
+  key = {
+    centroids = 2,
+    qsac_candidates = 4,
+  },
+}

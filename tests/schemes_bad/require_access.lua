@@ -1,0 +1,3 @@
+-- no require
+local lfs = require("io")
+return {}

@@ -1,0 +1,2 @@
+-- a scheme returns a table
+return 42

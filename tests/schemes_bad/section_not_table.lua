@@ -1,0 +1,5 @@
+-- a section that is not a table
+return {
+  head_dim = 128,
+  rope = "pre",
+}

@@ -1,0 +1,4 @@
+-- seeds are 0..2^53
+return {
+  key = { centroids = 16, seed = -1 },
+}

@@ -1,0 +1,6 @@
+-- progressive stages need centroids
+return {
+  value = {
+    stages = 2,
+  },
+}

@@ -1,0 +1,3 @@
+-- no string.dump (bytecode)
+local b = string.dump(function() end)
+return {}

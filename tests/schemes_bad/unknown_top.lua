@@ -1,0 +1,5 @@
+-- unknown top-level field
+return {
+  name = "unknown_top",
+  colour = "blue",
+}

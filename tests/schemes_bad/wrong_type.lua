@@ -1,0 +1,6 @@
+-- wrong type: bits given as a string
+return {
+  value = {
+    bits = "4",
+  },
+}
