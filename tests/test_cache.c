@@ -14,17 +14,6 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-/*
- * testutil.c calls the scheme loader, which lives in another module. These
- * tests load no scheme: a weak stand-in lets the binary link without it (the
- * real one wins wherever the library has it).
- */
-__attribute__((weak)) int kvf_scheme_load_builtin(const char *name, kvf_scheme **out) {
-    (void)name;
-    *out = NULL;
-    return kvf_set_error(KVF_ENOTIMPL, "scheme loader not linked into test_cache");
-}
-
 #define ARCH "sm_90"
 #define META "{\"scheme\":\"rtn_int2_1a2b3c4d\",\"arch\":\"sm_90\",\"nvrtc\":\"13.0\"," \
              "\"kvforge\":\"0.1.0\",\"created\":1700000000}"

@@ -6,15 +6,6 @@
 #include <string.h>
 #include <time.h>
 
-/* testutil.c refers to the scheme loader (scheme.c); these tests build their
- * schemes by hand, so a weak stand-in lets them link without it. The real
- * definition wins whenever scheme.c is in the library. */
-__attribute__((weak)) int kvf_scheme_load_builtin(const char *name, kvf_scheme **out) {
-    (void)name;
-    *out = NULL;
-    return kvf_set_error(KVF_ENOTIMPL, "scheme loader not linked");
-}
-
 #define HASH_A 0x0123456789abcdefull
 #define HASH_B 0xfedcba9876543210ull
 
