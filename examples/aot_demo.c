@@ -37,8 +37,8 @@ int main(void) {
     kvf_synth_kv(k, tokens, heads, d, 21);
     kvf_synth_kv(v, tokens, heads, d, 22);
     kvf_shape sh = {tokens, heads, 0, 0};
-    kvf_encode(cpu, k, v, &sh, packed, bytes, NULL);
-    kvf_decode(cpu, packed, bytes, &sh, kc, vc, NULL);
+    kvf_encode(cpu, k, v, &sh, NULL, packed, bytes, NULL);
+    kvf_decode(cpu, packed, bytes, &sh, NULL, kc, vc, NULL);
     CUdevice dev;
     CUcontext pctx, popped;
     CUdeviceptr dk, dv, dp;
@@ -50,8 +50,8 @@ int main(void) {
     KVF_CU(cu, 0, cuMemAlloc(&dp, bytes));
     KVF_CU(cu, 0, cuMemcpyHtoD(dk, k, n * 2));
     KVF_CU(cu, 0, cuMemcpyHtoD(dv, v, n * 2));
-    if ((rc = kvf_encode(gpu, (void *)dk, (void *)dv, &sh, (void *)dp, bytes, NULL)) ||
-        (rc = kvf_decode(gpu, (void *)dp, bytes, &sh, (void *)dk, (void *)dv, NULL))) {
+    if ((rc = kvf_encode(gpu, (void *)dk, (void *)dv, &sh, NULL, (void *)dp, bytes, NULL)) ||
+        (rc = kvf_decode(gpu, (void *)dp, bytes, &sh, NULL, (void *)dk, (void *)dv, NULL))) {
         fprintf(stderr, "aot_demo: %s\n", kvf_last_error());
         return 1;
     }

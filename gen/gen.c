@@ -191,14 +191,14 @@ static char *gen_c(const struct kvf_scheme *s, const char *cuda) {
                    "    int32_t n_heads, void *packed, size_t packed_bytes, void *stream) {\n"
                    "    kvf_shape shape = {n_tokens, n_heads, 0, 0};\n"
                    "    int rc = check_ctx(ctx);\n"
-                   "    return rc ? rc : kvf_encode(ctx, k, v, &shape, packed, packed_bytes, stream);\n"
+                   "    return rc ? rc : kvf_encode(ctx, k, v, &shape, NULL, packed, packed_bytes, stream);\n"
                    "}\n\n", s->id);
     kvf_buf_printf(&b,
                    "int kvf_%s_decode(kvf_context *ctx, const void *packed, size_t packed_bytes,\n"
                    "    int64_t n_tokens, int32_t n_heads, void *k_out, void *v_out, void *stream) {\n"
                    "    kvf_shape shape = {n_tokens, n_heads, 0, 0};\n"
                    "    int rc = check_ctx(ctx);\n"
-                   "    return rc ? rc : kvf_decode(ctx, packed, packed_bytes, &shape, k_out, v_out, stream);\n"
+                   "    return rc ? rc : kvf_decode(ctx, packed, packed_bytes, &shape, NULL, k_out, v_out, stream);\n"
                    "}\n", s->id);
     return kvf_buf_take(&b);
 }

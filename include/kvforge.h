@@ -133,16 +133,39 @@ const char *kvf_context_backend(const kvf_context *ctx);
 const char *kvf_context_origin(const kvf_context *ctx);
 
 /*
- * Encode the BF16 K and V of one chunk into `packed` (packed_bytes at least
- * kvf_packed_size()). On a device, all pointers are device pointers, work is
+ * Encode the BF16 K and V of one span (one chunk, or the chunks the scheme
+ * quantizes together) into `packed` (packed_bytes at least kvf_packed_size()).
+ * `qstats` (may be NULL: cold start) is the layer's query statistics (see
+ * below), read only. On a device, all pointers are device pointers, work is
  * queued on `stream` and the call returns before it finishes.
  * Alignment: k, v and packed 16-byte aligned; strides multiples of 8.
  */
 int kvf_encode(kvf_context *ctx, const void *k, const void *v, const kvf_shape *shape,
-               void *packed, size_t packed_bytes, void *stream);
-/* Decode a packed chunk back to BF16 K and V with the given shape and strides. */
+               const void *qstats, void *packed, size_t packed_bytes, void *stream);
+/*
+ * Decode a packed span back to BF16 K and V with the given shape and strides.
+ * `positions` (int32 [n_tokens][n_axes], device memory on a device) is needed
+ * only when the scheme caches keys before RoPE (rope.placement = "pre"): decode
+ * then applies RoPE; otherwise pass NULL.
+ */
 int kvf_decode(kvf_context *ctx, const void *packed, size_t packed_bytes,
-               const kvf_shape *shape, void *k_out, void *v_out, void *stream);
+               const kvf_shape *shape, const int32_t *positions, void *k_out, void *v_out,
+               void *stream);
+
+/*
+ * Query statistics of one layer (QuantWM): per KV head, the running sum of
+ * q q^T over the queries of finished chunks, their count, and the top-r
+ * eigenvectors of the mean (PSAC's basis). A caller-allocated buffer (device
+ * memory for a device context, host memory for the CPU); layout in
+ * docs/METHODS.md. Update it after a chunk's attention, before encoding the
+ * next chunk's keys: statistics are strictly causal.
+ */
+int kvf_qstats_size(const kvf_scheme *s, int32_t n_kv_heads, size_t *bytes);
+int kvf_qstats_init(kvf_context *ctx, void *qstats, size_t bytes, int32_t n_kv_heads, void *stream);
+/* q: BF16 queries of one chunk, shape->n_heads query heads (a multiple of the
+ * statistics' KV heads: grouped-query attention), same stride rules as K. */
+int kvf_qstats_update(kvf_context *ctx, void *qstats, size_t bytes, const void *q,
+                      const kvf_shape *q_shape, void *stream);
 
 /* Host-side check of a packed cache's header (a host copy of its first 64 bytes
  * or more) against a scheme and shape: KVF_EFORMAT with the reason otherwise. */

@@ -200,13 +200,13 @@ static planes_arg planes_of(const kvf_section_layout *s) {
     return p;
 }
 
-int kvf_encode(kvf_context *ctx, const void *k, const void *v, const kvf_shape *shape, void *packed,
-               size_t packed_bytes, void *stream) {
+int kvf_encode(kvf_context *ctx, const void *k, const void *v, const kvf_shape *shape, const void *qstats,
+               void *packed, size_t packed_bytes, void *stream) {
     kvf_shape sh;
     kvf_layout l;
     int rc = prepare(ctx, k, v, packed, packed_bytes, shape, &sh, &l, "kvf_encode");
     if (rc) return rc;
-    if (ctx->device == KVF_DEVICE_CPU) return kvf_ref_encode(ctx->scheme, k, v, &sh, packed, packed_bytes);
+    if (ctx->device == KVF_DEVICE_CPU) return kvf_ref_encode(ctx->scheme, k, v, &sh, qstats, packed, packed_bytes);
     kvf_packed_header hdr;
     kvf_header_fill(ctx->scheme, &l, &hdr);
     int n_tokens = (int)sh.n_tokens, n_heads = sh.n_heads;
@@ -223,13 +223,13 @@ int kvf_encode(kvf_context *ctx, const void *k, const void *v, const kvf_shape *
     return KVF_OK;
 }
 
-int kvf_decode(kvf_context *ctx, const void *packed, size_t packed_bytes, const kvf_shape *shape, void *k_out,
-               void *v_out, void *stream) {
+int kvf_decode(kvf_context *ctx, const void *packed, size_t packed_bytes, const kvf_shape *shape,
+               const int32_t *positions, void *k_out, void *v_out, void *stream) {
     kvf_shape sh;
     kvf_layout l;
     int rc = prepare(ctx, k_out, v_out, packed, packed_bytes, shape, &sh, &l, "kvf_decode");
     if (rc) return rc;
-    if (ctx->device == KVF_DEVICE_CPU) return kvf_ref_decode(ctx->scheme, packed, packed_bytes, &sh, k_out, v_out);
+    if (ctx->device == KVF_DEVICE_CPU) return kvf_ref_decode(ctx->scheme, packed, packed_bytes, &sh, positions, k_out, v_out);
     int n_tokens = (int)sh.n_tokens, n_heads = sh.n_heads;
     unsigned grid = grid_for(ctx, &sh);
     void *dst[2] = {k_out, v_out};

@@ -23,6 +23,9 @@ enum kvf_mode { KVF_MODE_AFFINE = 0, KVF_MODE_SYMMETRIC = 1 };
 enum kvf_scale_format { KVF_SCALE_FP16 = 0, KVF_SCALE_INT8_FP16 = 1 };
 enum kvf_rope_placement { KVF_ROPE_NONE = 0, KVF_ROPE_PRE = 1, KVF_ROPE_POST = 2 };
 enum kvf_rope_layout { KVF_ROPE_HALF = 0, KVF_ROPE_INTERLEAVED = 1 };
+enum kvf_rotation { KVF_ROTATION_NONE = 0, KVF_ROTATION_HADAMARD = 1 };
+#define KVF_MAX_STAGES 8
+#define KVF_MAX_ROPE_SECTIONS 4
 
 /* One of the two tensor sections (key, value) of a scheme. */
 typedef struct kvf_tensor_cfg {
@@ -37,12 +40,15 @@ typedef struct kvf_tensor_cfg {
     int qsac_candidates; /* QSAC M (1 = plain nearest centroid) */
     int psac_rank;       /* PSAC r (0 = off; keys only) */
     int stages;          /* progressive residual stages (1 = QVG) */
+    int rotation;        /* enum kvf_rotation (QuaRot-style Hadamard) */
 } kvf_tensor_cfg;
 
 typedef struct kvf_rope_cfg {
     int placement; /* enum kvf_rope_placement */
     int layout;    /* enum kvf_rope_layout */
     double theta;
+    int n_sections;                      /* position axes (1 = 1D RoPE) */
+    int sections[KVF_MAX_ROPE_SECTIONS]; /* frequency pairs per axis, sum = head_dim / 2 */
 } kvf_rope_cfg;
 
 typedef struct kvf_chunk_cfg {
@@ -102,13 +108,31 @@ typedef struct kvf_packed_header {
 } kvf_packed_header;
 _Static_assert(sizeof(kvf_packed_header) == KVF_HEADER_BYTES, "header is 64 bytes");
 
+/* Planes of one progressive stage of a tensor section (docs/METHODS.md section 7).
+ * An absent plane has offset 0 and size 0. */
+typedef struct kvf_stage_layout {
+    size_t codes_off, codes_bytes;         /* u8 [H][N][d*b/8] (bf16 [H][N][d] at 16 bits) */
+    size_t scales_off, scales_bytes;       /* fp16 scales, or u8 group scale codes (int8_fp16) */
+    size_t tscales_off, tscales_bytes;     /* fp16 [H][N] token scales (int8_fp16) */
+    size_t zeros_off, zeros_bytes;         /* fp16 offsets, or int8 zero codes (int8_fp16) */
+    size_t index_off, index_bytes;         /* u8 [H][N] centroid indices */
+    size_t centroids_off, centroids_bytes; /* bf16 [H][C][d] */
+} kvf_stage_layout;
+
 /* Byte offsets of the planes of one tensor section inside a packed cache. */
 typedef struct kvf_section_layout {
     int bits, group_size, groups_per_token, mode;
+    int axis, scale_format, centroids, stages, psac_rank, rotation;
+    int64_t groups_along_tokens;  /* axis token: ceil(N / G) */
     size_t code_bytes_per_token;  /* per head: head_dim * bits / 8 */
-    size_t codes_off, codes_bytes;   /* [n_heads][n_tokens][code_bytes_per_token] */
-    size_t scales_off, scales_bytes; /* [n_heads][n_tokens][groups] fp16; 0 if bits == 16 */
-    size_t zeros_off, zeros_bytes;   /* [n_heads][n_tokens][groups] fp16; 0 unless affine */
+    kvf_stage_layout stage[KVF_MAX_STAGES];
+    size_t basis_off, basis_bytes;   /* PSAC: bf16 [H][d][r] */
+    size_t coef_off, coef_bytes;     /* PSAC: int8 [H][N][r] */
+    size_t cscale_off, cscale_bytes; /* PSAC: fp16 [H][N] */
+    /* Stage 0's codes, scales and zeros again (RTN code reads these). */
+    size_t codes_off, codes_bytes;
+    size_t scales_off, scales_bytes;
+    size_t zeros_off, zeros_bytes;
 } kvf_section_layout;
 
 typedef struct kvf_layout {
@@ -134,11 +158,27 @@ uint16_t kvf_f32_to_f16(float f);   /* round to nearest even; saturates to +-655
 
 /* --------------------------------------------------- CPU reference (ref_*.c) */
 
-/* RTN encode/decode of a whole packed cache on host memory (ref_rtn.c). */
+/* Encode/decode of a whole packed cache on host memory: the CPU backend and
+ * the oracle of the GPU kernels. qstats may be NULL; positions only for
+ * rope.placement = "pre". */
 int kvf_ref_encode(const struct kvf_scheme *s, const uint16_t *k, const uint16_t *v,
-                   const kvf_shape *shape, uint8_t *packed, size_t packed_bytes);
+                   const kvf_shape *shape, const void *qstats, uint8_t *packed, size_t packed_bytes);
 int kvf_ref_decode(const struct kvf_scheme *s, const uint8_t *packed, size_t packed_bytes,
-                   const kvf_shape *shape, uint16_t *k_out, uint16_t *v_out);
+                   const kvf_shape *shape, const int32_t *positions, uint16_t *k_out, uint16_t *v_out);
+
+/* Query statistics on host memory (ref_qstats.c), layout in docs/METHODS.md. */
+#define KVF_QSTATS_MAGIC 0x5146564bu /* "KVFQ" */
+typedef struct kvf_qstats_layout {
+    int32_t n_heads;
+    int head_dim, rank;
+    size_t count_off, msum_off, u_off, lambda_off, total_bytes;
+} kvf_qstats_layout;
+int kvf_qstats_layout_compute(const struct kvf_scheme *s, int32_t n_heads, kvf_qstats_layout *out);
+int kvf_ref_qstats_init(const struct kvf_scheme *s, void *qstats, size_t bytes, int32_t n_heads);
+int kvf_ref_qstats_update(const struct kvf_scheme *s, void *qstats, size_t bytes, const uint16_t *q,
+                          const kvf_shape *q_shape);
+/* Check a host qstats buffer's header against a scheme (and n_heads unless 0). */
+int kvf_qstats_check(const struct kvf_scheme *s, const void *qstats, size_t bytes, int32_t n_heads);
 
 /* Resolve strides of 0 to head-major contiguous; check they are valid. */
 int kvf_shape_resolve(const kvf_shape *in, int head_dim, kvf_shape *out);

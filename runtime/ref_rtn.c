@@ -181,7 +181,8 @@ static int prepare(const struct kvf_scheme *s, const kvf_shape *shape, kvf_layou
 }
 
 int kvf_ref_encode(const struct kvf_scheme *s, const uint16_t *k, const uint16_t *v,
-                   const kvf_shape *shape, uint8_t *packed, size_t packed_bytes) {
+                   const kvf_shape *shape, const void *qstats, uint8_t *packed, size_t packed_bytes) {
+    (void)qstats; /* RTN reads no query statistics */
     if (!s || !k || !v || !shape || !packed)
         return kvf_set_error(KVF_EINVAL, "kvf_ref_encode: NULL argument");
     kvf_layout L;
@@ -203,7 +204,8 @@ int kvf_ref_encode(const struct kvf_scheme *s, const uint16_t *k, const uint16_t
 }
 
 int kvf_ref_decode(const struct kvf_scheme *s, const uint8_t *packed, size_t packed_bytes,
-                   const kvf_shape *shape, uint16_t *k_out, uint16_t *v_out) {
+                   const kvf_shape *shape, const int32_t *positions, uint16_t *k_out, uint16_t *v_out) {
+    (void)positions; /* RTN schemes cache no pre-RoPE keys */
     if (!s || !packed || !shape || !k_out || !v_out)
         return kvf_set_error(KVF_EINVAL, "kvf_ref_decode: NULL argument");
     kvf_layout L;

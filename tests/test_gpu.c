@@ -112,8 +112,8 @@ static void compare_case(kvf_context *gpu, kvf_context *cpu, const run_case *c, 
         free(tmp);
     }
     memcpy(kc, k, n * 2); memcpy(vc, v, n * 2); /* padding keeps its values on the CPU side */
-    assert_int_equal(kvf_encode(cpu, k, v, &sh, pc, packed_bytes, NULL), KVF_OK);
-    assert_int_equal(kvf_decode(cpu, pc, packed_bytes, &sh, kc, vc, NULL), KVF_OK);
+    assert_int_equal(kvf_encode(cpu, k, v, &sh, NULL, pc, packed_bytes, NULL), KVF_OK);
+    assert_int_equal(kvf_decode(cpu, pc, packed_bytes, &sh, NULL, kc, vc, NULL), KVF_OK);
 
     CUdeviceptr dk = dalloc(n * 2, 0), dv = dalloc(n * 2, 0), dp = dalloc(packed_bytes, 0xa5);
     CUdeviceptr dk2 = dalloc(n * 2, 0), dv2 = dalloc(n * 2, 0);
@@ -121,7 +121,7 @@ static void compare_case(kvf_context *gpu, kvf_context *cpu, const run_case *c, 
     CK(cuMemcpyHtoD(dv, v, n * 2));
     CK(cuMemcpyHtoD(dk2, k, n * 2)); /* so padding holds the same as on the CPU side */
     CK(cuMemcpyHtoD(dv2, v, n * 2));
-    assert_int_equal(kvf_encode(gpu, (void *)dk, (void *)dv, &sh, (void *)dp, packed_bytes, NULL), KVF_OK);
+    assert_int_equal(kvf_encode(gpu, (void *)dk, (void *)dv, &sh, NULL, (void *)dp, packed_bytes, NULL), KVF_OK);
     CK(cuCtxSynchronize());
     CK(cuMemcpyDtoH(pg, dp, packed_bytes));
     /* Bytes between planes are padding nobody writes: compare the planes. */
@@ -136,7 +136,7 @@ static void compare_case(kvf_context *gpu, kvf_context *cpu, const run_case *c, 
         if (secs[t]->zeros_bytes)
             assert_memory_equal(pg + secs[t]->zeros_off, pc + secs[t]->zeros_off, secs[t]->zeros_bytes);
     }
-    assert_int_equal(kvf_decode(gpu, (void *)dp, packed_bytes, &sh, (void *)dk2, (void *)dv2, NULL), KVF_OK);
+    assert_int_equal(kvf_decode(gpu, (void *)dp, packed_bytes, &sh, NULL, (void *)dk2, (void *)dv2, NULL), KVF_OK);
     CK(cuCtxSynchronize());
     CK(cuMemcpyDtoH(kg, dk2, n * 2));
     CK(cuMemcpyDtoH(vg, dv2, n * 2));
@@ -144,7 +144,7 @@ static void compare_case(kvf_context *gpu, kvf_context *cpu, const run_case *c, 
     assert_memory_equal(vg, vc, n * 2);
     /* Same input, same GPU: the same bytes again. */
     CK(cuMemsetD8(dp, 0x5a, packed_bytes));
-    assert_int_equal(kvf_encode(gpu, (void *)dk, (void *)dv, &sh, (void *)dp, packed_bytes, NULL), KVF_OK);
+    assert_int_equal(kvf_encode(gpu, (void *)dk, (void *)dv, &sh, NULL, (void *)dp, packed_bytes, NULL), KVF_OK);
     CK(cuCtxSynchronize());
     CK(cuMemcpyDtoH(pg2, dp, packed_bytes));
     for (int t = 0; t < 2; t++)
@@ -228,11 +228,11 @@ static void bad_arguments_refused(void **state) {
     size_t bytes;
     kvf_packed_size(s, 64, 2, &bytes);
     CUdeviceptr k = dalloc(64 * 2 * 128 * 2 + 64, 0), p = dalloc(bytes + 64, 0);
-    assert_int_equal(kvf_encode(g, (void *)(k + 2), (void *)k, &sh, (void *)p, bytes, NULL), KVF_EINVAL);
+    assert_int_equal(kvf_encode(g, (void *)(k + 2), (void *)k, &sh, NULL, (void *)p, bytes, NULL), KVF_EINVAL);
     assert_non_null(strstr(kvf_last_error(), "aligned"));
-    assert_int_equal(kvf_encode(g, (void *)k, (void *)k, &sh, (void *)p, bytes - 1, NULL), KVF_ERANGE);
+    assert_int_equal(kvf_encode(g, (void *)k, (void *)k, &sh, NULL, (void *)p, bytes - 1, NULL), KVF_ERANGE);
     kvf_shape odd = {64, 2, 132, 0};
-    assert_int_equal(kvf_encode(g, (void *)k, (void *)k, &odd, (void *)p, bytes, NULL), KVF_EINVAL);
+    assert_int_equal(kvf_encode(g, (void *)k, (void *)k, &odd, NULL, (void *)p, bytes, NULL), KVF_EINVAL);
     kvf_context *none = (kvf_context *)1;
     assert_int_equal(kvf_context_create(s, 99, &none), KVF_ENODEV);
     assert_null(none);

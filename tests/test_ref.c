@@ -82,7 +82,7 @@ static uint8_t *encode_new(const struct kvf_scheme *s, const uint16_t *k, const 
     assert_int_equal(kvf_packed_size(s, sh->n_tokens, sh->n_heads, bytes), KVF_OK);
     uint8_t *p = malloc(*bytes);
     assert_non_null(p);
-    int rc = kvf_ref_encode(s, k, v, sh, p, *bytes);
+    int rc = kvf_ref_encode(s, k, v, sh, NULL, p, *bytes);
     if (rc) fail_msg("encode: %s", kvf_last_error());
     return p;
 }
@@ -162,7 +162,7 @@ static void round_trip(int bits, int mode, int d, int G, int64_t n, int h, int s
     }
     kvf_shape sh = {n, h, 0, 0};
     uint8_t *p = encode_new(&s, k, v, &sh, &bytes);
-    int rc = kvf_ref_decode(&s, p, bytes, &sh, ko, vo);
+    int rc = kvf_ref_decode(&s, p, bytes, &sh, NULL, ko, vo);
     if (rc) fail_msg("decode: %s", kvf_last_error());
     kvf_layout L;
     assert_int_equal(kvf_layout_compute(&s, n, h, &L), KVF_OK);
@@ -342,7 +342,7 @@ static void test_bit_order(void **state) {
     assert_int_equal(L.key.zeros_bytes, 0);
     uint16_t y[128], z[128];
     kvf_shape sh = {1, 1, 0, 0};
-    assert_int_equal(kvf_ref_decode(&s, p, L.total_bytes, &sh, y, z), KVF_OK);
+    assert_int_equal(kvf_ref_decode(&s, p, L.total_bytes, &sh, NULL, y, z), KVF_OK);
     assert_memory_equal(y, x, sizeof x);
     free(p);
 }
@@ -439,7 +439,7 @@ static void test_golden(void **state) {
         struct kvf_scheme s;
         make_scheme(&s, 128, cases[i].kbits, cases[i].vbits, 64, cases[i].mode);
         uint8_t *p = encode_new(&s, k, v, &sh, &bytes);
-        assert_int_equal(kvf_ref_decode(&s, p, bytes, &sh, ko, vo), KVF_OK);
+        assert_int_equal(kvf_ref_decode(&s, p, bytes, &sh, NULL, ko, vo), KVF_OK);
         uint64_t hp = fnv1a(0xcbf29ce484222325ull, p, bytes);
         uint64_t hd = fnv1a(fnv1a(0xcbf29ce484222325ull, ko, nel * 2), vo, nel * 2);
         print_message("K%dV%d %s: packed %016llx decoded %016llx\n", cases[i].kbits, cases[i].vbits,
@@ -494,7 +494,7 @@ static void test_error_levels(void **state) {
         size_t bytes;
         kvf_shape sh = {n, h, 0, 0};
         uint8_t *p = encode_new(&s, k, k, &sh, &bytes);
-        assert_int_equal(kvf_ref_decode(&s, p, bytes, &sh, ko, vo), KVF_OK);
+        assert_int_equal(kvf_ref_decode(&s, p, bytes, &sh, NULL, ko, vo), KVF_OK);
         for (size_t j = 0; j < nel; j++) mse[i] += pow(kvf_bf16_to_f32(k[j]) - kvf_bf16_to_f32(ko[j]), 2);
         free(p);
     }
@@ -523,7 +523,7 @@ static void test_constant_group(void **state) {
                 /* Affine: s = 0 and the value is in M. Symmetric: s = |x|/qmax, exact at qmax. */
                 if (mode == KVF_MODE_AFFINE) assert_int_equal(rd16(p + L.key.scales_off), 0);
                 kvf_shape sh = {1, 1, 0, 0};
-                assert_int_equal(kvf_ref_decode(&s, p, L.total_bytes, &sh, y, z), KVF_OK);
+                assert_int_equal(kvf_ref_decode(&s, p, L.total_bytes, &sh, NULL, y, z), KVF_OK);
                 if (mode == KVF_MODE_AFFINE || b == 2) /* qmax = 1: S = |x| exactly */
                     assert_memory_equal(y, x, sizeof x);
                 free(p);
@@ -566,7 +566,7 @@ static void test_nan_inf(void **state) {
     assert_int_equal(rd16(p + L.key.scales_off), 0x3C00); /* range 0..3 without the NaN */
     assert_int_equal(rd_code(p + L.key.codes_off, 5, 2), 0);
     assert_int_equal(rd16(p + L.key.scales_off + 2), 0x7C00); /* S = Inf */
-    assert_int_equal(kvf_ref_decode(&s, p, L.total_bytes, &sh, y, z), KVF_OK);
+    assert_int_equal(kvf_ref_decode(&s, p, L.total_bytes, &sh, NULL, y, z), KVF_OK);
     for (int c = 0; c < 64; c++) assert_int_equal(y[c], c == 5 ? 0x0000 : x[c]);
     for (int c = 64; c < 128; c++) assert_int_equal(y[c], 0x7fc0);
     uint8_t *p2 = encode_one(&s, x, &L);
@@ -581,7 +581,7 @@ static void test_nan_inf(void **state) {
     assert_int_equal(rd16(p + L.key.zeros_off), 0x7E00);
     assert_int_equal(rd16(p + L.key.zeros_off + 2), 0x7C00); /* M = Inf */
     for (int i = 0; i < 32; i++) assert_int_equal(p[L.key.codes_off + i], 0);
-    assert_int_equal(kvf_ref_decode(&s, p, L.total_bytes, &sh, y, z), KVF_OK);
+    assert_int_equal(kvf_ref_decode(&s, p, L.total_bytes, &sh, NULL, y, z), KVF_OK);
     for (int c = 0; c < 128; c++) assert_int_equal(y[c], 0x7fc0);
     free(p);
 
@@ -594,7 +594,7 @@ static void test_nan_inf(void **state) {
     assert_int_equal(rd16(p + L.key.scales_off), 0x7C00);
     assert_int_equal(rd_code(p + L.key.codes_off, 3, 2), 0);
     assert_int_equal(rd_code(p + L.key.codes_off, 64, 2), 0); /* NaN -> -qmax */
-    assert_int_equal(kvf_ref_decode(&s, p, L.total_bytes, &sh, y, z), KVF_OK);
+    assert_int_equal(kvf_ref_decode(&s, p, L.total_bytes, &sh, NULL, y, z), KVF_OK);
     for (int c = 0; c < 64; c++) assert_int_equal(y[c], c == 3 ? 0xff80 : 0x7fc0);
     free(p);
 }
@@ -616,7 +616,7 @@ static void test_bf16_section(void **state) {
     kvf_layout L;
     assert_int_equal(kvf_layout_compute(&s, n, h, &L), KVF_OK);
     assert_memory_equal(p + L.value.codes_off, v, nel * 2);
-    assert_int_equal(kvf_ref_decode(&s, p, bytes, &sh, ko, vo), KVF_OK);
+    assert_int_equal(kvf_ref_decode(&s, p, bytes, &sh, NULL, ko, vo), KVF_OK);
     assert_memory_equal(vo, v, nel * 2);
     free(k), free(v), free(ko), free(vo), free(p);
 }
@@ -636,7 +636,7 @@ static void test_strides(void **state) {
     kvf_shape hm = {n, h, 0, 0};
     uint8_t *p = encode_new(&s, k, v, &hm, &bytes);
     uint16_t *ko = malloc(nel * 2), *vo = malloc(nel * 2);
-    assert_int_equal(kvf_ref_decode(&s, p, bytes, &hm, ko, vo), KVF_OK);
+    assert_int_equal(kvf_ref_decode(&s, p, bytes, &hm, NULL, ko, vo), KVF_OK);
 
     /* Token-major [N][H][d], and padded strides with room between heads. */
     kvf_shape shapes[2] = {{n, h, (int64_t)h * d, d}, {n, h, d + 8, n * (d + 8) + 24}};
@@ -655,7 +655,7 @@ static void test_strides(void **state) {
         assert_memory_equal(p2, p, bytes);
         memset(ko2, 0xee, span * 2);
         memset(vo2, 0xee, span * 2);
-        assert_int_equal(kvf_ref_decode(&s, p2, bytes, &sh, ko2, vo2), KVF_OK);
+        assert_int_equal(kvf_ref_decode(&s, p2, bytes, &sh, NULL, ko2, vo2), KVF_OK);
         for (int hh = 0; hh < h; hh++)
             for (int64_t t = 0; t < n; t++) {
                 assert_memory_equal(ko2 + t * sh.token_stride + hh * sh.head_stride, ko + (hh * n + t) * d, d * 2);
@@ -721,20 +721,20 @@ static void test_errors(void **state) {
     uint8_t *p = encode_new(&s, k, v, &sh, &bytes);
 
     /* Too small a buffer. */
-    assert_int_equal(kvf_ref_encode(&s, k, v, &sh, p, bytes - 1), KVF_ERANGE);
-    assert_int_equal(kvf_ref_decode(&s, p, bytes - 1, &sh, ko, vo), KVF_ERANGE);
+    assert_int_equal(kvf_ref_encode(&s, k, v, &sh, NULL, p, bytes - 1), KVF_ERANGE);
+    assert_int_equal(kvf_ref_decode(&s, p, bytes - 1, &sh, NULL, ko, vo), KVF_ERANGE);
     assert_int_equal(kvf_packed_check(&s, p, 63, n, h), KVF_ERANGE);
     /* NULLs. */
-    assert_int_equal(kvf_ref_encode(&s, NULL, v, &sh, p, bytes), KVF_EINVAL);
-    assert_int_equal(kvf_ref_decode(&s, p, bytes, &sh, ko, NULL), KVF_EINVAL);
+    assert_int_equal(kvf_ref_encode(&s, NULL, v, &sh, NULL, p, bytes), KVF_EINVAL);
+    assert_int_equal(kvf_ref_decode(&s, p, bytes, &sh, NULL, ko, NULL), KVF_EINVAL);
 
     /* Another scheme. */
-    assert_int_equal(kvf_ref_decode(&other, p, bytes, &sh, ko, vo), KVF_EFORMAT);
+    assert_int_equal(kvf_ref_decode(&other, p, bytes, &sh, NULL, ko, vo), KVF_EFORMAT);
     assert_non_null(strstr(kvf_last_error(), "written by scheme hash 0123456789abcdef"));
     assert_non_null(strstr(kvf_last_error(), "this scheme is fedcba9876543210"));
     /* Another shape. */
     kvf_shape sh2 = {n - 1, h, 0, 0};
-    assert_int_equal(kvf_ref_decode(&s, p, bytes, &sh2, ko, vo), KVF_EFORMAT);
+    assert_int_equal(kvf_ref_decode(&s, p, bytes, &sh2, NULL, ko, vo), KVF_EFORMAT);
     assert_non_null(strstr(kvf_last_error(), "n_tokens"));
     assert_int_equal(kvf_packed_check(&s, p, bytes, n, h + 1), KVF_EFORMAT);
     assert_non_null(strstr(kvf_last_error(), "n_heads"));
@@ -749,7 +749,7 @@ static void test_errors(void **state) {
         assert_int_equal(kvf_packed_check(&s, hd, 64, n, h), KVF_EFORMAT);
         if (!strstr(kvf_last_error(), names[i])) fail_msg("offset %zu: %s", offs[i], kvf_last_error());
     }
-    assert_int_equal(kvf_ref_decode(&s, p, bytes, &sh, ko, vo), KVF_OK);
+    assert_int_equal(kvf_ref_decode(&s, p, bytes, &sh, NULL, ko, vo), KVF_OK);
     free(k), free(v), free(ko), free(vo), free(p);
 }
 
@@ -781,8 +781,8 @@ static void test_not_implemented(void **state) {
         assert_non_null(strstr(kvf_last_error(), cases[i].msg));
         size_t b;
         assert_int_equal(kvf_packed_size(&s, 1, 1, &b), KVF_ENOTIMPL);
-        assert_int_equal(kvf_ref_encode(&s, x, x, &sh, buf, sizeof buf), KVF_ENOTIMPL);
-        assert_int_equal(kvf_ref_decode(&s, buf, sizeof buf, &sh, x, x), KVF_ENOTIMPL);
+        assert_int_equal(kvf_ref_encode(&s, x, x, &sh, NULL, buf, sizeof buf), KVF_ENOTIMPL);
+        assert_int_equal(kvf_ref_decode(&s, buf, sizeof buf, &sh, NULL, x, x), KVF_ENOTIMPL);
     }
 }
 
@@ -803,8 +803,8 @@ static void test_determinism(void **state) {
     uint8_t *a = malloc(bytes + 16), *b = malloc(bytes + 16);
     memset(a, 0x00, bytes + 16);
     memset(b, 0xa5, bytes + 16);
-    assert_int_equal(kvf_ref_encode(&s, k, v, &sh, a, bytes + 16), KVF_OK);
-    assert_int_equal(kvf_ref_encode(&s, k, v, &sh, b, bytes + 16), KVF_OK);
+    assert_int_equal(kvf_ref_encode(&s, k, v, &sh, NULL, a, bytes + 16), KVF_OK);
+    assert_int_equal(kvf_ref_encode(&s, k, v, &sh, NULL, b, bytes + 16), KVF_OK);
     assert_memory_equal(a, b, bytes);
     assert_int_equal(b[bytes], 0xa5); /* nothing written past total_bytes */
     free(k), free(v), free(a), free(b);
@@ -831,9 +831,9 @@ static void test_speed(void **state) {
     assert_int_equal(kvf_packed_size(&s, n, h, &bytes), KVF_OK);
     uint8_t *p = malloc(bytes);
     double t0 = now_s();
-    assert_int_equal(kvf_ref_encode(&s, k, v, &sh, p, bytes), KVF_OK);
+    assert_int_equal(kvf_ref_encode(&s, k, v, &sh, NULL, p, bytes), KVF_OK);
     double t1 = now_s();
-    assert_int_equal(kvf_ref_decode(&s, p, bytes, &sh, ko, vo), KVF_OK);
+    assert_int_equal(kvf_ref_decode(&s, p, bytes, &sh, NULL, ko, vo), KVF_OK);
     double t2 = now_s();
     print_message("8 x 4680 x 128 K+V: encode %.3f s, decode %.3f s\n", t1 - t0, t2 - t1);
     assert_true(t1 - t0 < 1.0);

@@ -184,8 +184,8 @@ static int demo_gpu(kvf_context *ctx, const uint16_t *k, const uint16_t *v, cons
     KVF_CU(cu, 0, cuMemcpyHtoD(dk, k, n));
     KVF_CU(cu, 0, cuMemcpyHtoD(dv, v, n));
     double t0 = now_ms();
-    if (!(rc = kvf_encode(ctx, (void *)dk, (void *)dv, sh, (void *)dp, packed_bytes, NULL)))
-        rc = kvf_decode(ctx, (void *)dp, packed_bytes, sh, (void *)dk2, (void *)dv2, NULL);
+    if (!(rc = kvf_encode(ctx, (void *)dk, (void *)dv, sh, NULL, (void *)dp, packed_bytes, NULL)))
+        rc = kvf_decode(ctx, (void *)dp, packed_bytes, sh, NULL, (void *)dk2, (void *)dv2, NULL);
     if (rc) return rc;
     KVF_CU(cu, 0, cuCtxSynchronize());
     *ms = now_ms() - t0;
@@ -229,8 +229,8 @@ static int cmd_demo(int argc, char **argv) {
         printf("backend: CPU reference (no GPU: %s)\n", why);
         if ((rc = kvf_context_create(s, KVF_DEVICE_CPU, &ctx))) return fail(rc);
         double t0 = now_ms();
-        if ((rc = kvf_encode(ctx, k, v, &sh, packed, packed_bytes, NULL)) ||
-            (rc = kvf_decode(ctx, packed, packed_bytes, &sh, k2, v2, NULL)))
+        if ((rc = kvf_encode(ctx, k, v, &sh, NULL, packed, packed_bytes, NULL)) ||
+            (rc = kvf_decode(ctx, packed, packed_bytes, &sh, NULL, k2, v2, NULL)))
             return fail(rc);
         ms = now_ms() - t0;
     }

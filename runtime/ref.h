@@ -1,0 +1,45 @@
+/*
+ * Building blocks of the CPU reference (docs/METHODS.md), one file per
+ * method. All host memory, f32 vectors of head_dim channels unless said.
+ * The orchestration (ref_encode.c) calls these per head and stage.
+ */
+#ifndef KVF_REF_H
+#define KVF_REF_H
+#include "internal.h"
+
+/* ref_hadamard.c: normalized Walsh-Hadamard transform in place (METHODS.md 5). */
+void kvf_ref_hadamard(float *x, int d);
+
+/* ref_rope.c: apply RoPE in place to one key vector (METHODS.md 6); pos has
+ * rope->n_sections (>= 1; 0 is read as 1) entries. */
+void kvf_ref_rope(float *x, int d, const kvf_rope_cfg *rope, const int32_t *pos);
+
+/* ref_kmeans.c: seeded strided init + Lloyd iterations over n vectors
+ * e[n][d] (f32); writes the final bf16 centroids cent[C][d] (C = min(c, n));
+ * (METHODS.md 3). */
+void kvf_ref_kmeans(const float *e, int64_t n, int d, int c, int iters, int64_t seed, int stage,
+                    int head, uint16_t *cent);
+/* Nearest centroid (f64 distance, ties to the lowest index). */
+int kvf_ref_nearest(const float *x, const uint16_t *cent, int c, int d);
+/* QSAC choice among the m best candidates by weighted distance (w: d weights). */
+int kvf_ref_qsac(const float *x, const uint16_t *cent, int c, int d, const float *w, int m,
+                 int group_size, int axis_groups_mode);
+
+/* ref_qstats.c: query statistics (kvf_ref_qstats_init/update in internal.h) and
+ * these accessors: M_h diagonal (count 0 -> all ones) and the basis. */
+int kvf_ref_qstats_weights(const void *qstats, int32_t head, int d, float *w);
+/* f32 U [d][r] and lambda [r] of a head; returns 0 when count_h == 0 (no basis). */
+int kvf_ref_qstats_basis(const void *qstats, int32_t head, int d, int r, const float **u,
+                         const float **lambda);
+/* Orthogonal iteration on a symmetric d x d matrix (METHODS.md 4): u [d][r]
+ * in/out, iters steps, then lambda sorted descending (columns reordered). */
+void kvf_ref_orthogonal_iteration(const float *m, int d, int r, int iters, float *u, float *lambda);
+
+/* ref_psac.c: PSAC of one token (METHODS.md 4): e = x - x_hat_0 [d]; ubf
+ * bf16 [d][r]; lambda [r]; writes coef int8 [r] and its fp16 scale (0 when
+ * not kept). Adds the correction of stored coefficients to y (decode). */
+void kvf_ref_psac_encode(const float *e, const uint16_t *ubf, const float *lambda, int d, int r,
+                         int8_t *coef, uint16_t *scale);
+void kvf_ref_psac_apply(float *y, const uint16_t *ubf, const int8_t *coef, uint16_t scale, int d, int r);
+
+#endif
