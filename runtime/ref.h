@@ -21,9 +21,10 @@ void kvf_ref_kmeans(const float *e, int64_t n, int d, int c, int iters, int64_t 
                     int head, uint16_t *cent);
 /* Nearest centroid (f64 distance, ties to the lowest index). */
 int kvf_ref_nearest(const float *x, const uint16_t *cent, int c, int d);
-/* QSAC choice among the m best candidates by weighted distance (w: d weights). */
-int kvf_ref_qsac(const float *x, const uint16_t *cent, int c, int d, const float *w, int m,
-                 int group_size, int axis_groups_mode);
+/* QSAC: the index chosen among the m best candidates by weighted distance
+ * (w: d channel weights), scored by the residual ranges of groups of
+ * group_size channels (METHODS.md 3). */
+int kvf_ref_qsac(const float *x, const uint16_t *cent, int c, int d, const float *w, int m, int group_size);
 
 /* ref_qstats.c: query statistics (kvf_ref_qstats_init/update in internal.h) and
  * these accessors: M_h diagonal (count 0 -> all ones) and the basis. */
