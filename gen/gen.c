@@ -72,10 +72,35 @@ char *kvf_buf_take(kvf_buf *b) {
 
 /* ---------------------------------------------------------------- naming */
 
-static const char *const kernel_suffix[KVF_KERNEL_COUNT] = {"encode_k", "encode_v", "decode_k", "decode_v"};
+const char *const kvf_role_names[KVF_ROLE_COUNT] = {
+    "header", "encode_k", "encode_v", "decode_k", "decode_v",
+    "k_prep", "k_init", "k_assign", "k_assign_qsac", "k_accumulate", "k_finalize", "k_reset", "k_pad", "k_residual",
+    "v_prep", "v_init", "v_assign", "v_assign_qsac", "v_accumulate", "v_finalize", "v_reset", "v_pad", "v_residual",
+    "qstats_init", "qstats_accumulate", "qstats_eigen", "psac_basis", "psac_encode", "qsac_weights",
+};
 
-void kvf_gen_kernel_name(const struct kvf_scheme *s, int kernel, char *buf, size_t len) {
-    snprintf(buf, len, "kvf_%s_%s", s->id, kernel_suffix[kernel]);
+void kvf_gen_kernel_name(const struct kvf_scheme *s, int role, char *buf, size_t len) {
+    snprintf(buf, len, "kvf_%s_%s", s->id, kvf_role_names[role]);
+}
+
+char kvf_section_path(const kvf_tensor_cfg *t) {
+    if (t->bits == 16) return 'A';
+    if (t->axis == KVF_AXIS_TOKEN) return 'T';
+    if (t->centroids > 0 || t->psac_rank > 0 || t->stages > 1) return 'B';
+    return 'A';
+}
+
+void kvf_gen_roles(const struct kvf_scheme *s, int present[KVF_ROLE_COUNT]) {
+    const kvf_tensor_cfg *sec[2] = {&s->key, &s->value};
+    memset(present, 0, sizeof(int) * KVF_ROLE_COUNT);
+    present[KVF_R_HEADER] = present[KVF_R_DECODE_K] = present[KVF_R_DECODE_V] = 1;
+    present[KVF_R_QSTATS_INIT] = present[KVF_R_QSTATS_ACCUMULATE] = present[KVF_R_QSTATS_EIGEN] = 1;
+    for (int t = 0; t < 2; t++) {
+        if (kvf_section_path(sec[t]) != 'B') { present[KVF_R_ENCODE_K + t] = 1; continue; }
+        for (int r = KVF_R_K_PREP; r <= KVF_R_K_RESIDUAL; r++) present[r + t * KVF_R_SECTION_STRIDE] = 1;
+    }
+    if (s->key.psac_rank > 0) present[KVF_R_PSAC_BASIS] = present[KVF_R_PSAC_ENCODE] = 1;
+    if (s->key.qsac_candidates > 1) present[KVF_R_QSAC_WEIGHTS] = 1;
 }
 
 static void upper_id(const struct kvf_scheme *s, char *buf, size_t len) {
@@ -85,6 +110,13 @@ static void upper_id(const struct kvf_scheme *s, char *buf, size_t len) {
 
 static const char *mode_macro(int mode) {
     return mode == KVF_MODE_SYMMETRIC ? "KVF_MODE_SYMMETRIC" : "KVF_MODE_AFFINE";
+}
+
+static const char *sfmt_macro(int f) { return f == KVF_SCALE_INT8_FP16 ? "KVF_SCALE_INT8_FP16" : "KVF_SCALE_FP16"; }
+
+static const char *rope_macro(const struct kvf_scheme *s, int is_key) {
+    if (!is_key || s->rope.placement != KVF_ROPE_PRE) return "KVF_ROPE_NONE";
+    return s->rope.layout == KVF_ROPE_INTERLEAVED ? "KVF_ROPE_INTERLEAVED" : "KVF_ROPE_HALF";
 }
 
 /* The first line of every generated file. Only the source's basename, so the
@@ -98,23 +130,55 @@ static void header_line(kvf_buf *b, const struct kvf_scheme *s, const char *comm
 
 /* ------------------------------------------------------------------ CUDA */
 
+/* One tensor section's encode instantiation. */
+static void gen_encode_section(kvf_buf *b, const struct kvf_scheme *s, int t) {
+    const kvf_tensor_cfg *c = t ? &s->value : &s->key;
+    char name[160];
+    int g = c->bits == 16 ? 8 : c->group_size;
+    switch (kvf_section_path(c)) {
+    case 'T':
+        kvf_gen_kernel_name(s, KVF_R_ENCODE_K + t, name, sizeof name);
+        kvf_buf_printf(b, "KVF_KIVI_ENCODE_KERNEL(%s, %d, %d, %d, %s)\n", name, s->head_dim, c->bits, g,
+                       mode_macro(c->mode));
+        break;
+    case 'B':
+        kvf_buf_printf(b, "KVF_KMEANS_KERNELS(kvf_%s_%c, %d, %d, %d, %d, %d, %s, %s, %d)\n", s->id, t ? 'v' : 'k',
+                       s->head_dim, c->rotation == KVF_ROTATION_HADAMARD, g, t ? 1 : c->qsac_candidates, c->bits,
+                       mode_macro(c->mode), sfmt_macro(c->scale_format), c->centroids);
+        break;
+    default:
+        kvf_gen_kernel_name(s, KVF_R_ENCODE_K + t, name, sizeof name);
+        kvf_buf_printf(b, "KVF_RTN_ENCODE_KERNEL(%s, %d, %d, %d, %s, %s, %d)\n", name, s->head_dim, c->bits, g,
+                       mode_macro(c->mode), sfmt_macro(c->scale_format), c->rotation == KVF_ROTATION_HADAMARD);
+    }
+}
+
+static void gen_decode_section(kvf_buf *b, const struct kvf_scheme *s, int t) {
+    const kvf_tensor_cfg *c = t ? &s->value : &s->key;
+    char name[160];
+    kvf_gen_kernel_name(s, KVF_R_DECODE_K + t, name, sizeof name);
+    kvf_buf_printf(b, "KVF_DECODE_KERNEL(%s, %d, %d, %d, %s, %s, %s, %d, %d, %d, %d, %s)\n", name, s->head_dim,
+                   c->bits, c->bits == 16 ? 8 : c->group_size, mode_macro(c->mode), sfmt_macro(c->scale_format),
+                   c->axis == KVF_AXIS_TOKEN ? "KVF_AXIS_TOKEN" : "KVF_AXIS_CHANNEL", c->centroids, c->stages,
+                   c->rotation == KVF_ROTATION_HADAMARD, c->psac_rank, rope_macro(s, t == 0));
+}
+
 static char *gen_cuda(const struct kvf_scheme *s) {
     kvf_buf b = {0};
     char name[160];
     header_line(&b, s, "//");
     kvf_buf_printf(&b, "// Scheme %s (hash %016llx): configuration and instantiations only;\n"
-                       "// the algorithm is in templates/kvf_rtn.cuh.\n",
+                       "// the algorithms are in the templates included below.\n",
                    s->name, (unsigned long long)s->hash);
-    kvf_buf_printf(&b, "#include \"kvf_rtn.cuh\"\n\n");
-    const kvf_tensor_cfg *sec[2] = {&s->key, &s->value};
-    for (int dir = 0; dir < 2; dir++)
-        for (int t = 0; t < 2; t++) {
-            int kernel = dir * 2 + t;
-            kvf_gen_kernel_name(s, kernel, name, sizeof name);
-            kvf_buf_printf(&b, "KVF_RTN_%s_KERNEL(%s, %d, %d, %d, %s)\n", dir ? "DECODE" : "ENCODE", name,
-                           s->head_dim, sec[t]->bits, sec[t]->bits == 16 ? 8 : sec[t]->group_size,
-                           mode_macro(sec[t]->mode));
-        }
+    kvf_buf_printf(&b, "#include \"kvf_rtn.cuh\"\n#include \"kvf_kivi.cuh\"\n#include \"kvf_kmeans.cuh\"\n"
+                       "#include \"kvf_psac.cuh\"\n#include \"kvf_decode.cuh\"\n\n");
+    kvf_gen_kernel_name(s, KVF_R_HEADER, name, sizeof name);
+    kvf_buf_printf(&b, "KVF_HEADER_KERNEL(%s)\n", name);
+    for (int t = 0; t < 2; t++) gen_encode_section(&b, s, t);
+    for (int t = 0; t < 2; t++) gen_decode_section(&b, s, t);
+    kvf_buf_printf(&b, "KVF_QSTATS_KERNELS(kvf_%s, %d, %d)\n", s->id, s->head_dim, s->key.psac_rank);
+    if (s->key.psac_rank > 0) kvf_buf_printf(&b, "KVF_PSAC_KERNELS(kvf_%s, %d, %d)\n", s->id, s->head_dim, s->key.psac_rank);
+    if (s->key.qsac_candidates > 1) kvf_buf_printf(&b, "KVF_QSAC_WEIGHTS_KERNEL(kvf_%s, %d)\n", s->id, s->head_dim);
     return kvf_buf_take(&b);
 }
 
@@ -142,10 +206,13 @@ static char *gen_h(const struct kvf_scheme *s, const kvf_layout *l) {
     kvf_buf_printf(&b, "#define %s_HEADER_BYTES %u\n", up, KVF_HEADER_BYTES);
     section_defines(&b, up, "KEY", &l->key);
     section_defines(&b, up, "VALUE", &l->value);
-    kvf_buf_printf(&b, "#define %s_KERNEL_COUNT %d\n\n", up, KVF_KERNEL_COUNT);
+    int present[KVF_ROLE_COUNT], n = 0;
+    kvf_gen_roles(s, present);
+    for (int r = 0; r < KVF_ROLE_COUNT; r++) n += present[r];
+    kvf_buf_printf(&b, "#define %s_KERNEL_COUNT %d\n\n", up, n);
     kvf_buf_printf(&b, "extern const char kvf_%s_scheme[];       /* canonical configuration */\n", s->id);
     kvf_buf_printf(&b, "extern const char kvf_%s_cuda_source[];  /* %s.cu, for JIT */\n", s->id, s->id);
-    kvf_buf_printf(&b, "extern const char *const kvf_%s_kernel_names[%d];\n\n", s->id, KVF_KERNEL_COUNT);
+    kvf_buf_printf(&b, "extern const char *const kvf_%s_kernel_names[%s_KERNEL_COUNT];\n\n", s->id, up);
     kvf_buf_printf(&b, "/* Load the scheme this file was generated from. */\n"
                        "int kvf_%s_load_scheme(kvf_scheme **out);\n", s->id);
     kvf_buf_printf(&b, "/* Encode/decode a head-major [n_heads][n_tokens][%d] BF16 chunk; fail with\n"
@@ -171,8 +238,11 @@ static char *gen_c(const struct kvf_scheme *s, const char *cuda) {
     kvf_buf_c_string(&b, s->canonical, strlen(s->canonical));
     kvf_buf_printf(&b, ";\n\nconst char kvf_%s_cuda_source[] =\n    ", s->id);
     kvf_buf_c_string(&b, cuda, strlen(cuda));
-    kvf_buf_printf(&b, ";\n\nconst char *const kvf_%s_kernel_names[%d] = {\n", s->id, KVF_KERNEL_COUNT);
-    for (int k = 0; k < KVF_KERNEL_COUNT; k++) {
+    kvf_buf_printf(&b, ";\n\nconst char *const kvf_%s_kernel_names[%s_KERNEL_COUNT] = {\n", s->id, up);
+    int present[KVF_ROLE_COUNT];
+    kvf_gen_roles(s, present);
+    for (int k = 0; k < KVF_ROLE_COUNT; k++) {
+        if (!present[k]) continue;
         kvf_gen_kernel_name(s, k, name, sizeof name);
         kvf_buf_printf(&b, "    \"%s\",\n", name);
     }

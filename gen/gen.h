@@ -9,13 +9,29 @@
 
 #include "internal.h"
 
-enum kvf_kernel_id {
-    KVF_KERNEL_ENCODE_K = 0,
-    KVF_KERNEL_ENCODE_V,
-    KVF_KERNEL_DECODE_K,
-    KVF_KERNEL_DECODE_V,
-    KVF_KERNEL_COUNT
+/* Kernels a scheme may need, by role. The entry of role R is named
+ * "kvf_<id>_<kvf_role_names[R]>"; kvf_gen_roles says which a scheme has. */
+enum kvf_role {
+    KVF_R_HEADER = 0,
+    KVF_R_ENCODE_K, KVF_R_ENCODE_V, KVF_R_DECODE_K, KVF_R_DECODE_V,
+    /* Workspace path (centroids, stages, PSAC): per section, K then V. */
+    KVF_R_K_PREP, KVF_R_K_INIT, KVF_R_K_ASSIGN, KVF_R_K_ASSIGN_QSAC, KVF_R_K_ACCUMULATE,
+    KVF_R_K_FINALIZE, KVF_R_K_RESET, KVF_R_K_PAD, KVF_R_K_RESIDUAL,
+    KVF_R_V_PREP, KVF_R_V_INIT, KVF_R_V_ASSIGN, KVF_R_V_ASSIGN_QSAC, KVF_R_V_ACCUMULATE,
+    KVF_R_V_FINALIZE, KVF_R_V_RESET, KVF_R_V_PAD, KVF_R_V_RESIDUAL,
+    KVF_R_QSTATS_INIT, KVF_R_QSTATS_ACCUMULATE, KVF_R_QSTATS_EIGEN,
+    KVF_R_PSAC_BASIS, KVF_R_PSAC_ENCODE, KVF_R_QSAC_WEIGHTS,
+    KVF_ROLE_COUNT
 };
+#define KVF_R_SECTION_STRIDE (KVF_R_V_PREP - KVF_R_K_PREP)
+extern const char *const kvf_role_names[KVF_ROLE_COUNT];
+
+/* How a tensor section is encoded: 'A' one RTN launch (QuaRot included), 'T'
+ * per-channel groups along tokens (KIVI), 'B' the workspace path (k-means,
+ * stages, PSAC). */
+char kvf_section_path(const kvf_tensor_cfg *t);
+/* present[r] = 1 for every role the scheme's generated source defines. */
+void kvf_gen_roles(const struct kvf_scheme *s, int present[KVF_ROLE_COUNT]);
 
 typedef struct kvf_gen_output {
     char *cu_name, *cu; /* "<id>.cu": configuration + instantiations */
@@ -29,7 +45,7 @@ void kvf_gen_output_free(kvf_gen_output *out);
 /* Write the three files into dir (created if missing). */
 int kvf_gen_write(const kvf_gen_output *out, const char *dir);
 /* Kernel entry name, e.g. "kvf_rtn_int2_1a2b3c4d_encode_k". */
-void kvf_gen_kernel_name(const struct kvf_scheme *s, int kernel, char *buf, size_t len);
+void kvf_gen_kernel_name(const struct kvf_scheme *s, int role, char *buf, size_t len);
 
 /* Growable string used by the generator and the exporter. */
 typedef struct kvf_buf { char *p; size_t len, cap; int oom; } kvf_buf;

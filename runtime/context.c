@@ -4,6 +4,7 @@
 #include "gen.h"
 #include "jit.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -16,7 +17,9 @@ struct kvf_context {
     CUdevice dev;
     CUcontext cuctx;
     CUmodule module;
-    CUfunction fn[KVF_KERNEL_COUNT];
+    CUfunction fn[KVF_ROLE_COUNT]; /* NULL where the scheme has no such kernel */
+    CUdeviceptr ws;                /* workspace of the k-means/PSAC path, grown on demand */
+    size_t ws_bytes;
 };
 
 int kvf_scheme_clone(const struct kvf_scheme *s, struct kvf_scheme **out) {
@@ -65,6 +68,9 @@ static int open_device(kvf_context *ctx, int *cc_major, int *cc_minor) {
     return KVF_OK;
 }
 
+/* Dynamic shared memory of kvf_kmeans::assign (templates/kvf_kmeans.cuh). */
+static size_t assign_smem(int d) { return (size_t)d * 256 * 2 + (size_t)d * 8 + 8 * 8 + 8 * 4 + 256 * 8 + 256 * 4; }
+
 static int load_module(kvf_context *ctx, const void *image) {
     const kvf_cuda_api *cu = ctx->cu;
     KVF_CU(cu, ctx->device, cuCtxPushCurrent(ctx->cuctx));
@@ -74,7 +80,10 @@ static int load_module(kvf_context *ctx, const void *image) {
         rc = kvf_cuda_fail(r, "cuModuleLoadData(&module, image)", __FILE__, __LINE__, ctx->device);
         ctx->module = NULL;
     }
-    for (int k = 0; k < KVF_KERNEL_COUNT && rc == KVF_OK; k++) {
+    int present[KVF_ROLE_COUNT];
+    kvf_gen_roles(ctx->scheme, present);
+    for (int k = 0; k < KVF_ROLE_COUNT && rc == KVF_OK; k++) {
+        if (!present[k]) continue;
         char name[160];
         kvf_gen_kernel_name(ctx->scheme, k, name, sizeof name);
         r = cu->cuModuleGetFunction(&ctx->fn[k], ctx->module, name);
@@ -82,6 +91,15 @@ static int load_module(kvf_context *ctx, const void *image) {
             rc = kvf_wrap_error(kvf_cuda_fail(r, "cuModuleGetFunction", __FILE__, __LINE__, ctx->device),
                                 "kernel %s not in the image (made for another scheme?)", name);
     }
+    /* The assignment kernels stage up to 256 centroids in shared memory. */
+    for (int t = 0; t < 2 && rc == KVF_OK; t++)
+        for (int k = KVF_R_K_ASSIGN; k <= KVF_R_K_ASSIGN_QSAC; k++) {
+            CUfunction f = ctx->fn[k + t * KVF_R_SECTION_STRIDE];
+            if (f && (r = cu->cuFuncSetAttribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                                 (int)assign_smem(ctx->scheme->head_dim))) != CUDA_SUCCESS)
+                rc = kvf_cuda_fail(r, "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)", __FILE__, __LINE__,
+                                   ctx->device);
+        }
     CUcontext popped;
     cu->cuCtxPopCurrent(&popped);
     return rc;
@@ -141,6 +159,7 @@ void kvf_context_destroy(kvf_context *ctx) {
         ctx->cu->cuModuleUnload(ctx->module);
         ctx->cu->cuCtxPopCurrent(&popped);
     }
+    if (ctx->ws) ctx->cu->cuMemFree(ctx->ws);
     if (ctx->cuctx) ctx->cu->cuDevicePrimaryCtxRelease(ctx->dev);
     kvf_scheme_free(ctx->scheme);
     free(ctx);
@@ -148,19 +167,17 @@ void kvf_context_destroy(kvf_context *ctx) {
 
 /* ------------------------------------------------------------- launches */
 
-enum { BLOCK = 256, VEC = 8 }; /* templates/kvf_rtn.cuh: kvf_rtn::BLOCK, VEC */
+enum { BLOCK = 256, VEC = 8 }; /* the templates' block size and channels per lane */
 
-static int check_device_args(const kvf_context *ctx, const void *a, const void *b, const void *packed,
-                             const kvf_shape *sh, const char *fn) {
+static int check_device_args(const void *a, const void *b, const void *packed, const kvf_shape *sh, const char *fn) {
     if (((uintptr_t)a | (uintptr_t)b | (uintptr_t)packed) & 15u)
         return kvf_set_error(KVF_EINVAL, "%s: K, V and packed pointers must be 16-byte aligned", fn);
     if ((sh->token_stride | sh->head_stride) & (VEC - 1))
         return kvf_set_error(KVF_EINVAL, "%s: token_stride and head_stride must be multiples of 8 (got %lld, %lld)",
                              fn, (long long)sh->token_stride, (long long)sh->head_stride);
-    if (sh->n_tokens > INT32_MAX || (int64_t)sh->n_tokens * sh->n_heads > (int64_t)INT32_MAX * BLOCK)
+    if (sh->n_tokens > INT32_MAX || (int64_t)sh->n_tokens * sh->n_heads > (int64_t)INT32_MAX * BLOCK / 32)
         return kvf_set_error(KVF_EINVAL, "%s: %lld tokens x %d heads is too large for one launch", fn,
                              (long long)sh->n_tokens, sh->n_heads);
-    (void)ctx;
     return KVF_OK;
 }
 
@@ -174,30 +191,182 @@ static int prepare(const kvf_context *ctx, const void *a, const void *b, const v
     if (packed_bytes < l->total_bytes)
         return kvf_set_error(KVF_ERANGE, "%s: packed buffer has %zu bytes, %lld tokens x %d heads need %zu", fn,
                              packed_bytes, (long long)sh->n_tokens, sh->n_heads, l->total_bytes);
-    if (ctx->device != KVF_DEVICE_CPU) return check_device_args(ctx, a, b, packed, sh, fn);
+    if (ctx->device != KVF_DEVICE_CPU) return check_device_args(a, b, packed, sh, fn);
     return KVF_OK;
 }
 
-static unsigned grid_for(const kvf_context *ctx, const kvf_shape *sh) {
-    int64_t rows_per_block = BLOCK / (ctx->scheme->head_dim / VEC);
-    return (unsigned)(((int64_t)sh->n_tokens * sh->n_heads + rows_per_block - 1) / rows_per_block);
+static unsigned blocks_for(int64_t items, int64_t per_block) {
+    return (unsigned)((items + per_block - 1) / per_block);
 }
 
-static int launch(kvf_context *ctx, int kernel, unsigned grid, void **args, void *stream) {
+/* Rows of D channels, D/8 lanes each, BLOCK threads per block. */
+static unsigned row_grid(const kvf_context *ctx, const kvf_shape *sh) {
+    return blocks_for((int64_t)sh->n_tokens * sh->n_heads, BLOCK / (ctx->scheme->head_dim / VEC));
+}
+
+static int launch3(kvf_context *ctx, int role, unsigned gx, unsigned gy, unsigned gz, unsigned block, unsigned smem,
+                   void **args, void *stream) {
     const kvf_cuda_api *cu = ctx->cu;
+    if (!ctx->fn[role])
+        return kvf_set_error(KVF_EINVAL, "scheme %s has no %s kernel", ctx->scheme->id, kvf_role_names[role]);
+    if (!gx || !gy || !gz) return KVF_OK;
     KVF_CU(cu, ctx->device, cuCtxPushCurrent(ctx->cuctx));
-    CUresult r = cu->cuLaunchKernel(ctx->fn[kernel], grid, 1, 1, BLOCK, 1, 1, 0, (CUstream)stream, args, NULL);
+    CUresult r = cu->cuLaunchKernel(ctx->fn[role], gx, gy, gz, block, 1, 1, smem, (CUstream)stream, args, NULL);
     CUcontext popped;
     cu->cuCtxPopCurrent(&popped);
-    if (r != CUDA_SUCCESS) return kvf_cuda_fail(r, "cuLaunchKernel", __FILE__, __LINE__, ctx->device);
+    if (r != CUDA_SUCCESS) {
+        char what[200];
+        snprintf(what, sizeof what, "cuLaunchKernel(%s)", kvf_role_names[role]);
+        return kvf_cuda_fail(r, what, __FILE__, __LINE__, ctx->device);
+    }
     return KVF_OK;
 }
 
-typedef struct { uint64_t codes, scales, zeros; } planes_arg; /* kvf_planes */
+static int launch(kvf_context *ctx, int role, unsigned grid, void **args, void *stream) {
+    return launch3(ctx, role, grid, 1, 1, BLOCK, 0, args, stream);
+}
 
-static planes_arg planes_of(const kvf_section_layout *s) {
-    planes_arg p = {s->codes_off, s->scales_off, s->zeros_off};
-    return p;
+/* The templates' plane structs (kvf_quant::stage_planes, kvf_decode::section_planes). */
+typedef struct { uint64_t codes, scales, tscales, zeros, index, centroids; } stage_arg;
+typedef struct { stage_arg stage[KVF_MAX_STAGES]; uint64_t basis, coef, cscale; } section_arg;
+typedef struct { double log2_theta; int32_t n_sections, sections[4]; } rope_arg;
+typedef struct { uint64_t count, msum, u, lambda; int32_t n_heads, d, r, pad; } qstats_arg;
+
+static stage_arg stage_of(const kvf_stage_layout *s) {
+    stage_arg a = {s->codes_off, s->scales_off, s->tscales_off, s->zeros_off, s->index_off, s->centroids_off};
+    return a;
+}
+
+static section_arg section_of(const kvf_section_layout *l) {
+    section_arg a;
+    memset(&a, 0, sizeof a);
+    for (int s = 0; s < KVF_MAX_STAGES; s++) a.stage[s] = stage_of(&l->stage[s]);
+    a.basis = l->basis_off;
+    a.coef = l->coef_off;
+    a.cscale = l->cscale_off;
+    return a;
+}
+
+static int qstats_arg_of(const kvf_scheme *s, int32_t n_heads, qstats_arg *q, size_t *total) {
+    kvf_qstats_layout l;
+    int rc = kvf_qstats_layout_compute(s, n_heads, &l);
+    if (rc) return rc;
+    qstats_arg a = {l.count_off, l.msum_off, l.u_off, l.lambda_off, l.n_heads, l.head_dim, l.rank, 0};
+    *q = a;
+    *total = l.total_bytes;
+    return KVF_OK;
+}
+
+/* Workspace of the k-means path: e, idx, sums, counts, weights (docs/METHODS.md). */
+typedef struct { CUdeviceptr e, idx, acc, cnt, w; } ws_parts;
+
+static int workspace(kvf_context *ctx, const kvf_shape *sh, ws_parts *p) {
+    const int64_t rows = (int64_t)sh->n_tokens * sh->n_heads, d = ctx->scheme->head_dim;
+    size_t off[6], need = 0;
+    const size_t sizes[5] = {(size_t)(rows * d * 4), (size_t)rows * 4, (size_t)sh->n_heads * 256 * d * 8,
+                             (size_t)sh->n_heads * 256 * 4, (size_t)(sh->n_heads * d * 4)};
+    for (int i = 0; i < 5; i++) { off[i] = need; need += (sizes[i] + 255) & ~(size_t)255; }
+    if (need > ctx->ws_bytes) {
+        const kvf_cuda_api *cu = ctx->cu;
+        KVF_CU(cu, ctx->device, cuCtxPushCurrent(ctx->cuctx));
+        if (ctx->ws) cu->cuMemFree(ctx->ws); /* synchronizes: earlier launches are done with it */
+        ctx->ws = 0;
+        ctx->ws_bytes = 0;
+        CUresult r = cu->cuMemAlloc(&ctx->ws, need);
+        CUcontext popped;
+        cu->cuCtxPopCurrent(&popped);
+        if (r != CUDA_SUCCESS) return kvf_cuda_fail(r, "cuMemAlloc(workspace)", __FILE__, __LINE__, ctx->device);
+        ctx->ws_bytes = need;
+    }
+    p->e = ctx->ws + off[0];
+    p->idx = ctx->ws + off[1];
+    p->acc = ctx->ws + off[2];
+    p->cnt = ctx->ws + off[3];
+    p->w = ctx->ws + off[4];
+    return KVF_OK;
+}
+
+/* k-means of one stage (METHODS.md 3): init, Lloyd steps, final assignment. */
+static int kmeans_stage(kvf_context *ctx, int t, int stage, const kvf_shape *sh, const ws_parts *ws, CUdeviceptr packed,
+                        const kvf_stage_layout *sl, CUdeviceptr weights, void *stream) {
+    const kvf_tensor_cfg *c = t ? &ctx->scheme->value : &ctx->scheme->key;
+    const int base = t * KVF_R_SECTION_STRIDE, d = ctx->scheme->head_dim;
+    int nh = sh->n_heads;
+    int n = (int)sh->n_tokens, c_alloc = c->centroids, c_eff = n < c_alloc ? n : c_alloc, rc;
+    long long seed = (long long)c->seed;
+    CUdeviceptr cent = packed + sl->centroids_off, idx_plane = packed + sl->index_off, nul = 0;
+    unsigned g_cd = blocks_for((int64_t)nh * c_eff * d, BLOCK), g_tok = blocks_for(n, 16);
+    unsigned smem = (unsigned)assign_smem(d);
+    void *a_init[] = {(void *)&ws->e, &n, &nh, &c_eff, &seed, &stage, &cent, &c_alloc};
+    if ((rc = launch(ctx, KVF_R_K_INIT + base, g_cd, a_init, stream))) return rc;
+    for (int it = 0; it < c->kmeans_iters; it++) {
+        void *a_as[] = {(void *)&ws->e, &n, &c_eff, &cent, &c_alloc, (void *)&ws->idx, &nul};
+        void *a_rs[] = {&nh, &c_eff, (void *)&ws->acc, (void *)&ws->cnt};
+        void *a_ac[] = {(void *)&ws->e, (void *)&ws->idx, &n, &nh, &c_eff, (void *)&ws->acc, (void *)&ws->cnt};
+        void *a_fi[] = {&nh, &c_eff, (void *)&ws->acc, (void *)&ws->cnt, &cent, &c_alloc};
+        if ((rc = launch3(ctx, KVF_R_K_ASSIGN + base, g_tok, (unsigned)nh, 1, BLOCK, smem, a_as, stream)) ||
+            (rc = launch(ctx, KVF_R_K_RESET + base, g_cd, a_rs, stream)) ||
+            (rc = launch(ctx, KVF_R_K_ACCUMULATE + base, blocks_for((int64_t)nh * n * d, BLOCK), a_ac, stream)) ||
+            (rc = launch(ctx, KVF_R_K_FINALIZE + base, g_cd, a_fi, stream)))
+            return rc;
+    }
+    if (t == 0 && stage == 0 && c->qsac_candidates > 1) {
+        void *a_q[] = {(void *)&ws->e, &n, &c_eff, &cent, &c_alloc, &idx_plane, &weights};
+        rc = launch3(ctx, KVF_R_K_ASSIGN_QSAC, g_tok, (unsigned)nh, 1, BLOCK, smem, a_q, stream);
+    } else {
+        void *a_as[] = {(void *)&ws->e, &n, &c_eff, &cent, &c_alloc, &nul, &idx_plane};
+        rc = launch3(ctx, KVF_R_K_ASSIGN + base, g_tok, (unsigned)nh, 1, BLOCK, smem, a_as, stream);
+    }
+    if (rc || c_eff == c_alloc) return rc;
+    void *a_pad[] = {&nh, &c_eff, &c_alloc, &cent};
+    return launch(ctx, KVF_R_K_PAD + base, blocks_for((int64_t)nh * (c_alloc - c_eff) * d, BLOCK), a_pad, stream);
+}
+
+/* The workspace path of one section: prep, stages, then PSAC for keys. */
+static int encode_workspace(kvf_context *ctx, int t, const void *x, const kvf_shape *sh, const void *qstats,
+                            CUdeviceptr packed, const kvf_section_layout *l, void *stream) {
+    const kvf_tensor_cfg *c = t ? &ctx->scheme->value : &ctx->scheme->key;
+    const int base = t * KVF_R_SECTION_STRIDE;
+    int n = (int)sh->n_tokens, nh = sh->n_heads, rc;
+    ws_parts ws;
+    if ((rc = workspace(ctx, sh, &ws))) return rc;
+    qstats_arg q = {0};
+    size_t q_total = 0;
+    CUdeviceptr qs = (CUdeviceptr)(uintptr_t)qstats;
+    if ((t == 0 && (c->psac_rank > 0 || c->qsac_candidates > 1)) &&
+        (rc = qstats_arg_of(ctx->scheme, nh, &q, &q_total)))
+        return rc;
+    void *a_prep[] = {(void *)&x, (void *)&sh->token_stride, (void *)&sh->head_stride, &n, &nh, (void *)&ws.e};
+    if ((rc = launch(ctx, KVF_R_K_PREP + base, row_grid(ctx, sh), a_prep, stream))) return rc;
+    if (t == 0 && c->qsac_candidates > 1) {
+        void *a_w[] = {&qs, &q, &nh, (void *)&ws.w};
+        if ((rc = launch(ctx, KVF_R_QSAC_WEIGHTS, blocks_for((int64_t)nh * ctx->scheme->head_dim, BLOCK), a_w, stream)))
+            return rc;
+    }
+    for (int s = 0; s < c->stages; s++) {
+        if (c->centroids > 0 && (rc = kmeans_stage(ctx, t, s, sh, &ws, packed, &l->stage[s], ws.w, stream))) return rc;
+        stage_arg planes = stage_of(&l->stage[s]);
+        int write_e = s + 1 < c->stages || c->psac_rank > 0;
+        void *a_res[] = {(void *)&ws.e, &n, &nh, &packed, &planes, &write_e};
+        if ((rc = launch(ctx, KVF_R_K_RESIDUAL + base, row_grid(ctx, sh), a_res, stream))) return rc;
+    }
+    if (t == 1 || c->psac_rank == 0) return KVF_OK;
+    const int r = c->psac_rank;
+    CUdeviceptr basis = packed + l->basis_off;
+    uint64_t basis_off = l->basis_off, coef_off = l->coef_off, cscale_off = l->cscale_off;
+    void *a_b[] = {&qs, &q, &nh, &basis};
+    void *a_p[] = {(void *)&ws.e, &n, &nh, &qs, &q, &packed, &basis_off, &coef_off, &cscale_off};
+    if ((rc = launch(ctx, KVF_R_PSAC_BASIS, blocks_for((int64_t)nh * ctx->scheme->head_dim * r, BLOCK), a_b, stream)))
+        return rc;
+    return launch(ctx, KVF_R_PSAC_ENCODE, blocks_for((int64_t)n * nh * r, BLOCK), a_p, stream);
+}
+
+static int check_qstats_arg(kvf_context *ctx, const void *qstats, int32_t n_heads) {
+    const kvf_tensor_cfg *k = &ctx->scheme->key;
+    if (!qstats || !(k->psac_rank > 0 || k->qsac_candidates > 1)) return KVF_OK;
+    if ((uintptr_t)qstats & 15u) return kvf_set_error(KVF_EINVAL, "kvf_encode: qstats must be 16-byte aligned");
+    (void)n_heads;
+    return KVF_OK;
 }
 
 int kvf_encode(kvf_context *ctx, const void *k, const void *v, const kvf_shape *shape, const void *qstats,
@@ -207,20 +376,48 @@ int kvf_encode(kvf_context *ctx, const void *k, const void *v, const kvf_shape *
     int rc = prepare(ctx, k, v, packed, packed_bytes, shape, &sh, &l, "kvf_encode");
     if (rc) return rc;
     if (ctx->device == KVF_DEVICE_CPU) return kvf_ref_encode(ctx->scheme, k, v, &sh, qstats, packed, packed_bytes);
+    if ((rc = check_qstats_arg(ctx, qstats, sh.n_heads))) return rc;
     kvf_packed_header hdr;
     kvf_header_fill(ctx->scheme, &l, &hdr);
-    int n_tokens = (int)sh.n_tokens, n_heads = sh.n_heads;
-    unsigned grid = grid_for(ctx, &sh);
+    int n_tokens = (int)sh.n_tokens, n_heads = sh.n_heads, header_written = 0;
     const void *src[2] = {k, v};
     const kvf_section_layout *sec[2] = {&l.key, &l.value};
+    const kvf_tensor_cfg *cfg[2] = {&ctx->scheme->key, &ctx->scheme->value};
+    CUdeviceptr dp = (CUdeviceptr)(uintptr_t)packed;
     for (int t = 0; t < 2; t++) {
-        planes_arg planes = planes_of(sec[t]);
-        int write_header = t == 0;
+        char path = kvf_section_path(cfg[t]);
+        if (path == 'B') {
+            if (!header_written) {
+                void *a_h[] = {&packed, &hdr};
+                if ((rc = launch(ctx, KVF_R_HEADER, 1, a_h, stream))) return rc;
+                header_written = 1;
+            }
+            if ((rc = encode_workspace(ctx, t, src[t], &sh, qstats, dp, sec[t], stream))) return rc;
+            continue;
+        }
+        stage_arg planes = stage_of(&sec[t]->stage[0]);
+        int write_header = !header_written;
+        header_written = 1;
         void *args[] = {(void *)&src[t], &sh.token_stride, &sh.head_stride, &n_tokens, &n_heads, &packed,
                         &planes, &write_header, &hdr};
-        if ((rc = launch(ctx, KVF_KERNEL_ENCODE_K + t, grid, args, stream))) return rc;
+        unsigned grid = path == 'T' ? blocks_for(((int64_t)n_tokens + cfg[t]->group_size - 1) / cfg[t]->group_size *
+                                                     n_heads, BLOCK / (ctx->scheme->head_dim / VEC))
+                                    : row_grid(ctx, &sh);
+        if ((rc = launch(ctx, KVF_R_ENCODE_K + t, grid, args, stream))) return rc;
     }
     return KVF_OK;
+}
+
+static rope_arg rope_of(const kvf_scheme *s) {
+    rope_arg r;
+    memset(&r, 0, sizeof r);
+    r.log2_theta = log2(s->rope.theta > 0 ? s->rope.theta : 10000.0);
+    r.n_sections = s->rope.n_sections > 0 ? s->rope.n_sections : 1;
+    if (s->rope.n_sections > 0)
+        for (int i = 0; i < s->rope.n_sections && i < 4; i++) r.sections[i] = s->rope.sections[i];
+    else
+        r.sections[0] = s->head_dim / 2;
+    return r;
 }
 
 int kvf_decode(kvf_context *ctx, const void *packed, size_t packed_bytes, const kvf_shape *shape,
@@ -229,15 +426,78 @@ int kvf_decode(kvf_context *ctx, const void *packed, size_t packed_bytes, const 
     kvf_layout l;
     int rc = prepare(ctx, k_out, v_out, packed, packed_bytes, shape, &sh, &l, "kvf_decode");
     if (rc) return rc;
-    if (ctx->device == KVF_DEVICE_CPU) return kvf_ref_decode(ctx->scheme, packed, packed_bytes, &sh, positions, k_out, v_out);
+    if (ctx->scheme->rope.placement == KVF_ROPE_PRE && ctx->scheme->key.bits < 16 && !positions)
+        return kvf_set_error(KVF_EINVAL, "kvf_decode: scheme %s caches keys before RoPE: positions are required",
+                             ctx->scheme->name);
+    if (ctx->device == KVF_DEVICE_CPU)
+        return kvf_ref_decode(ctx->scheme, packed, packed_bytes, &sh, positions, k_out, v_out);
     int n_tokens = (int)sh.n_tokens, n_heads = sh.n_heads;
-    unsigned grid = grid_for(ctx, &sh);
+    unsigned grid = row_grid(ctx, &sh);
     void *dst[2] = {k_out, v_out};
     const kvf_section_layout *sec[2] = {&l.key, &l.value};
+    rope_arg rope = rope_of(ctx->scheme);
     for (int t = 0; t < 2; t++) {
-        planes_arg planes = planes_of(sec[t]);
-        void *args[] = {(void *)&packed, &planes, &n_tokens, &n_heads, &dst[t], &sh.token_stride, &sh.head_stride};
-        if ((rc = launch(ctx, KVF_KERNEL_DECODE_K + t, grid, args, stream))) return rc;
+        section_arg planes = section_of(sec[t]);
+        void *args[] = {(void *)&packed, &planes, &n_tokens, &n_heads, &dst[t], &sh.token_stride, &sh.head_stride,
+                        (void *)&positions, &rope};
+        if ((rc = launch(ctx, KVF_R_DECODE_K + t, grid, args, stream))) return rc;
     }
     return KVF_OK;
+}
+
+/* ------------------------------------------------------- query statistics */
+
+int kvf_qstats_init(kvf_context *ctx, void *qstats, size_t bytes, int32_t n_kv_heads, void *stream) {
+    if (!ctx || !qstats || n_kv_heads < 1)
+        return kvf_set_error(KVF_EINVAL, "kvf_qstats_init: NULL context or buffer, or n_kv_heads < 1");
+    if (ctx->device == KVF_DEVICE_CPU) return kvf_ref_qstats_init(ctx->scheme, qstats, bytes, n_kv_heads);
+    qstats_arg q;
+    size_t total;
+    int rc = qstats_arg_of(ctx->scheme, n_kv_heads, &q, &total);
+    if (rc) return rc;
+    if (bytes < total)
+        return kvf_set_error(KVF_ERANGE, "kvf_qstats_init: buffer has %zu bytes, %d heads need %zu", bytes,
+                             n_kv_heads, total);
+    if ((uintptr_t)qstats & 15u) return kvf_set_error(KVF_EINVAL, "kvf_qstats_init: buffer must be 16-byte aligned");
+    uint64_t tot = total;
+    void *args[] = {&qstats, &tot, &q};
+    return launch(ctx, KVF_R_QSTATS_INIT, blocks_for((int64_t)(total / 8), BLOCK) > 1024 ? 1024 : blocks_for((int64_t)(total / 8), BLOCK), args, stream);
+}
+
+int kvf_qstats_update(kvf_context *ctx, void *qstats, size_t bytes, const void *q, const kvf_shape *q_shape,
+                      void *stream) {
+    if (!ctx || !qstats || !q || !q_shape)
+        return kvf_set_error(KVF_EINVAL, "kvf_qstats_update: NULL context, buffer, queries or shape");
+    if (ctx->device == KVF_DEVICE_CPU) return kvf_ref_qstats_update(ctx->scheme, qstats, bytes, q, q_shape);
+    /* The KV head count is the buffer's: read it from the header. */
+    const kvf_cuda_api *cu = ctx->cu;
+    uint32_t hdr[5];
+    KVF_CU(cu, ctx->device, cuCtxPushCurrent(ctx->cuctx));
+    CUresult r = cu->cuMemcpyDtoH(hdr, (CUdeviceptr)(uintptr_t)qstats, sizeof hdr);
+    CUcontext popped;
+    cu->cuCtxPopCurrent(&popped);
+    if (r != CUDA_SUCCESS) return kvf_cuda_fail(r, "cuMemcpyDtoH(qstats header)", __FILE__, __LINE__, ctx->device);
+    if (hdr[0] != KVF_QSTATS_MAGIC)
+        return kvf_set_error(KVF_EFORMAT, "kvf_qstats_update: buffer was not made by kvf_qstats_init");
+    int32_t n_kv = (int32_t)hdr[2];
+    qstats_arg qa;
+    size_t total;
+    kvf_shape sh;
+    int rc = qstats_arg_of(ctx->scheme, n_kv, &qa, &total);
+    if (rc) return rc;
+    if (bytes < total || (int)hdr[3] != ctx->scheme->head_dim)
+        return kvf_set_error(KVF_EFORMAT, "kvf_qstats_update: buffer made for %u heads x d=%u, not this scheme", hdr[2], hdr[3]);
+    if ((rc = kvf_shape_resolve(q_shape, ctx->scheme->head_dim, &sh))) return kvf_wrap_error(rc, "kvf_qstats_update");
+    if (sh.n_heads % n_kv)
+        return kvf_set_error(KVF_EINVAL, "kvf_qstats_update: %d query heads is not a multiple of %d KV heads",
+                             sh.n_heads, n_kv);
+    if ((rc = check_device_args(q, q, qstats, &sh, "kvf_qstats_update"))) return rc;
+    int n = (int)sh.n_tokens, group = sh.n_heads / n_kv, d = ctx->scheme->head_dim;
+    double added = (double)sh.n_tokens * group;
+    void *a_acc[] = {(void *)&q, &sh.token_stride, &sh.head_stride, &n, &group, &qstats, &qa};
+    void *a_eig[] = {&qstats, &qa, &added};
+    if ((rc = launch3(ctx, KVF_R_QSTATS_ACCUMULATE, (unsigned)(d / 16), (unsigned)(d / 16), (unsigned)n_kv, BLOCK, 0,
+                      a_acc, stream)))
+        return rc;
+    return launch3(ctx, KVF_R_QSTATS_EIGEN, (unsigned)n_kv, 1, 1, BLOCK, 0, a_eig, stream);
 }

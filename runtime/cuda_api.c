@@ -46,6 +46,7 @@ static int load_cuda_locked(void) {
     SYM(lib, a, cuModuleLoadData, "cuModuleLoadData");
     SYM(lib, a, cuModuleUnload, "cuModuleUnload");
     SYM(lib, a, cuModuleGetFunction, "cuModuleGetFunction");
+    SYM(lib, a, cuFuncSetAttribute, "cuFuncSetAttribute");
     SYM(lib, a, cuLaunchKernel, "cuLaunchKernel");
     SYM(lib, a, cuGetErrorName, "cuGetErrorName");
     SYM(lib, a, cuGetErrorString, "cuGetErrorString");

@@ -75,8 +75,67 @@ __device__ __forceinline__ float kvf_group_min(float v) {
     return v;
 }
 
+// Eight consecutive bf16 values: one 16-byte load or store.
+__device__ __forceinline__ void kvf_load8(const u16 *p, u16 v[8]) {
+    uint4 w = *(const uint4 *)p;
+    u32 a[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) { v[2 * i] = (u16)(a[i] & 0xffffu); v[2 * i + 1] = (u16)(a[i] >> 16); }
+}
+
+__device__ __forceinline__ void kvf_store8(u16 *p, const u16 v[8]) {
+    uint4 w;
+    w.x = v[0] | ((u32)v[1] << 16); w.y = v[2] | ((u32)v[3] << 16);
+    w.z = v[4] | ((u32)v[5] << 16); w.w = v[6] | ((u32)v[7] << 16);
+    *(uint4 *)p = w;
+}
+
+__device__ __forceinline__ void kvf_load8f(const u16 *p, float f[8]) {
+    u16 v[8];
+    kvf_load8(p, v);
+#pragma unroll
+    for (int i = 0; i < 8; i++) f[i] = kvf_bf16_to_f32(v[i]);
+}
+
+// The normalized Walsh-Hadamard transform of one row of D channels held as 8
+// consecutive channels per lane over D/8 consecutive lanes (METHODS.md 5):
+// butterflies of stride < 8 inside the lane, the rest across lanes, each
+// element getting exactly the (a + b) or (a - b) the CPU reference computes.
+template <int D>
+__device__ __forceinline__ void kvf_fwht_row(float x[8], int lane) {
+#pragma unroll
+    for (int len = 1; len < 8; len <<= 1)
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+            if (!(i & len)) {
+                float a = x[i], b = x[i + len];
+                x[i] = __fadd_rn(a, b);
+                x[i + len] = __fsub_rn(a, b);
+            }
+#pragma unroll
+    for (int len = 8; len < D; len <<= 1) {
+        const int mask = len / 8;
+        const bool low = !(lane & mask);
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            float other = __shfl_xor_sync(0xffffffffu, x[i], mask);
+            x[i] = low ? __fadd_rn(x[i], other) : __fsub_rn(other, x[i]);
+        }
+    }
+    const float norm = D == 64 ? 0.125f : D == 128 ? 0.088388347648f : 0.0625f;
+#pragma unroll
+    for (int i = 0; i < 8; i++) x[i] = __fmul_rn(x[i], norm);
+}
+
 __device__ __forceinline__ void kvf_write_header(u8 *packed, const kvf_header_words &h) {
     u64 *p = (u64 *)packed;
 #pragma unroll
     for (int i = 0; i < 8; i++) p[i] = h.w[i];
 }
+
+// A kernel that writes the packed header (the methods whose encoders run as
+// several launches write it first).
+#define KVF_HEADER_KERNEL(NAME)                                                     \
+    extern "C" __global__ void NAME(u8 *packed, kvf_header_words hdr) {            \
+        if (threadIdx.x == 0 && blockIdx.x == 0) kvf_write_header(packed, hdr);    \
+    }

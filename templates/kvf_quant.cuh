@@ -1,0 +1,159 @@
+// kvforge kernel template: the group quantizer shared by every method.
+//
+// One lane holds 8 consecutive channels of one row (token, head); G/8 lanes
+// make a group, D/8 lanes a row. Formats (docs/FORMAT.md, METHODS.md 2):
+// fp16 scale + fp16 offset (affine) or fp16 scale (symmetric); or QuantWM's
+// two-level int8 group scale under an fp16 token scale, with an int8 zero
+// code (affine). runtime/ref_rtn.c is the CPU reference.
+#pragma once
+#include "kvf_common.cuh"
+
+#define KVF_SCALE_FP16 0
+#define KVF_SCALE_INT8_FP16 1
+
+namespace kvf_quant {
+
+// What one lane contributes to the planes of its row.
+struct lane_out {
+    u32 q[8];    // codes
+    u16 scale;   // fp16 scale, or u8 group scale code (int8_fp16)
+    u16 zero;    // fp16 offset, or int8 zero code (int8_fp16, as u16 low byte)
+    u16 tscale;  // fp16 token scale (int8_fp16)
+};
+
+// Quantize 8 values of a lane. LPR = lanes per row, LPG = lanes per group.
+template <int BITS, int LPG, int LPR, int MODE, int SFMT>
+__device__ __forceinline__ void encode8(const float v[8], lane_out &o) {
+    constexpr int L = (1 << BITS) - 1, QMAX = (1 << (BITS - 1)) - 1;
+    float mn = v[0], mx = v[0], a = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; i++) { mn = fminf(mn, v[i]); mx = fmaxf(mx, v[i]); a = fmaxf(a, fabsf(v[i])); }
+    if (MODE == KVF_MODE_AFFINE) {
+        mn = kvf_plus_zero(kvf_group_min<LPG>(mn));
+        mx = kvf_plus_zero(kvf_group_max<LPG>(mx));
+    } else {
+        a = kvf_group_max<LPG>(a);
+    }
+    const float s = MODE == KVF_MODE_AFFINE ? __fdiv_rn(__fsub_rn(mx, mn), (float)L) : __fdiv_rn(a, (float)QMAX);
+    o.tscale = 0;
+    if (SFMT == KVF_SCALE_FP16) {
+        o.scale = kvf_stored_f16(s);
+        const float S = kvf_f16_to_f32(o.scale);
+        if (MODE == KVF_MODE_AFFINE) {
+            o.zero = kvf_stored_f16(mn);
+            const float M = kvf_f16_to_f32(o.zero);
+#pragma unroll
+            for (int i = 0; i < 8; i++)
+                o.q[i] = S > 0.0f ? (u32)kvf_clamp(kvf_rint(__fdiv_rn(__fsub_rn(v[i], M), S)), 0.0f, (float)L) : 0u;
+        } else {
+            o.zero = 0;
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                int qi = S > 0.0f ? (int)kvf_clamp(kvf_rint(__fdiv_rn(v[i], S)), (float)-QMAX, (float)QMAX) : 0;
+                o.q[i] = (u32)(qi + QMAX);
+            }
+        }
+        return;
+    }
+    // Two-level: the token scale is the largest group scale over 127.
+    const float smax = kvf_group_max<LPR>(s);
+    o.tscale = kvf_stored_f16(__fdiv_rn(smax, 127.0f));
+    const float T = kvf_f16_to_f32(o.tscale);
+    const float u = T > 0.0f ? kvf_clamp(ceilf(__fdiv_rn(s, T)), 1.0f, 127.0f) : 0.0f;
+    o.scale = (u16)u;
+    const float S = __fmul_rn(T, u);
+    if (MODE == KVF_MODE_AFFINE) {
+        const float z = S > 0.0f ? kvf_clamp(kvf_rint(__fdiv_rn(-mn, S)), -128.0f, 127.0f) : 0.0f;
+        o.zero = (u16)(u8)(signed char)(int)z;
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+            o.q[i] = S > 0.0f ? (u32)kvf_clamp(kvf_rint(__fadd_rn(__fdiv_rn(v[i], S), z)), 0.0f, (float)L) : 0u;
+    } else {
+        o.zero = 0;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            int qi = S > 0.0f ? (int)kvf_clamp(kvf_rint(__fdiv_rn(v[i], S)), (float)-QMAX, (float)QMAX) : 0;
+            o.q[i] = (u32)(qi + QMAX);
+        }
+    }
+}
+
+// Dequantize 8 codes. scale/zero/tscale are the stored plane values.
+template <int BITS, int MODE, int SFMT>
+__device__ __forceinline__ void decode8(const u32 q[8], u16 scale, u16 zero, u16 tscale, float out[8]) {
+    constexpr int QMAX = (1 << (BITS - 1)) - 1;
+    if (SFMT == KVF_SCALE_FP16) {
+        const float S = kvf_f16_to_f32(scale);
+        if (MODE == KVF_MODE_AFFINE) {
+            const float M = kvf_f16_to_f32(zero);
+#pragma unroll
+            for (int i = 0; i < 8; i++) out[i] = __fmaf_rn(S, (float)q[i], M);
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; i++) out[i] = __fmul_rn(S, (float)((int)q[i] - QMAX));
+        }
+        return;
+    }
+    const float S = __fmul_rn(kvf_f16_to_f32(tscale), (float)(scale & 0xffu));
+    const int z = MODE == KVF_MODE_AFFINE ? (int)(signed char)(u8)zero : QMAX;
+#pragma unroll
+    for (int i = 0; i < 8; i++) out[i] = __fmul_rn(S, (float)((int)q[i] - z));
+}
+
+// Codes of 8 channels: code i at bit i*BITS of a little-endian word.
+template <int BITS>
+__device__ __forceinline__ void store_codes(u8 *dst, const u32 q[8]) {
+    u64 word = 0;
+#pragma unroll
+    for (int i = 0; i < 8; i++) word |= (u64)q[i] << (i * BITS);
+    if (BITS == 2) *(u16 *)dst = (u16)word;
+    else if (BITS == 4) *(u32 *)dst = (u32)word;
+    else *(u64 *)dst = word;
+}
+
+template <int BITS>
+__device__ __forceinline__ void load_codes(const u8 *src, u32 q[8]) {
+    u64 word = BITS == 2 ? (u64)*(const u16 *)src : BITS == 4 ? (u64)*(const u32 *)src : *(const u64 *)src;
+#pragma unroll
+    for (int i = 0; i < 8; i++) q[i] = (u32)(word >> (i * BITS)) & ((1u << BITS) - 1u);
+}
+
+// Plane offsets of one stage of one tensor section (docs/METHODS.md 7).
+struct stage_planes { u64 codes, scales, tscales, zeros, index, centroids; };
+
+// Write a lane's codes and, from the group's first lane, its plane entries.
+template <int D, int BITS, int G, int MODE, int SFMT>
+__device__ __forceinline__ void store_row(u8 *packed, const stage_planes &p, i64 row, int lane, const lane_out &o) {
+    constexpr int LPG = G / 8, GROUPS = D / G;
+    store_codes<BITS>(packed + p.codes + row * (D * BITS / 8) + lane * BITS, o.q);
+    if (lane % LPG) return;
+    const i64 g = row * GROUPS + lane / LPG;
+    if (SFMT == KVF_SCALE_FP16) {
+        ((u16 *)(packed + p.scales))[g] = o.scale;
+        if (MODE == KVF_MODE_AFFINE) ((u16 *)(packed + p.zeros))[g] = o.zero;
+    } else {
+        packed[p.scales + g] = (u8)o.scale;
+        if (MODE == KVF_MODE_AFFINE) packed[p.zeros + g] = (u8)o.zero;
+        if (lane == 0) ((u16 *)(packed + p.tscales))[row] = o.tscale;
+    }
+}
+
+template <int D, int BITS, int G, int MODE, int SFMT>
+__device__ __forceinline__ void load_row(const u8 *packed, const stage_planes &p, i64 row, int lane, float out[8]) {
+    constexpr int LPG = G / 8, GROUPS = D / G;
+    u32 q[8];
+    load_codes<BITS>(packed + p.codes + row * (D * BITS / 8) + lane * BITS, q);
+    const i64 g = row * GROUPS + lane / LPG;
+    u16 scale, zero = 0, tscale = 0;
+    if (SFMT == KVF_SCALE_FP16) {
+        scale = ((const u16 *)(packed + p.scales))[g];
+        if (MODE == KVF_MODE_AFFINE) zero = ((const u16 *)(packed + p.zeros))[g];
+    } else {
+        scale = packed[p.scales + g];
+        if (MODE == KVF_MODE_AFFINE) zero = packed[p.zeros + g];
+        tscale = ((const u16 *)(packed + p.tscales))[row];
+    }
+    decode8<BITS, MODE, SFMT>(q, scale, zero, tscale, out);
+}
+
+} // namespace kvf_quant
