@@ -27,9 +27,9 @@ SCHEMES := $(sort $(wildcard schemes/*.lua))
 TEST_SRC := $(sort $(wildcard tests/test_*.c))
 TEST_BIN := $(patsubst tests/%.c,$(O)/bin/%,$(TEST_SRC))
 
-.PHONY: all setup test test-gpu demo clean carry lib aot-demo
+.PHONY: all setup test test-gpu demo clean carry lib aot-demo bench
 
-all: $(O)/lib/libkvforge.a $(O)/lib/libkvforge.so $(O)/bin/kvforge $(TEST_BIN)
+all: $(O)/lib/libkvforge.a $(O)/lib/libkvforge.so $(O)/bin/kvforge $(O)/bin/kvf_bench $(TEST_BIN)
 
 setup:
 	apt-get update
@@ -101,3 +101,12 @@ aot-demo: $(O)/bin/kvforge
 	$(CC) $(ALL_CFLAGS) -I$(O)/export -include $(O)/export/$${id}_aot.h -DKVF_AOT_ID=$$id \
 		-o $(O)/bin/aot_demo examples/aot_demo.c $(O)/export/$${id}_aot.c $(O)/export/$${id}.c \
 		$(O)/lib/libkvforge.a $(STATIC_DEPS)
+
+# Benchmark (issue 6): built by `make all`, run on a GPU by `make bench`.
+$(O)/bin/kvf_bench: $(O)/obj/bench/bench.o $(O)/lib/libkvforge.a
+	@mkdir -p $(dir $@)
+	$(CC) -o $@ $< $(O)/lib/libkvforge.a $(STATIC_DEPS)
+
+bench: $(O)/bin/kvf_bench
+	$(O)/bin/kvf_bench
+	$(PYTHON) bench/sdpa.py

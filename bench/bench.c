@@ -1,0 +1,200 @@
+/*
+ * kvforge benchmark (issue 6): on the GPU, the device-to-device copy ceiling,
+ * then every scheme's encode and decode of one LongCat-sized layer (K and V of
+ * 32 heads x 29640 tokens x d = 128, heterogeneous data as ANCHORS.md), and
+ * the JIT costs. One table: times, GB/s, fraction of the copy ceiling, ratio to
+ * QVG's figures (ANCHORS.md: encode 4.77 ms, decode 0.44 ms on an H200).
+ * bench/sdpa.py measures the BF16 SDPA ceiling and decode + SDPA.
+ *   out/bin/kvf_bench [--tokens N] [--heads H] [--reps R] [SCHEME ...]
+ */
+#include "cuda_api.h"
+#include "jit.h"
+
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define CK(call)                                                                             \
+    do {                                                                                     \
+        CUresult r_ = cu->call;                                                              \
+        if (r_ != CUDA_SUCCESS) {                                                            \
+            kvf_cuda_fail(r_, #call, __FILE__, __LINE__, 0);                                 \
+            fprintf(stderr, "kvf_bench: %s\n", kvf_last_error());                            \
+            exit(1);                                                                         \
+        }                                                                                    \
+    } while (0)
+
+static const kvf_cuda_api *cu;
+
+static int cmp_float(const void *a, const void *b) {
+    float x = *(const float *)a, y = *(const float *)b;
+    return (x > y) - (x < y);
+}
+
+typedef int (*bench_fn)(void *arg);
+
+/* Median of reps timings (ms) with events, after two warm-up calls. */
+static float time_median(bench_fn fn, void *arg, int reps) {
+    CUevent a, b;
+    CK(cuEventCreate(&a, 0));
+    CK(cuEventCreate(&b, 0));
+    float t[256];
+    if (reps > 256) reps = 256;
+    for (int i = 0; i < 2; i++)
+        if (fn(arg)) { fprintf(stderr, "kvf_bench: %s\n", kvf_last_error()); exit(1); }
+    for (int i = 0; i < reps; i++) {
+        CK(cuEventRecord(a, NULL));
+        if (fn(arg)) { fprintf(stderr, "kvf_bench: %s\n", kvf_last_error()); exit(1); }
+        CK(cuEventRecord(b, NULL));
+        CK(cuEventSynchronize(b));
+        CK(cuEventElapsedTime(&t[i], a, b));
+    }
+    cu->cuEventDestroy(a);
+    cu->cuEventDestroy(b);
+    qsort(t, (size_t)reps, sizeof *t, cmp_float);
+    return t[reps / 2];
+}
+
+typedef struct copy_arg { CUdeviceptr dst, src; size_t n; } copy_arg;
+static int do_copy(void *p) {
+    copy_arg *c = p;
+    return cu->cuMemcpyDtoDAsync(c->dst, c->src, c->n, NULL) == CUDA_SUCCESS ? 0 : -1;
+}
+
+typedef struct codec_arg {
+    kvf_context *ctx;
+    CUdeviceptr k, v, packed, k2, v2, qs, pos;
+    size_t packed_bytes;
+    kvf_shape sh;
+} codec_arg;
+
+static int do_encode(void *p) {
+    codec_arg *c = p;
+    return kvf_encode(c->ctx, (void *)c->k, (void *)c->v, &c->sh, c->qs ? (void *)c->qs : NULL, (void *)c->packed,
+                      c->packed_bytes, NULL);
+}
+
+static int do_decode(void *p) {
+    codec_arg *c = p;
+    return kvf_decode(c->ctx, (void *)c->packed, c->packed_bytes, &c->sh, c->pos ? (int32_t *)c->pos : NULL,
+                      (void *)c->k2, (void *)c->v2, NULL);
+}
+
+static double now_ms(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
+}
+
+int main(int argc, char **argv) {
+    int64_t tokens = 29640;
+    int heads = 32, reps = 20;
+    const char *only[32];
+    int n_only = 0;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--tokens") && i + 1 < argc) tokens = atoll(argv[++i]);
+        else if (!strcmp(argv[i], "--heads") && i + 1 < argc) heads = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps = atoi(argv[++i]);
+        else if (n_only < 32) only[n_only++] = argv[i];
+    }
+    int count;
+    if (kvf_device_count(&count)) { printf("kvf_bench: no GPU (%s): nothing to measure\n", kvf_last_error()); return 0; }
+    kvf_cuda_load(&cu);
+    CUdevice dev;
+    CUcontext pctx;
+    char name[128];
+    CK(cuDeviceGet(&dev, 0));
+    CK(cuDeviceGetName(name, sizeof name, dev));
+    CK(cuDevicePrimaryCtxRetain(&pctx, dev));
+    CK(cuCtxPushCurrent(pctx));
+
+    /* Copy ceiling: 2 GiB device to device, read + write counted. */
+    copy_arg cp = {0, 0, (size_t)2 << 30};
+    CK(cuMemAlloc(&cp.src, cp.n));
+    CK(cuMemAlloc(&cp.dst, cp.n));
+    CK(cuMemsetD8(cp.src, 1, cp.n));
+    float copy_ms = time_median(do_copy, &cp, reps);
+    double copy_bw = 2.0 * cp.n / (copy_ms * 1e-3) / 1e9;
+    cu->cuMemFree(cp.src);
+    cu->cuMemFree(cp.dst);
+
+    const int d = 128;
+    size_t n = (size_t)tokens * heads * d;
+    uint16_t *host = malloc(n * 2 * 2);
+    kvf_synth_kv(host, tokens, heads, d, 1);
+    kvf_synth_kv(host + n, tokens, heads, d, 2);
+    codec_arg c;
+    memset(&c, 0, sizeof c);
+    c.sh.n_tokens = tokens;
+    c.sh.n_heads = heads;
+    CK(cuMemAlloc(&c.k, n * 2));
+    CK(cuMemAlloc(&c.v, n * 2));
+    CK(cuMemAlloc(&c.k2, n * 2));
+    CK(cuMemAlloc(&c.v2, n * 2));
+    CK(cuMemcpyHtoD(c.k, host, n * 2));
+    CK(cuMemcpyHtoD(c.v, host + n, n * 2));
+    int32_t *pos = malloc(sizeof(int32_t) * (size_t)tokens * 4);
+    for (int64_t t = 0; t < tokens * 4; t++) pos[t] = (int32_t)(t % 1000);
+    CUdeviceptr dpos;
+    CK(cuMemAlloc(&dpos, sizeof(int32_t) * (size_t)tokens * 4));
+    CK(cuMemcpyHtoD(dpos, pos, sizeof(int32_t) * (size_t)tokens * 4));
+
+    printf("GPU: %s; layer: K and V of %d heads x %lld tokens x d=%d (BF16 %.1f MB each)\n", name, heads,
+           (long long)tokens, d, n * 2 / 1e6);
+    printf("copy ceiling: %.0f GB/s (2 GiB device-to-device, read + write, median of %d)\n\n", copy_bw, reps);
+    printf("%-16s %8s %9s %9s %9s %10s %7s %9s %9s %9s\n", "scheme", "ratio", "encode", "vs QVG", "decode",
+           "dec GB/s", "of copy", "vs QVG", "JIT cold", "JIT hit");
+    const char *const *names = kvf_builtin_schemes();
+    for (int i = 0; names[i]; i++) {
+        int wanted = !n_only;
+        for (int j = 0; j < n_only; j++) wanted |= !strcmp(only[j], names[i]);
+        if (!wanted) continue;
+        kvf_scheme *s;
+        if (kvf_scheme_load_builtin(names[i], &s)) { fprintf(stderr, "%s\n", kvf_last_error()); return 1; }
+        /* JIT: a cold compile (no cache), then a context from the disk cache. */
+        setenv("KVFORGE_CACHE", "0", 1);
+        double t0 = now_ms();
+        if (kvf_context_create(s, 0, &c.ctx)) { fprintf(stderr, "%s\n", kvf_last_error()); return 1; }
+        double cold = now_ms() - t0;
+        kvf_context_destroy(c.ctx);
+        unsetenv("KVFORGE_CACHE");
+        kvf_context *warm;
+        kvf_context_create(s, 0, &warm); /* fills the cache */
+        kvf_context_destroy(warm);
+        t0 = now_ms();
+        if (kvf_context_create(s, 0, &c.ctx)) { fprintf(stderr, "%s\n", kvf_last_error()); return 1; }
+        double hit = now_ms() - t0;
+        kvf_packed_size(s, tokens, heads, &c.packed_bytes);
+        CK(cuMemAlloc(&c.packed, c.packed_bytes));
+        c.qs = 0;
+        if (s->key.psac_rank > 0 || s->key.qsac_candidates > 1) { /* statistics from one chunk of queries */
+            size_t qb;
+            kvf_qstats_size(s, heads, &qb);
+            CK(cuMemAlloc(&c.qs, qb));
+            kvf_shape qsh = {4680, heads, 0, 0};
+            if (kvf_qstats_init(c.ctx, (void *)c.qs, qb, heads, NULL) ||
+                kvf_qstats_update(c.ctx, (void *)c.qs, qb, (void *)c.k, &qsh, NULL)) {
+                fprintf(stderr, "%s\n", kvf_last_error());
+                return 1;
+            }
+        }
+        c.pos = s->rope.placement == KVF_ROPE_PRE ? dpos : 0;
+        float enc = time_median(do_encode, &c, reps < 5 ? reps : 5);
+        float dec = time_median(do_decode, &c, reps);
+        double moved = (double)c.packed_bytes + 2.0 * n * 2;
+        double bw = moved / (dec * 1e-3) / 1e9;
+        kvf_footprint f;
+        kvf_footprint_of(s, tokens, heads, &f);
+        printf("%-16s %7.2fx %7.3f ms %8.2fx %7.3f ms %10.0f %6.1f%% %8.2fx %7.0f ms %6.1f ms\n", names[i],
+               f.compression, enc, 4.77 / enc, dec, bw, 100.0 * bw / copy_bw, 0.44 / dec, cold, hit);
+        fflush(stdout);
+        cu->cuMemFree(c.packed);
+        if (c.qs) cu->cuMemFree(c.qs);
+        kvf_context_destroy(c.ctx);
+        kvf_scheme_free(s);
+    }
+    printf("\nencode: K+V of the layer (median of 5); decode: K+V to BF16 (median of %d); dec GB/s counts packed\n"
+           "bytes read + BF16 bytes written; 'vs QVG' = QVG's time / ours (ANCHORS.md: 4.77 ms, 0.44 ms);\n"
+           "JIT cold = context creation with NVRTC and no disk cache; JIT hit = from the disk cache.\n", reps);
+    return 0;
+}
