@@ -241,3 +241,32 @@ int kvf_decode(kvf_context *ctx, const void *packed, size_t packed_bytes, const 
     }
     return KVF_OK;
 }
+
+/* ------------------------------------------------------- query statistics */
+
+int kvf_qstats_init(kvf_context *ctx, void *qstats, size_t bytes, int32_t n_kv_heads, void *stream) {
+    (void)stream;
+    if (!ctx || !qstats) return kvf_set_error(KVF_EINVAL, "kvf_qstats_init: NULL context or buffer");
+    kvf_qstats_layout l;
+    int rc = kvf_qstats_layout_compute(ctx->scheme, n_kv_heads, &l);
+    if (rc) return kvf_wrap_error(rc, "kvf_qstats_init");
+    if (bytes < l.total_bytes)
+        return kvf_set_error(KVF_ERANGE, "kvf_qstats_init: buffer has %zu bytes, %d KV heads need %zu (kvf_qstats_size)",
+                             bytes, n_kv_heads, l.total_bytes);
+    if (ctx->device != KVF_DEVICE_CPU)
+        return kvf_set_error(KVF_ENOTIMPL, "GPU query statistics: see templates/kvf_qstats.cuh");
+    return kvf_ref_qstats_init(ctx->scheme, qstats, bytes, n_kv_heads);
+}
+
+int kvf_qstats_update(kvf_context *ctx, void *qstats, size_t bytes, const void *q, const kvf_shape *q_shape,
+                      void *stream) {
+    (void)stream;
+    if (!ctx || !qstats || !q || !q_shape)
+        return kvf_set_error(KVF_EINVAL, "kvf_qstats_update: NULL context, buffer, queries or shape");
+    kvf_shape sh;
+    int rc = kvf_shape_resolve(q_shape, ctx->scheme->head_dim, &sh);
+    if (rc) return kvf_wrap_error(rc, "kvf_qstats_update: queries");
+    if (ctx->device != KVF_DEVICE_CPU)
+        return kvf_set_error(KVF_ENOTIMPL, "GPU query statistics: see templates/kvf_qstats.cuh");
+    return kvf_ref_qstats_update(ctx->scheme, qstats, bytes, q, &sh);
+}
