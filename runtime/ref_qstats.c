@@ -5,9 +5,9 @@
  *
  * Arithmetic (METHODS.md 4, "Decisions"): a chunk's sum of q q^T is
  * accumulated in f64 (exact for bf16 queries in any order) and added to the
- * f32 sums with one rounding; inside the orthogonal iteration every sum over
- * channels is accumulated in f64 in channel order and rounded to f32, every
- * element-wise update is f32.
+ * f32 sums with one rounding. M and U are f32; inside the orthogonal
+ * iteration Z = M U, its Gram-Schmidt and the Rayleigh quotients are f64
+ * (sums in channel order), each new column rounded to f32 once normalized.
  */
 #include "ref.h"
 
@@ -24,8 +24,8 @@
 #define WARM_ITERS 6
 /* A column whose norm after Gram-Schmidt is at most this fraction of its norm
  * before is treated as zero (it lay in the span of the previous columns up to
- * rounding) and replaced by a unit vector. */
-#define ZERO_COLUMN_RATIO 1e-5
+ * f64 rounding) and replaced by a unit vector. */
+#define ZERO_COLUMN_RATIO 1e-10
 /* A unit vector e_c is "not in the span" when its part orthogonal to the
  * previous columns has at least this norm. */
 #define UNIT_RESIDUAL_MIN 0.5
@@ -209,83 +209,84 @@ int kvf_ref_qstats_basis(const void *qstats, int32_t head, int d, int r, const f
 
 /* ---------------------------------------------------- orthogonal iteration */
 
-/* Subtract from v (f32, d) its components along columns 0..j-1 of u [d][r]
+/* Subtract from v (f64, d) its components along columns 0..j-1 of u [d][r]
  * (modified Gram-Schmidt: each dot product with the already updated v). */
-static void project_out(float *v, const float *u, int d, int r, int j) {
+static void project_out(double *v, const float *u, int d, int r, int j) {
     for (int k = 0; k < j; k++) {
         double dot = 0;
-        for (int i = 0; i < d; i++) dot += (double)v[i] * (double)u[(size_t)i * r + k];
-        float df = (float)dot;
-        for (int i = 0; i < d; i++) v[i] = v[i] - df * u[(size_t)i * r + k];
+        for (int i = 0; i < d; i++) dot += v[i] * (double)u[(size_t)i * r + k];
+        for (int i = 0; i < d; i++) v[i] -= dot * (double)u[(size_t)i * r + k];
     }
 }
 
-static double norm_of(const float *v, int d) {
+static double norm_of(const double *v, int d) {
     double s = 0;
-    for (int i = 0; i < d; i++) s += (double)v[i] * (double)v[i];
+    for (int i = 0; i < d; i++) s += v[i] * v[i];
     return sqrt(s);
 }
 
-/* Write v / norm into column j of u. */
-static void store_column(float *u, int d, int r, int j, const float *v, float norm) {
-    for (int i = 0; i < d; i++) u[(size_t)i * r + j] = v[i] / norm;
+/* Write v / norm (f64, rounded to f32) into column j of u. */
+static void store_column(float *u, int d, int r, int j, const double *v, double norm) {
+    for (int i = 0; i < d; i++) u[(size_t)i * r + j] = (float)(v[i] / norm);
 }
 
 /* A zero column j: the first unit vector e_c whose part orthogonal to columns
  * 0..j-1 has norm >= UNIT_RESIDUAL_MIN (else the one with the largest part). */
 static void replace_zero_column(float *u, int d, int r, int j) {
-    float v[QSTATS_MAX_DIM];
+    double v[QSTATS_MAX_DIM];
     int best = 0;
     double best_norm = -1;
     for (int c = 0; c < d; c++) {
-        memset(v, 0, sizeof(float) * (size_t)d);
-        v[c] = 1.0f;
+        memset(v, 0, sizeof(double) * (size_t)d);
+        v[c] = 1.0;
         project_out(v, u, d, r, j);
         double n = norm_of(v, d);
         if (n > best_norm) best = c, best_norm = n;
         if (n >= UNIT_RESIDUAL_MIN) break;
     }
-    memset(v, 0, sizeof(float) * (size_t)d);
-    v[best] = 1.0f;
+    memset(v, 0, sizeof(double) * (size_t)d);
+    v[best] = 1.0;
     project_out(v, u, d, r, j);
-    store_column(u, d, r, j, v, (float)norm_of(v, d));
+    project_out(v, u, d, r, j);
+    store_column(u, d, r, j, v, norm_of(v, d));
 }
 
-/* Orthonormalize column j of u against columns 0..j-1, given its new value v. */
-static void gram_schmidt_column(float *u, int d, int r, int j, float *v) {
+/* Orthonormalize v against columns 0..j-1 of u and store it as column j.
+ * The projection runs twice: the columns are f32, orthonormal only to about
+ * 1e-7, and a column that loses most of its norm would keep their error. */
+static void gram_schmidt_column(float *u, int d, int r, int j, double *v) {
     double before = norm_of(v, d);
     project_out(v, u, d, r, j);
+    project_out(v, u, d, r, j);
     double after = norm_of(v, d);
-    if (after <= ZERO_COLUMN_RATIO * before) replace_zero_column(u, d, r, j);
-    else store_column(u, d, r, j, v, (float)after);
+    if (!(after > ZERO_COLUMN_RATIO * before)) replace_zero_column(u, d, r, j);
+    else store_column(u, d, r, j, v, after);
 }
 
-/* v = M u_j (f64 sums in channel order, rounded to f32). */
-static void matvec_column(const float *m, const float *u, int d, int r, int j, float *v) {
+/* v = M u_j (f64, sums in channel order). */
+static void matvec_column(const float *m, const float *u, int d, int r, int j, double *v) {
     for (int i = 0; i < d; i++) {
         double s = 0;
         for (int k = 0; k < d; k++) s += (double)m[(size_t)i * d + k] * (double)u[(size_t)k * r + j];
-        v[i] = (float)s;
+        v[i] = s;
     }
 }
 
 /* One step: U <- MGS(M U), in place column by column (column j of M U needs
  * only the old column j; columns before it are already the new ones). */
 static void iteration_step(const float *m, int d, int r, float *u) {
-    float v[QSTATS_MAX_DIM];
+    double v[QSTATS_MAX_DIM];
     for (int j = 0; j < r; j++) {
         matvec_column(m, u, d, r, j, v);
         gram_schmidt_column(u, d, r, j, v);
     }
 }
 
+/* u_j^T M u_j (f64, rounded to f32). */
 static float rayleigh(const float *m, const float *u, int d, int r, int j) {
-    double s = 0;
-    for (int i = 0; i < d; i++) {
-        double t = 0;
-        for (int k = 0; k < d; k++) t += (double)m[(size_t)i * d + k] * (double)u[(size_t)k * r + j];
-        s += (double)u[(size_t)i * r + j] * t;
-    }
+    double v[QSTATS_MAX_DIM], s = 0;
+    matvec_column(m, u, d, r, j, v);
+    for (int i = 0; i < d; i++) s += (double)u[(size_t)i * r + j] * v[i];
     return (float)s;
 }
 
@@ -316,15 +317,11 @@ void kvf_ref_orthogonal_iteration(const float *m, int d, int r, int iters, float
 }
 
 /* Cold start: the first r columns of the identity plus
- * 0.01 * ((i*7 + j*13) % 17 - 8) / 8 (computed in f64, rounded to f32, then
- * added in f32), orthonormalized by MGS. */
+ * 0.01 * ((i*7 + j*13) % 17 - 8) / 8, in f64, orthonormalized by MGS. */
 static void cold_start(float *u, int d, int r) {
-    float v[QSTATS_MAX_DIM];
+    double v[QSTATS_MAX_DIM];
     for (int j = 0; j < r; j++) {
-        for (int i = 0; i < d; i++) {
-            float p = (float)(0.01 * (double)((i * 7 + j * 13) % 17 - 8) / 8.0);
-            v[i] = (i == j ? 1.0f : 0.0f) + p;
-        }
+        for (int i = 0; i < d; i++) v[i] = (i == j ? 1.0 : 0.0) + 0.01 * (double)((i * 7 + j * 13) % 17 - 8) / 8.0;
         gram_schmidt_column(u, d, r, j, v);
     }
 }
