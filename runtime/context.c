@@ -450,14 +450,14 @@ int kvf_decode(kvf_context *ctx, const void *packed, size_t packed_bytes, const 
 int kvf_qstats_init(kvf_context *ctx, void *qstats, size_t bytes, int32_t n_kv_heads, void *stream) {
     if (!ctx || !qstats || n_kv_heads < 1)
         return kvf_set_error(KVF_EINVAL, "kvf_qstats_init: NULL context or buffer, or n_kv_heads < 1");
-    if (ctx->device == KVF_DEVICE_CPU) return kvf_ref_qstats_init(ctx->scheme, qstats, bytes, n_kv_heads);
     qstats_arg q;
     size_t total;
     int rc = qstats_arg_of(ctx->scheme, n_kv_heads, &q, &total);
-    if (rc) return rc;
+    if (rc) return kvf_wrap_error(rc, "kvf_qstats_init");
     if (bytes < total)
-        return kvf_set_error(KVF_ERANGE, "kvf_qstats_init: buffer has %zu bytes, %d heads need %zu", bytes,
-                             n_kv_heads, total);
+        return kvf_set_error(KVF_ERANGE, "kvf_qstats_init: buffer has %zu bytes, %d KV heads need %zu (kvf_qstats_size)",
+                             bytes, n_kv_heads, total);
+    if (ctx->device == KVF_DEVICE_CPU) return kvf_ref_qstats_init(ctx->scheme, qstats, bytes, n_kv_heads);
     if ((uintptr_t)qstats & 15u) return kvf_set_error(KVF_EINVAL, "kvf_qstats_init: buffer must be 16-byte aligned");
     uint64_t tot = total;
     void *args[] = {&qstats, &tot, &q};
@@ -468,7 +468,12 @@ int kvf_qstats_update(kvf_context *ctx, void *qstats, size_t bytes, const void *
                       void *stream) {
     if (!ctx || !qstats || !q || !q_shape)
         return kvf_set_error(KVF_EINVAL, "kvf_qstats_update: NULL context, buffer, queries or shape");
-    if (ctx->device == KVF_DEVICE_CPU) return kvf_ref_qstats_update(ctx->scheme, qstats, bytes, q, q_shape);
+    if (ctx->device == KVF_DEVICE_CPU) {
+        kvf_shape sh;
+        int rc = kvf_shape_resolve(q_shape, ctx->scheme->head_dim, &sh);
+        if (rc) return kvf_wrap_error(rc, "kvf_qstats_update: queries");
+        return kvf_ref_qstats_update(ctx->scheme, qstats, bytes, q, &sh);
+    }
     /* The KV head count is the buffer's: read it from the header. */
     const kvf_cuda_api *cu = ctx->cu;
     uint32_t hdr[5];

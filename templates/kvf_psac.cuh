@@ -25,7 +25,7 @@ __device__ __forceinline__ void weights(const u8 *qs, kvf_qstats::layout l, int 
     if (i >= (i64)n_heads * D) return;
     const i64 h = i / D, c = i % D;
     const double cnt = qs ? ((const double *)(qs + l.count))[h] : 0.0;
-    w[i] = cnt > 0.0 ? __fdiv_rn(((const float *)(qs + l.msum))[(h * D + c) * D + c], (float)cnt) : 1.0f;
+    w[i] = cnt > 0.0 ? (float)__ddiv_rn((double)((const float *)(qs + l.msum))[(h * D + c) * D + c], cnt) : 1.0f;
 }
 
 // One thread per (row, j); R consecutive lanes make a row (R a power of two <= 32).

@@ -86,12 +86,13 @@ __device__ __forceinline__ void mgs(float *z, float *red) {
 
 // z = M u with M = msum / count (f32), serial over b in channel order.
 template <int D, int R>
-__device__ __forceinline__ void mat_u(const float *msum, float cnt, const float *u, float *z) {
+__device__ __forceinline__ void mat_u(const float *msum, double cnt, const float *u, float *z) {
     for (int o = threadIdx.x; o < D * R; o += 256) {
         const int a = o / R, j = o % R;
-        float acc = 0.0f;
-        for (int b = 0; b < D; b++) acc = __fadd_rn(acc, __fmul_rn(__fdiv_rn(msum[a * D + b], cnt), u[b * R + j]));
-        z[o] = acc;
+        double acc = 0.0;
+        for (int b = 0; b < D; b++)
+            acc = __dadd_rn(acc, __dmul_rn((double)(float)__ddiv_rn((double)msum[a * D + b], cnt), (double)u[b * R + j]));
+        z[o] = (float)acc;
     }
     __syncthreads();
 }
@@ -107,7 +108,7 @@ __device__ __forceinline__ void eigen(u8 *qs, layout l, double added) {
     __syncthreads();
     if (threadIdx.x == 0) *count = now;
     if (R == 0 || !(now > 0.0)) return;
-    const float cnt = (float)now;
+    const double cnt = now;
     const float *msum = (const float *)(qs + l.msum) + (i64)h * D * D;
     float *ug = (float *)(qs + l.u) + (i64)h * D * R;
     int iters;

@@ -1,0 +1,47 @@
+/*
+ * RoPE of one key vector (docs/METHODS.md section 6): frequency pair p rotates
+ * channels (p, p + d/2) ("half") or (2p, 2p + 1) ("interleaved"); the pairs
+ * are cut into consecutive sections, one per position axis, and pair p_a of
+ * section a (n_a pairs, d_a = 2 n_a) turns by pos_a * theta^(-2 p_a / d_a).
+ */
+#include "ref.h"
+
+#include <math.h>
+
+/* theta^(-2 p / d_a) computed in f64, rounded to f32. */
+static float inv_frequency(double theta, int p, int d_a) {
+    return (float)exp2(-((2.0 * p) / d_a) * log2(theta));
+}
+
+/* Channels of frequency pair p. */
+static void pair_channels(int layout, int d, int p, int *c0, int *c1) {
+    if (layout == KVF_ROPE_INTERLEAVED) *c0 = 2 * p, *c1 = 2 * p + 1;
+    else *c0 = p, *c1 = p + d / 2;
+}
+
+static void rotate_pair(float *x, int c0, int c1, float ang) {
+    float cs = cosf(ang), sn = sinf(ang), a = x[c0], b = x[c1];
+    x[c0] = a * cs - b * sn;
+    x[c1] = a * sn + b * cs;
+}
+
+/* Rotate the n pairs first, first + 1, ... of one section at position pos. */
+static void rotate_section(float *x, int d, const kvf_rope_cfg *rope, int first, int n, int32_t pos) {
+    for (int pa = 0; pa < n; pa++) {
+        int c0, c1;
+        pair_channels(rope->layout, d, first + pa, &c0, &c1);
+        rotate_pair(x, c0, c1, (float)pos * inv_frequency(rope->theta, pa, 2 * n));
+    }
+}
+
+void kvf_ref_rope(float *x, int d, const kvf_rope_cfg *rope, const int32_t *pos) {
+    int half = d / 2, n_sections = rope->n_sections < 1 ? 1 : rope->n_sections, first = 0;
+    for (int a = 0; a < n_sections && first < half; a++) {
+        /* One section is all d/2 pairs (1D RoPE) whatever sections[0] says;
+         * pairs past the sections' sum (the loader forbids it) stay as they are. */
+        int n = n_sections == 1 ? half : rope->sections[a];
+        if (n > half - first) n = half - first;
+        if (n > 0) rotate_section(x, d, rope, first, n, pos[a]);
+        first += n > 0 ? n : 0;
+    }
+}
