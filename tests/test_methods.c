@@ -572,9 +572,73 @@ static void test_rope_pre(void **state) {
         }
         assert_true(fabs(sqrt(n1) - sqrt(n2)) < 0.02 * sqrt(n2));
     }
+    /* BF16 keys cached before RoPE: position 0 gives the stored bits back, others rotate. */
+    kvf_scheme *b16 = load_text("return { name = 'b', key = { bits = 16 }, rope = { placement = 'pre' } }");
+    uint8_t *r = encode_with(b16, k, v, N, 1, NULL, &bytes);
+    memset(pos, 0, sizeof pos);
+    decode_with(b16, r, bytes, N, 1, pos, k1, v1);
+    assert_memory_equal(k1, k, N * D * 2);
+    pos[1] = 5;
+    decode_with(b16, r, bytes, N, 1, pos, k1, v1);
+    assert_memory_equal(k1, k, D * 2);
+    assert_memory_not_equal(k1 + D, k + D, D * 2);
+    free(r);
+    kvf_scheme_free(b16);
     free(k), free(v), free(k1), free(v1), free(k2), free(v2), free(p), free(q);
     kvf_scheme_free(pre);
     kvf_scheme_free(none);
+}
+
+/* Several heads and token-major strides give the same bytes as head-major
+ * input, for every kind of plane (centroids, PSAC, groups along tokens,
+ * rotation, two-level scales). */
+static void test_heads_and_strides(void **state) {
+    (void)state;
+    enum { D = 128, N = 50, H = 3 };
+    static const char *const texts[] = {
+        "return { base = 'quantwm_int2', name = 'a', key = { centroids = 8, stages = 2 }, value = { centroids = 8 } }",
+        "return { base = 'kivi_int2', name = 'b', key = { mode = 'symmetric', group_size = 16 } }",
+        "return { base = 'quarot_int2', name = 'c', value = { bits = 16 }, rope = { placement = 'pre', sections = { 16, 24, 24 } } }",
+    };
+    float m[D];
+    for (int c = 0; c < D; c++) m[c] = 1.0f + (float)(c % 7);
+    uint16_t *k = bf16_alloc(N * H * D), *v = bf16_alloc(N * H * D), *kt = bf16_alloc(N * H * D),
+             *vt = bf16_alloc(N * H * D), *ko = bf16_alloc(N * H * D), *vo = bf16_alloc(N * H * D),
+             *kto = bf16_alloc(N * H * D), *vto = bf16_alloc(N * H * D);
+    kvf_synth_kv(k, N, H, D, 70);
+    kvf_synth_kv(v, N, H, D, 71);
+    for (int h = 0; h < H; h++)
+        for (int t = 0; t < N; t++) {
+            memcpy(kt + (t * H + h) * D, k + (h * N + t) * D, D * 2);
+            memcpy(vt + (t * H + h) * D, v + (h * N + t) * D, D * 2);
+        }
+    int32_t pos[N * 3];
+    for (int i = 0; i < N * 3; i++) pos[i] = i % 17;
+    for (int i = 0; i < 3; i++) {
+        kvf_scheme *s = load_text(texts[i]);
+        size_t qb, bytes;
+        void *q = make_qstats(s, H, m, s->key.psac_rank, &qb);
+        uint8_t *a = encode_with(s, k, v, N, H, q, &bytes);
+        uint8_t *b = malloc(bytes);
+        kvf_shape tm = {N, H, H * D, D};
+        assert_int_equal(kvf_ref_encode(s, kt, vt, &tm, q, b, bytes), KVF_OK);
+        assert_memory_equal(a, b, bytes);
+        decode_with(s, a, bytes, N, H, pos, ko, vo);
+        assert_int_equal(kvf_ref_decode(s, b, bytes, &tm, pos, kto, vto), KVF_OK);
+        for (int h = 0; h < H; h++)
+            for (int t = 0; t < N; t++) {
+                assert_memory_equal(kto + (t * H + h) * D, ko + (h * N + t) * D, D * 2);
+                assert_memory_equal(vto + (t * H + h) * D, vo + (h * N + t) * D, D * 2);
+            }
+        double ek = rel_mse(k, ko, N * H * D), ev = rel_mse(v, vo, N * H * D);
+        print_message("%s, %d heads: relative MSE K %.3g V %.3g%s\n", s->name, H, ek, ev,
+                      i == 2 ? " (K after RoPE: not comparable)" : "");
+        if (i < 2) assert_true(ek < 1.0 && ev < 1.0);
+        if (i == 2) assert_memory_equal(vo, v, N * H * D * 2); /* bits 16: kept as they are */
+        free(q), free(a), free(b);
+        kvf_scheme_free(s);
+    }
+    free(k), free(v), free(kt), free(vt), free(ko), free(vo), free(kto), free(vto);
 }
 
 /* ------------------------------------------------------------ shipped schemes */
@@ -677,6 +741,7 @@ int main(void) {
         cmocka_unit_test(test_qstats_layout),
         cmocka_unit_test(test_quantwm_with_stats),
         cmocka_unit_test(test_rope_pre),
+        cmocka_unit_test(test_heads_and_strides),
         cmocka_unit_test(test_shipped_round_trips),
         cmocka_unit_test(test_other_scheme_rejected),
         cmocka_unit_test(test_footprint_table),
