@@ -156,12 +156,14 @@ static void finish_stage(const section_job *j, head_buf *b) {
     }
 }
 
-/* PSAC of head h: the stored basis and per-token coefficients of E = x0 - y. */
-static void psac_head(const section_job *j, int32_t h, const void *qstats, head_buf *b, uint8_t *packed) {
+/* PSAC of head h: the stored basis and per-token coefficients of E = x0 - y.
+ * Without statistics, or before any query of this head, the planes stay 0. */
+static int psac_head(const section_job *j, int32_t h, const void *qstats, head_buf *b, uint8_t *packed) {
     const kvf_section_layout *l = j->l;
     int d = j->L->head_dim, r = l->psac_rank;
     const float *u = NULL, *lambda = NULL;
-    if (!qstats || !kvf_ref_qstats_basis(qstats, h, d, r, &u, &lambda)) return; /* planes stay 0 */
+    int have = qstats ? kvf_ref_qstats_basis(qstats, h, d, r, &u, &lambda) : 0;
+    if (have <= 0) return have; /* 0: no basis; < 0: an error status */
     uint8_t *basis = packed + l->basis_off + (size_t)h * (size_t)d * (size_t)r * 2;
     for (int i = 0; i < d * r; i++) {
         b->ubf[i] = kvf_f32_to_bf16(u[i]);
@@ -175,6 +177,7 @@ static void psac_head(const section_job *j, int32_t h, const void *qstats, head_
         kvf_ref_psac_encode(E, b->ubf, lambda, d, r, (int8_t *)(packed + l->coef_off + row * (size_t)r), &cs);
         kvf_put_u16(packed + l->cscale_off + row * 2, cs);
     }
+    return KVF_OK;
 }
 
 static int encode_head(const section_job *j, const uint16_t *x, int32_t h, const void *qstats, head_buf *b,
@@ -194,8 +197,7 @@ static int encode_head(const section_job *j, const uint16_t *x, int32_t h, const
         kvf_ref_quant_decode(j->l, &j->l->stage[s], j->L->n_tokens, h, j->L->head_dim, packed, b->rhat);
         finish_stage(j, b);
     }
-    if (j->l->psac_rank > 0) psac_head(j, h, qstats, b, packed);
-    return KVF_OK;
+    return j->l->psac_rank > 0 ? psac_head(j, h, qstats, b, packed) : KVF_OK;
 }
 
 static int encode_section(const section_job *j, const uint16_t *x, const void *qstats, uint8_t *packed) {
