@@ -74,8 +74,10 @@ char *kvf_buf_take(kvf_buf *b) {
 
 const char *const kvf_role_names[KVF_ROLE_COUNT] = {
     "header", "encode_k", "encode_v", "decode_k", "decode_v",
-    "k_prep", "k_init", "k_assign", "k_assign_qsac", "k_accumulate", "k_finalize", "k_reset", "k_pad", "k_residual",
-    "v_prep", "v_init", "v_assign", "v_assign_qsac", "v_accumulate", "v_finalize", "v_reset", "v_pad", "v_residual",
+    "k_prep", "k_init", "k_assign", "k_assign_qsac", "k_accumulate", "k_finalize", "k_reset", "k_pad", "k_subtract",
+    "k_residual",
+    "v_prep", "v_init", "v_assign", "v_assign_qsac", "v_accumulate", "v_finalize", "v_reset", "v_pad", "v_subtract",
+    "v_residual",
     "qstats_init", "qstats_accumulate", "qstats_eigen", "psac_basis", "psac_encode", "qsac_weights",
 };
 
@@ -280,9 +282,20 @@ static char *file_name(const struct kvf_scheme *s, const char *ext) {
     return p;
 }
 
+/* What the kernels of templates/ cannot do although the scheme is valid. */
+static int gpu_check(const struct kvf_scheme *s) {
+    int r = s->key.psac_rank;
+    if (r > 0 && (r > 32 || (r & (r - 1))))
+        return kvf_set_error(KVF_ENOTIMPL,
+                             "key.psac_rank = %d: the GPU PSAC kernel needs a power of two up to 32 "
+                             "(the CPU backend, KVF_DEVICE_CPU, takes any rank)", r);
+    return KVF_OK;
+}
+
 int kvf_gen(const struct kvf_scheme *s, kvf_gen_output *out) {
     memset(out, 0, sizeof *out);
     int rc = kvf_scheme_check_supported(s);
+    if (!rc) rc = gpu_check(s);
     if (rc) return rc;
     kvf_layout l;
     if ((rc = kvf_layout_compute(s, 1, 1, &l))) return rc;

@@ -343,13 +343,24 @@ static int encode_workspace(kvf_context *ctx, int t, const void *x, const kvf_sh
         if ((rc = launch(ctx, KVF_R_QSAC_WEIGHTS, blocks_for((int64_t)nh * ctx->scheme->head_dim, BLOCK), a_w, stream)))
             return rc;
     }
-    for (int s = 0; s < c->stages; s++) {
-        if (c->centroids > 0 && (rc = kmeans_stage(ctx, t, s, sh, &ws, packed, &l->stage[s], ws.w, stream))) return rc;
-        stage_arg planes = stage_of(&l->stage[s]);
-        int write_e = s + 1 < c->stages || c->psac_rank > 0;
-        void *a_res[] = {(void *)&ws.e, &n, &nh, &packed, &planes, &write_e};
-        if ((rc = launch(ctx, KVF_R_K_RESIDUAL + base, row_grid(ctx, sh), a_res, stream))) return rc;
+    /* Every stage smooths with its own centroids; the last residual alone is
+     * quantized, into stage 0's planes (METHODS.md 1). */
+    const int last = c->stages - 1;
+    for (int s = 0; s < c->stages && c->centroids > 0; s++) {
+        if ((rc = kmeans_stage(ctx, t, s, sh, &ws, packed, &l->stage[s], ws.w, stream))) return rc;
+        if (s == last) break;
+        stage_arg st = stage_of(&l->stage[s]);
+        void *a_sub[] = {(void *)&ws.e, &n, &nh, &packed, &st};
+        if ((rc = launch(ctx, KVF_R_K_SUBTRACT + base, blocks_for((int64_t)n * nh * ctx->scheme->head_dim, BLOCK),
+                         a_sub, stream)))
+            return rc;
     }
+    stage_arg planes = stage_of(&l->stage[0]);
+    planes.index = l->stage[last].index_off;
+    planes.centroids = l->stage[last].centroids_off;
+    int write_e = c->psac_rank > 0;
+    void *a_res[] = {(void *)&ws.e, &n, &nh, &packed, &planes, &write_e};
+    if ((rc = launch(ctx, KVF_R_K_RESIDUAL + base, row_grid(ctx, sh), a_res, stream))) return rc;
     if (t == 1 || c->psac_rank == 0) return KVF_OK;
     const int r = c->psac_rank;
     CUdeviceptr basis = packed + l->basis_off;

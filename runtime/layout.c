@@ -26,77 +26,146 @@ static int align_up(size_t x, size_t *out) {
 
 /* --------------------------------------------------------- supported methods */
 
-static int check_tensor(const kvf_tensor_cfg *c, const char *which) {
-    if (c->centroids != 0)
-        return kvf_set_error(KVF_ENOTIMPL, "%s.centroids = %d: k-means smoothing is not implemented yet",
-                             which, c->centroids);
-    if (c->qsac_candidates != 1)
-        return kvf_set_error(KVF_ENOTIMPL, "%s.qsac_candidates = %d: QSAC is not implemented yet",
-                             which, c->qsac_candidates);
-    if (c->psac_rank != 0)
-        return kvf_set_error(KVF_ENOTIMPL, "%s.psac_rank = %d: PSAC is not implemented yet",
-                             which, c->psac_rank);
-    if (c->stages != 1)
-        return kvf_set_error(KVF_ENOTIMPL,
-                             "%s.stages = %d: progressive residual quantization is not implemented yet",
-                             which, c->stages);
-    if (c->axis != KVF_AXIS_CHANNEL)
-        return kvf_set_error(KVF_ENOTIMPL,
-                             "%s.axis = %d: groups along tokens (KIVI) are not implemented yet",
-                             which, c->axis);
-    if (c->bits < 16 && c->scale_format != KVF_SCALE_FP16)
-        return kvf_set_error(KVF_ENOTIMPL,
-                             "%s.scale_format = %d: two-level INT8 scales are not implemented yet",
-                             which, c->scale_format);
-    return KVF_OK;
-}
-
+/*
+ * Every method of docs/METHODS.md has a CPU reference: RTN, KIVI (axis token),
+ * QuaRot rotation, k-means smoothing with QSAC, progressive stages, two-level
+ * scales and PSAC. What the loader refuses (the four later options) never
+ * reaches here. A method added later and not yet implemented answers
+ * KVF_ENOTIMPL here, naming the field.
+ */
 int kvf_scheme_check_supported(const struct kvf_scheme *s) {
     if (!s) return kvf_set_error(KVF_EINVAL, "scheme is NULL");
-    int rc = check_tensor(&s->key, "key");
-    return rc ? rc : check_tensor(&s->value, "value");
+    return KVF_OK;
 }
 
 /* ----------------------------------------------------------------- layout */
 
+static bool is_pow2(int x) { return x > 0 && (x & (x - 1)) == 0; }
+
 /* Values the loader already checks, checked again so a hand-made struct cannot
- * produce a layout the kernels would misread. */
-static int check_section_fields(const kvf_tensor_cfg *c, int head_dim, const char *which) {
+ * produce a layout the encoders would misread. Fields that bits 16 leaves
+ * unused are not looked at. */
+static int check_section_fields(const kvf_tensor_cfg *c, int head_dim, const char *which,
+                                bool is_key) {
     if (c->bits != 2 && c->bits != 4 && c->bits != 8 && c->bits != 16)
         return kvf_set_error(KVF_ESCHEME, "%s.bits = %d: must be 2, 4, 8 or 16", which, c->bits);
+    if (c->bits == 16) return KVF_OK;
     if (c->mode != KVF_MODE_AFFINE && c->mode != KVF_MODE_SYMMETRIC)
         return kvf_set_error(KVF_ESCHEME, "%s.mode = %d: must be affine (0) or symmetric (1)",
                              which, c->mode);
-    if (c->bits < 16 && (c->group_size < 1 || head_dim % c->group_size != 0))
+    if (c->axis != KVF_AXIS_CHANNEL && c->axis != KVF_AXIS_TOKEN)
+        return kvf_set_error(KVF_ESCHEME, "%s.axis = %d: must be channel (0) or token (1)", which,
+                             c->axis);
+    if (c->scale_format != KVF_SCALE_FP16 && c->scale_format != KVF_SCALE_INT8_FP16)
+        return kvf_set_error(KVF_ESCHEME, "%s.scale_format = %d: must be fp16 (0) or int8_fp16 (1)",
+                             which, c->scale_format);
+    if (c->group_size < 1 || (c->axis == KVF_AXIS_CHANNEL && head_dim % c->group_size != 0))
         return kvf_set_error(KVF_ESCHEME, "%s.group_size = %d: must divide head_dim = %d", which,
                              c->group_size, head_dim);
+    if (c->scale_format == KVF_SCALE_INT8_FP16 && head_dim / c->group_size > 256)
+        return kvf_set_error(KVF_ESCHEME, "%s.group_size = %d: at most 256 groups per token", which,
+                             c->group_size);
+    if (c->centroids < 0 || c->centroids > 256)
+        return kvf_set_error(KVF_ESCHEME, "%s.centroids = %d: must be in 0..256", which, c->centroids);
+    if (c->axis == KVF_AXIS_TOKEN && (c->centroids != 0 || c->scale_format != KVF_SCALE_FP16))
+        return kvf_set_error(KVF_ESCHEME,
+                             "%s.axis = token: needs centroids = 0 and scale_format fp16", which);
+    if (c->stages < 1 || c->stages > KVF_MAX_STAGES || (c->stages > 1 && c->centroids == 0))
+        return kvf_set_error(KVF_ESCHEME, "%s.stages = %d: must be 1..%d, and 1 without centroids",
+                             which, c->stages, KVF_MAX_STAGES);
+    if (c->qsac_candidates < 1 || (c->qsac_candidates > 1 && c->qsac_candidates > c->centroids))
+        return kvf_set_error(KVF_ESCHEME, "%s.qsac_candidates = %d: must be 1..centroids", which,
+                             c->qsac_candidates);
+    if (c->kmeans_iters < 0)
+        return kvf_set_error(KVF_ESCHEME, "%s.kmeans_iters = %d: must be >= 0", which, c->kmeans_iters);
+    if (c->psac_rank < 0 || c->psac_rank >= head_dim || (!is_key && c->psac_rank != 0))
+        return kvf_set_error(KVF_ESCHEME, "%s.psac_rank = %d: must be 0 for values, < head_dim for keys",
+                             which, c->psac_rank);
+    if (c->rotation != KVF_ROTATION_NONE && c->rotation != KVF_ROTATION_HADAMARD)
+        return kvf_set_error(KVF_ESCHEME, "%s.rotation = %d: must be none (0) or hadamard (1)", which,
+                             c->rotation);
+    if (c->rotation == KVF_ROTATION_HADAMARD && !is_pow2(head_dim))
+        return kvf_set_error(KVF_ESCHEME, "%s.rotation = hadamard: head_dim = %d is not a power of 2",
+                             which, head_dim);
     return KVF_OK;
 }
 
-/* Place the planes of one section from *off on; *off ends past the last one. */
-static int place_section(const kvf_tensor_cfg *c, int head_dim, size_t rows, size_t *off,
-                         kvf_section_layout *l) {
+/* Places planes one after the other, each at the next multiple of 256. */
+typedef struct placer {
+    size_t off;
+    bool overflow;
+} placer;
+
+static void place(placer *p, size_t a, size_t b, size_t *off, size_t *bytes) {
+    size_t start, n, end;
+    if (p->overflow || align_up(p->off, &start) || mul_size(a, b, &n) || add_size(start, n, &end)) {
+        p->overflow = true;
+        return;
+    }
+    *off = start;
+    *bytes = n;
+    p->off = end;
+}
+
+/* The planes of one stage (METHODS.md section 7), in their order. */
+static void place_stage(placer *p, const kvf_section_layout *l, size_t rows, size_t heads,
+                        int head_dim, kvf_stage_layout *st, bool quant) {
+    size_t gpt = (size_t)l->groups_per_token;
+    if (!quant) goto smoothing; /* later stages: centroids only (METHODS.md 1) */
+    place(p, rows, l->code_bytes_per_token, &st->codes_off, &st->codes_bytes);
+    if (l->bits == 16) return;
+    bool affine = l->mode == KVF_MODE_AFFINE;
+    if (l->axis == KVF_AXIS_TOKEN) {
+        size_t grows = heads * (size_t)l->groups_along_tokens; /* cannot overflow: <= rows */
+        place(p, grows, (size_t)head_dim * 2, &st->scales_off, &st->scales_bytes);
+        if (affine) place(p, grows, (size_t)head_dim * 2, &st->zeros_off, &st->zeros_bytes);
+    } else if (l->scale_format == KVF_SCALE_FP16) {
+        place(p, rows, gpt * 2, &st->scales_off, &st->scales_bytes);
+        if (affine) place(p, rows, gpt * 2, &st->zeros_off, &st->zeros_bytes);
+    } else {
+        place(p, rows, gpt, &st->scales_off, &st->scales_bytes);   /* u8 group scale codes */
+        place(p, rows, 2, &st->tscales_off, &st->tscales_bytes);   /* fp16 token scales */
+        if (affine) place(p, rows, gpt, &st->zeros_off, &st->zeros_bytes); /* int8 zero codes */
+    }
+smoothing:
+    if (l->centroids > 0) {
+        place(p, rows, 1, &st->index_off, &st->index_bytes);
+        place(p, heads * (size_t)l->centroids, (size_t)head_dim * 2, &st->centroids_off,
+              &st->centroids_bytes);
+    }
+}
+
+/* Place the planes of one section from p->off on. */
+static void place_section(placer *p, const kvf_tensor_cfg *c, int head_dim, int64_t n_tokens,
+                          size_t heads, kvf_section_layout *l) {
+    size_t rows = (size_t)n_tokens * heads; /* checked by the caller */
+    bool q = c->bits < 16;
     memset(l, 0, sizeof *l);
     l->bits = c->bits;
-    l->mode = c->mode;
-    l->group_size = c->bits < 16 ? c->group_size : head_dim;
-    l->groups_per_token = c->bits < 16 ? head_dim / c->group_size : 0;
+    l->mode = q ? c->mode : KVF_MODE_AFFINE;
+    l->axis = q ? c->axis : KVF_AXIS_CHANNEL;
+    l->scale_format = q ? c->scale_format : KVF_SCALE_FP16;
+    l->group_size = q ? c->group_size : head_dim;
+    l->groups_per_token = q && l->axis == KVF_AXIS_CHANNEL ? head_dim / c->group_size : 0;
+    l->groups_along_tokens = q && l->axis == KVF_AXIS_TOKEN
+                                 ? (n_tokens + c->group_size - 1) / c->group_size
+                                 : 0;
+    l->centroids = q ? c->centroids : 0;
+    l->stages = q ? c->stages : 1;
+    l->psac_rank = q ? c->psac_rank : 0;
+    l->rotation = q ? c->rotation : KVF_ROTATION_NONE; /* BF16 is kept as it is */
     l->code_bytes_per_token = (size_t)head_dim * (size_t)c->bits / 8;
-
-    size_t group_bytes = (size_t)l->groups_per_token * 2; /* one fp16 per group */
-    if (align_up(*off, &l->codes_off) || mul_size(rows, l->code_bytes_per_token, &l->codes_bytes) ||
-        add_size(l->codes_off, l->codes_bytes, off))
-        return 1;
-    if (c->bits < 16) {
-        if (align_up(*off, &l->scales_off) || mul_size(rows, group_bytes, &l->scales_bytes) ||
-            add_size(l->scales_off, l->scales_bytes, off))
-            return 1;
-        if (c->mode == KVF_MODE_AFFINE &&
-            (align_up(*off, &l->zeros_off) || mul_size(rows, group_bytes, &l->zeros_bytes) ||
-             add_size(l->zeros_off, l->zeros_bytes, off)))
-            return 1;
+    for (int s = 0; s < l->stages; s++) place_stage(p, l, rows, heads, head_dim, &l->stage[s], s == 0);
+    if (l->psac_rank > 0) {
+        size_t r = (size_t)l->psac_rank;
+        place(p, heads * (size_t)head_dim, r * 2, &l->basis_off, &l->basis_bytes);
+        place(p, rows, r, &l->coef_off, &l->coef_bytes);
+        place(p, rows, 2, &l->cscale_off, &l->cscale_bytes);
     }
-    return 0;
+    const kvf_stage_layout *s0 = &l->stage[0];
+    l->codes_off = s0->codes_off, l->codes_bytes = s0->codes_bytes;
+    l->scales_off = s0->scales_off, l->scales_bytes = s0->scales_bytes;
+    l->zeros_off = s0->zeros_off, l->zeros_bytes = s0->zeros_bytes;
 }
 
 int kvf_layout_compute(const struct kvf_scheme *s, int64_t n_tokens, int32_t n_heads,
@@ -106,8 +175,8 @@ int kvf_layout_compute(const struct kvf_scheme *s, int64_t n_tokens, int32_t n_h
     if (n_heads < 1) return kvf_set_error(KVF_EINVAL, "n_heads = %" PRId32 ": must be >= 1", n_heads);
     if (s->head_dim < 8 || s->head_dim % 8 != 0)
         return kvf_set_error(KVF_ESCHEME, "head_dim = %d: must be a positive multiple of 8", s->head_dim);
-    int rc = check_section_fields(&s->key, s->head_dim, "key");
-    if (!rc) rc = check_section_fields(&s->value, s->head_dim, "value");
+    int rc = check_section_fields(&s->key, s->head_dim, "key", true);
+    if (!rc) rc = check_section_fields(&s->value, s->head_dim, "value", false);
     if (!rc) rc = kvf_scheme_check_supported(s);
     if (rc) return rc;
 
@@ -115,11 +184,13 @@ int kvf_layout_compute(const struct kvf_scheme *s, int64_t n_tokens, int32_t n_h
     out->n_tokens = n_tokens;
     out->n_heads = n_heads;
     out->head_dim = s->head_dim;
-    size_t rows, off = KVF_HEADER_BYTES;
-    if ((uint64_t)n_tokens > SIZE_MAX || mul_size((size_t)n_tokens, (size_t)n_heads, &rows) ||
-        place_section(&s->key, s->head_dim, rows, &off, &out->key) ||
-        place_section(&s->value, s->head_dim, rows, &off, &out->value) ||
-        align_up(off, &out->total_bytes))
+    size_t rows;
+    placer p = {KVF_HEADER_BYTES, false};
+    if ((uint64_t)n_tokens > SIZE_MAX || mul_size((size_t)n_tokens, (size_t)n_heads, &rows))
+        p.overflow = true;
+    if (!p.overflow) place_section(&p, &s->key, s->head_dim, n_tokens, (size_t)n_heads, &out->key);
+    if (!p.overflow) place_section(&p, &s->value, s->head_dim, n_tokens, (size_t)n_heads, &out->value);
+    if (p.overflow || align_up(p.off, &out->total_bytes))
         return kvf_set_error(KVF_EINVAL, "%" PRId64 " tokens x %" PRId32 " heads: packed size overflows",
                              n_tokens, n_heads);
     return KVF_OK;

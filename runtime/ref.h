@@ -16,9 +16,9 @@ void kvf_ref_rope(float *x, int d, const kvf_rope_cfg *rope, const int32_t *pos)
 
 /* ref_kmeans.c: seeded strided init + Lloyd iterations over n vectors
  * e[n][d] (f32); writes the final bf16 centroids cent[C][d] (C = min(c, n));
- * (METHODS.md 3). */
-void kvf_ref_kmeans(const float *e, int64_t n, int d, int c, int iters, int64_t seed, int stage,
-                    int head, uint16_t *cent);
+ * (METHODS.md 3). KVF_OK, or KVF_ENOMEM for its work space. */
+int kvf_ref_kmeans(const float *e, int64_t n, int d, int c, int iters, int64_t seed, int stage,
+                   int head, uint16_t *cent);
 /* Nearest centroid (f64 distance, ties to the lowest index). */
 int kvf_ref_nearest(const float *x, const uint16_t *cent, int c, int d);
 /* QSAC: the index chosen among the m best candidates by weighted distance
@@ -42,5 +42,24 @@ void kvf_ref_orthogonal_iteration(const float *m, int d, int r, int iters, float
 void kvf_ref_psac_encode(const float *e, const uint16_t *ubf, const float *lambda, int d, int r,
                          int8_t *coef, uint16_t *scale);
 void kvf_ref_psac_apply(float *y, const uint16_t *ubf, const int8_t *coef, uint16_t scale, int d, int r);
+
+/* ref_quant.c: residual quantization of head h at one stage (METHODS.md 2,
+ * FORMAT.md): r [n][d] f32 -> the stage's codes and scale planes of that head
+ * (axis channel or token, fp16 or int8_fp16 scales, affine or symmetric;
+ * bits < 16). Decode writes what the decoder adds: rhat [n][d]. */
+void kvf_ref_quant_encode(const kvf_section_layout *l, const kvf_stage_layout *st, int64_t n,
+                          int32_t h, int d, const float *r, uint8_t *packed);
+void kvf_ref_quant_decode(const kvf_section_layout *l, const kvf_stage_layout *st, int64_t n,
+                          int32_t h, int d, const uint8_t *packed, float *rhat);
+
+/* Little-endian 16-bit fields of the packed planes. */
+static inline void kvf_put_u16(uint8_t *p, uint16_t v) {
+    p[0] = (uint8_t)(v & 0xffu);
+    p[1] = (uint8_t)(v >> 8);
+}
+static inline uint16_t kvf_get_u16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+
+/* Decoded values: a NaN is always BF16 0x7FC0 (FORMAT.md, canonical NaNs). */
+static inline uint16_t kvf_output_bf16(float f) { return f != f ? 0x7fc0u : kvf_f32_to_bf16(f); }
 
 #endif

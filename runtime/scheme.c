@@ -34,7 +34,7 @@
 
 /* ================================================================ fields */
 
-enum fkind { F_INT, F_I64, F_NUM, F_ENUM, F_NAME, F_BASE, F_SECTION, F_LATER };
+enum fkind { F_INT, F_I64, F_NUM, F_ENUM, F_NAME, F_BASE, F_SECTION, F_LATER, F_SECTIONS };
 
 typedef struct fdesc {
     const char *name;
@@ -53,12 +53,13 @@ static const char *const mode_names[] = {"affine", "symmetric", NULL};
 static const char *const scale_names[] = {"fp16", "int8_fp16", NULL};
 static const char *const placement_names[] = {"none", "pre", "post", NULL};
 static const char *const layout_names[] = {"half", "interleaved", NULL};
+static const char *const rotation_names[] = {"none", "hadamard", NULL};
 
 enum { S_TOP, S_KEY, S_VALUE, S_ROPE, S_CHUNK, N_SECTIONS };
 enum { TOP_NAME, TOP_BASE, TOP_HEAD_DIM, TOP_KEY, TOP_VALUE, TOP_ROPE, TOP_CHUNK, N_TOP = 11 };
-enum { T_AXIS, T_BITS, T_CENTROIDS, T_GROUP, T_ITERS, T_MODE, T_PSAC, T_QSAC, T_SCALE,
-       T_SEED, T_STAGES, N_TENSOR };
-enum { R_LAYOUT, R_PLACEMENT, R_THETA, N_ROPE };
+enum { T_AXIS, T_BITS, T_CENTROIDS, T_GROUP, T_ITERS, T_MODE, T_PSAC, T_QSAC, T_ROTATION,
+       T_SCALE, T_SEED, T_STAGES, N_TENSOR };
+enum { R_LAYOUT, R_PLACEMENT, R_SECTIONS, R_THETA, N_ROPE };
 enum { C_RECENT, C_SINK, C_SPAN, C_TOKENS, N_CHUNK };
 
 #define SO(m) offsetof(struct kvf_scheme, m)
@@ -87,6 +88,7 @@ static const fdesc tensor_fields[N_TENSOR] = {
     {"mode", F_ENUM, TO(mode), 0, 1, NULL, mode_names},
     {"psac_rank", F_INT, TO(psac_rank), 0, 64, NULL, NULL},
     {"qsac_candidates", F_INT, TO(qsac_candidates), 1, 256, NULL, NULL},
+    {"rotation", F_ENUM, TO(rotation), 0, 1, NULL, rotation_names},
     {"scale_format", F_ENUM, TO(scale_format), 0, 1, NULL, scale_names},
     {"seed", F_I64, TO(seed), 0, (int64_t)1 << 53, NULL, NULL},
     {"stages", F_INT, TO(stages), 1, 8, NULL, NULL},
@@ -94,6 +96,8 @@ static const fdesc tensor_fields[N_TENSOR] = {
 static const fdesc rope_fields[N_ROPE] = {
     {"layout", F_ENUM, offsetof(kvf_rope_cfg, layout), 0, 1, NULL, layout_names},
     {"placement", F_ENUM, offsetof(kvf_rope_cfg, placement), 0, 2, NULL, placement_names},
+    /* n_sections, then sections[]: an array of 1..KVF_MAX_ROPE_SECTIONS pair counts */
+    {"sections", F_SECTIONS, offsetof(kvf_rope_cfg, n_sections), 1, 128, NULL, NULL},
     {"theta", F_NUM, offsetof(kvf_rope_cfg, theta), 0, 0, NULL, NULL},
 };
 static const fdesc chunk_fields[N_CHUNK] = {
@@ -137,6 +141,12 @@ static void *field_ptr(const struct kvf_scheme *s, int fid) {
     int sec;
     const fdesc *d = fid_desc(fid, &sec);
     return (char *)s + sections[sec].off + d->off;
+}
+
+/* An F_SECTIONS field points at rope.n_sections; its values follow. */
+static int *sections_of(void *n_sections) {
+    return (int *)((char *)n_sections + offsetof(kvf_rope_cfg, sections) -
+                   offsetof(kvf_rope_cfg, n_sections));
 }
 
 /* ============================================================ value checks */
@@ -188,6 +198,10 @@ static void describe(const fdesc *d, char *buf, size_t n) {
         snprintf(buf, n, "must be a string of 1..%d characters from [A-Za-z0-9_]", NAME_MAX_LEN);
         return;
     case F_SECTION: snprintf(buf, n, "must be a table"); return;
+    case F_SECTIONS:
+        snprintf(buf, n, "must be an array of 1..%d integers in %lld..%lld", KVF_MAX_ROPE_SECTIONS,
+                 (long long)d->lo, (long long)d->hi);
+        return;
     default: snprintf(buf, n, "not implemented yet (a later issue adds it)"); return;
     }
 }
@@ -657,8 +671,9 @@ static int sb_setup(lua_State *L) {
 typedef struct fval {
     bool set;
     int line;
-    int64_t i; /* integers and enum indexes */
+    int64_t i; /* integers and enum indexes; the count of an array */
     double d;
+    int arr[KVF_MAX_ROPE_SECTIONS]; /* F_SECTIONS values */
     char s[NAME_MAX_LEN + 1];
 } fval;
 
@@ -753,6 +768,32 @@ static bool read_name(lua_State *L, fval *v) {
     return true;
 }
 
+/* An array of 1..KVF_MAX_ROPE_SECTIONS integers in d's range (rope.sections):
+ * a plain table whose keys are exactly 1..n. Raw reads only. */
+static bool read_array(lua_State *L, const fdesc *d, fval *v) {
+    int t = lua_gettop(L), n = 0, max_key = 0;
+    if (!lua_istable(L, t) || lua_getmetatable(L, t)) {
+        lua_settop(L, t);
+        return false;
+    }
+    lua_pushnil(L);
+    while (lua_next(L, t)) {
+        int ok = 0;
+        lua_Integer k = lua_type(L, -2) == LUA_TNUMBER ? lua_tointegerx(L, -2, &ok) : 0;
+        fval e = {0};
+        if (!ok || k < 1 || k > KVF_MAX_ROPE_SECTIONS || !read_int(L, d, &e)) {
+            lua_settop(L, t);
+            return false;
+        }
+        v->arr[k - 1] = (int)e.i;
+        n++;
+        if (k > max_key) max_key = (int)k;
+        lua_pop(L, 1);
+    }
+    v->i = n;
+    return n >= 1 && n == max_key; /* distinct keys in 1..n: no holes */
+}
+
 /* The value at the top of the stack, for field idx of section sec. */
 static bool read_value(lua_State *L, unit *u, int sec, int idx, const char *path, int line) {
     const fdesc *d = &sections[sec].f[idx];
@@ -768,6 +809,7 @@ static bool read_value(lua_State *L, unit *u, int sec, int idx, const char *path
         if (ok) v->d = lua_tonumber(L, -1);
         break;
     case F_ENUM: ok = read_enum(L, d, v); break;
+    case F_SECTIONS: ok = read_array(L, d, v); break;
     case F_NAME:
     case F_BASE: ok = read_name(L, v); break;
     case F_SECTION:
@@ -1061,6 +1103,10 @@ static void apply(loader *ld, const unit *u, int file, int depth) {
         case F_I64: *(int64_t *)p = v->i; break;
         case F_NUM: *(double *)p = v->d; break;
         case F_NAME: snprintf(ld->s->name, sizeof ld->s->name, "%s", v->s); break;
+        case F_SECTIONS:
+            *(int *)p = (int)v->i;
+            memcpy(sections_of(p), v->arr, sizeof v->arr);
+            break;
         default: continue;
         }
         ld->org[fid].file = file;
@@ -1129,6 +1175,15 @@ static int check_ranges(const struct kvf_scheme *s, const loader *ld) {
         if (d->kind == F_ENUM) ok = i >= d->lo && i <= d->hi;
         if (d->kind == F_NUM) ok = num_ok(x);
         if (d->kind == F_NAME) ok = valid_name(s->name, strlen(s->name));
+        if (d->kind == F_SECTIONS) {
+            const int *n = p, *a = sections_of((void *)p);
+            ok = *n >= 1 && *n <= KVF_MAX_ROPE_SECTIONS;
+            for (int k = 0; ok && k < *n; k++) ok = a[k] >= d->lo && a[k] <= d->hi;
+            if (!ok) {
+                describe(d, what, sizeof what);
+                return bad(ld, s, fid, "%s (got %d values)", what, *n);
+            }
+        }
         if (ok) continue;
         describe(d, what, sizeof what);
         if (d->kind == F_NUM) return bad(ld, s, fid, "%s (got %g)", what, x);
@@ -1145,10 +1200,16 @@ static int check_groups(const struct kvf_scheme *s, const loader *ld, int sec) {
         return bad(ld, s, FID(sec, T_GROUP),
                    "must divide head_dim (%d) when axis = \"channel\" (got %d)", s->head_dim,
                    t->group_size);
-    if (t->axis == KVF_AXIS_TOKEN && span % t->group_size)
-        return bad(ld, s, FID(sec, T_GROUP),
-                   "must divide chunk.tokens * chunk.span (%lld) when axis = \"token\" (got %d)",
-                   span, t->group_size);
+    if (t->axis == KVF_AXIS_TOKEN && t->centroids != 0)
+        return bad(ld, s, FID(sec, T_CENTROIDS),
+                   "must be 0 when axis = \"token\" (per-channel groups quantize the values "
+                   "themselves, without smoothing) (got %d)",
+                   t->centroids);
+    if (t->axis == KVF_AXIS_TOKEN && t->scale_format != KVF_SCALE_FP16)
+        return bad(ld, s, FID(sec, T_SCALE),
+                   "must be \"fp16\" when axis = \"token\" (two-level scales are per token) "
+                   "(got \"%s\")",
+                   scale_names[t->scale_format]);
     if (t->centroids > span)
         return bad(ld, s, FID(sec, T_CENTROIDS),
                    "must be <= chunk.tokens * chunk.span (%lld): k-means needs a token per "
@@ -1189,13 +1250,33 @@ static int check_methods(const struct kvf_scheme *s, const loader *ld, int sec) 
     return KVF_OK;
 }
 
+static int check_rope(const struct kvf_scheme *s, const loader *ld) {
+    int sum = 0;
+    for (int k = 0; k < s->rope.n_sections; k++) sum += s->rope.sections[k];
+    if (sum != s->head_dim / 2)
+        return bad(ld, s, FID(S_ROPE, R_SECTIONS),
+                   "must add up to head_dim / 2 (%d) frequency pairs (got %d)", s->head_dim / 2,
+                   sum);
+    return KVF_OK;
+}
+
+/* Defaults that depend on other fields, filled once the chain is merged: an
+ * absent rope.sections is one section of head_dim / 2 pairs (1D RoPE). */
+static void fill_derived(struct kvf_scheme *s) {
+    if (s->rope.n_sections == 0) {
+        memset(s->rope.sections, 0, sizeof s->rope.sections);
+        s->rope.n_sections = 1;
+        s->rope.sections[0] = s->head_dim / 2;
+    }
+}
+
 static int check_scheme(const struct kvf_scheme *s, const loader *ld) {
     int rc = check_ranges(s, ld);
     for (int sec = S_KEY; !rc && sec <= S_VALUE; sec++) {
         rc = check_groups(s, ld, sec);
         if (!rc) rc = check_methods(s, ld, sec);
     }
-    return rc;
+    return rc ? rc : check_rope(s, ld);
 }
 
 /* ========================================================= canonical text */
@@ -1235,6 +1316,13 @@ static void put_value(text *t, const fdesc *d, const void *p) {
     case F_ENUM: put(t, "\"%s\"", d->names[*(const int *)p]); break;
     case F_NUM: put_double(t, *(const double *)p); break;
     case F_NAME: put(t, "\"%s\"", (const char *)p); break;
+    case F_SECTIONS: {
+        const int *n = p, *a = sections_of((void *)p);
+        put(t, "{");
+        for (int k = 0; k < *n; k++) put(t, "%s%d", k ? ", " : " ", a[k]);
+        put(t, " }");
+        break;
+    }
     default: break;
     }
 }
@@ -1284,7 +1372,7 @@ void kvf_scheme_defaults(struct kvf_scheme *s) {
     static const kvf_tensor_cfg tensor = {
         .bits = 2, .group_size = 64, .axis = KVF_AXIS_CHANNEL, .mode = KVF_MODE_AFFINE,
         .scale_format = KVF_SCALE_FP16, .centroids = 0, .kmeans_iters = 2, .seed = 0,
-        .qsac_candidates = 1, .psac_rank = 0, .stages = 1};
+        .qsac_candidates = 1, .psac_rank = 0, .stages = 1, .rotation = KVF_ROTATION_NONE};
     memset(s, 0, sizeof *s);
     s->head_dim = 128;
     s->key = tensor;
@@ -1292,6 +1380,7 @@ void kvf_scheme_defaults(struct kvf_scheme *s) {
     s->rope.placement = KVF_ROPE_NONE;
     s->rope.layout = KVF_ROPE_HALF;
     s->rope.theta = 10000.0;
+    s->rope.n_sections = 0; /* absent: one section of head_dim / 2, filled by finalize */
     s->chunk.tokens = 4680;
     s->chunk.span = 1;
     s->chunk.recent = 0;
@@ -1301,6 +1390,7 @@ void kvf_scheme_defaults(struct kvf_scheme *s) {
 int kvf_scheme_finalize(struct kvf_scheme *s) {
     if (!s) return kvf_set_error(KVF_EINVAL, "kvf_scheme_finalize: scheme is NULL");
     if (!s->name[0]) snprintf(s->name, sizeof s->name, "scheme");
+    fill_derived(s);
     int rc = check_scheme(s, NULL);
     return rc ? rc : build_canonical(s);
 }
@@ -1318,6 +1408,7 @@ static int finish_top(loader *ld, const source *src) {
                                  NAME_MAX_LEN);
         memcpy(s->name, src->default_name, len + 1);
     }
+    fill_derived(s);
     int rc = check_scheme(s, ld);
     if (rc) return rc;
     snprintf(s->source, sizeof s->source, "%s", src->display);

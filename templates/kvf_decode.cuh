@@ -108,25 +108,26 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
         if (live) kvf_store8(dst, raw);
         return;
     }
+    // y = ((0 + mu_0) + mu_1 ...) + r_hat: every stage's centroid, then the
+    // one quantized residual (stage 0's planes), as the CPU reference adds.
 #pragma unroll
-    for (int s = 0; s < STAGES; s++) {
-        float part[8];
-        if (AXIS == KVF_AXIS_TOKEN) load_row_token_axis<D, BITS, G, MODE>(packed, p.stage[s], h, t, n_tokens, lane, part);
-        else kvf_quant::load_row<D, BITS, G, MODE, SFMT>(packed, p.stage[s], r, lane, part);
-        if (NCENT) {
+    for (int i = 0; i < 8; i++) y[i] = 0.0f;
+    if (NCENT) {
+#pragma unroll
+        for (int s = 0; s < STAGES; s++) {
             const int idx = packed[p.stage[s].index + r];
             float mu[8];
             kvf_load8f((const u16 *)(packed + p.stage[s].centroids) + (h * NCENT + idx) * D + lane * 8, mu);
 #pragma unroll
-            for (int i = 0; i < 8; i++) {
-                if (s == 0) y[i] = mu[i];
-                else y[i] = __fadd_rn(y[i], mu[i]);
-                y[i] = __fadd_rn(y[i], part[i]);
-            }
-        } else {
-#pragma unroll
-            for (int i = 0; i < 8; i++) y[i] = s == 0 ? part[i] : __fadd_rn(y[i], part[i]);
+            for (int i = 0; i < 8; i++) y[i] = __fadd_rn(y[i], mu[i]);
         }
+    }
+    {
+        float part[8];
+        if (AXIS == KVF_AXIS_TOKEN) load_row_token_axis<D, BITS, G, MODE>(packed, p.stage[0], h, t, n_tokens, lane, part);
+        else kvf_quant::load_row<D, BITS, G, MODE, SFMT>(packed, p.stage[0], r, lane, part);
+#pragma unroll
+        for (int i = 0; i < 8; i++) y[i] = __fadd_rn(y[i], part[i]);
     }
     if (PSAC_R) {
         const u16 cs = ((const u16 *)(packed + p.cscale))[r];

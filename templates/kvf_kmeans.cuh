@@ -225,6 +225,18 @@ __device__ __forceinline__ void pad(int n_heads, int c_eff, int c_alloc, u16 *ce
     cent[(h * c_alloc + j) * D + c] = cent[(h * c_alloc) * D + c];
 }
 
+// A stage that is not the last: e <- e - mu[z] (QVG-Pro smooths again).
+template <int D, int NCENT>
+__device__ __forceinline__ void subtract(float *e, int n_tokens, int n_heads, const u8 *__restrict__ packed,
+                                         kvf_quant::stage_planes p) {
+    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; // one (row, c)
+    if (i >= (i64)n_tokens * n_heads * D) return;
+    const i64 row = i / D, h = row / n_tokens;
+    const int c = (int)(i % D);
+    const u16 mu = ((const u16 *)(packed + p.centroids))[(h * NCENT + packed[p.index + row]) * D + c];
+    e[i] = __fsub_rn(e[i], kvf_bf16_to_f32(mu));
+}
+
 // Residual quantizer of a stage: r = e - mu[z]; planes; e <- e - (mu + r_hat).
 template <int D, int BITS, int G, int MODE, int SFMT, int NCENT, int WRITE_E>
 __device__ __forceinline__ void residual(float *e, int n_tokens, int n_heads, u8 *__restrict__ packed,
@@ -289,6 +301,10 @@ __device__ __forceinline__ void residual(float *e, int n_tokens, int n_heads, u8
     }                                                                                                          \
     extern "C" __global__ void PREFIX##_pad(int nh, int c_eff, int c_alloc, u16 *cent) {                       \
         kvf_kmeans::pad<D>(nh, c_eff, c_alloc, cent);                                                          \
+    }                                                                                                          \
+    extern "C" __global__ void PREFIX##_subtract(float *e, int n, int nh, const u8 *packed,                    \
+                                                 kvf_quant::stage_planes p) {                                  \
+        kvf_kmeans::subtract<D, (NCENT > 0 ? NCENT : 1)>(e, n, nh, packed, p);                                 \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(kvf_kmeans::BLOCK)                                            \
     PREFIX##_residual(float *e, int n, int nh, u8 *packed, kvf_quant::stage_planes p, int write_e) {           \

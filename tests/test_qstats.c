@@ -998,7 +998,9 @@ static void test_api_cpu(void **state) {
 /* With a PSAC rank, once the scheme checks accept it. */
 static void test_api_psac(void **state) {
     (void)state;
-    enum { D = 64, R = 8, N = 64 };
+    /* Eight strong channels (variances 100 .. 9) over a bulk of 1: a clear gap
+     * after the 8th eigenvalue, with enough samples that the noise stays below it. */
+    enum { D = 64, R = 8, N = 512 };
     struct kvf_scheme s;
     make_scheme(&s, D, R);
     kvf_context *ctx = NULL;
@@ -1012,9 +1014,9 @@ static void test_api_psac(void **state) {
     assert_int_equal(kvf_qstats_size(&s, 1, &bytes), KVF_OK);
     void *q = aligned_alloc(256, bytes);
     assert_int_equal(kvf_qstats_init(ctx, q, bytes, 1, NULL), KVF_OK);
-    uint16_t x[N * D];
+    static uint16_t x[N * D];
     uint64_t st = 2;
-    for (int i = 0; i < N * D; i++) x[i] = kvf_f32_to_bf16((float)(rng_gauss(&st) * (1 + (i % D < 4) * 5)));
+    for (int i = 0; i < N * D; i++) x[i] = kvf_f32_to_bf16((float)(rng_gauss(&st) * (i % D < 8 ? 10 - i % D : 1)));
     kvf_shape sh = {N, 1, 0, 0};
     assert_int_equal(kvf_qstats_update(ctx, q, bytes, x, &sh, NULL), KVF_OK);
     kvf_qstats_layout l = layout_of(&s, 1);

@@ -83,12 +83,12 @@ static const char rtn_int2_canonical[] =
     "  name = \"rtn_int2\",\n"
     "  head_dim = 128,\n"
     "  key = { axis = \"channel\", bits = 2, centroids = 0, group_size = 64, kmeans_iters = 2, "
-    "mode = \"affine\", psac_rank = 0, qsac_candidates = 1, scale_format = \"fp16\", seed = 0, "
-    "stages = 1 },\n"
+    "mode = \"affine\", psac_rank = 0, qsac_candidates = 1, rotation = \"none\", "
+    "scale_format = \"fp16\", seed = 0, stages = 1 },\n"
     "  value = { axis = \"channel\", bits = 2, centroids = 0, group_size = 64, kmeans_iters = 2, "
-    "mode = \"affine\", psac_rank = 0, qsac_candidates = 1, scale_format = \"fp16\", seed = 0, "
-    "stages = 1 },\n"
-    "  rope = { layout = \"half\", placement = \"none\", theta = 10000.0 },\n"
+    "mode = \"affine\", psac_rank = 0, qsac_candidates = 1, rotation = \"none\", "
+    "scale_format = \"fp16\", seed = 0, stages = 1 },\n"
+    "  rope = { layout = \"half\", placement = \"none\", sections = { 64 }, theta = 10000.0 },\n"
     "  chunk = { recent = 0, sink = 0, span = 1, tokens = 4680 },\n"
     "}\n";
 
@@ -199,10 +199,17 @@ static void test_defaults(void **state) {
         assert_int_equal(t[i]->qsac_candidates, 1);
         assert_int_equal(t[i]->psac_rank, 0);
         assert_int_equal(t[i]->stages, 1);
+        assert_int_equal(t[i]->rotation, KVF_ROTATION_NONE);
     }
     assert_int_equal(s->head_dim, 128);
     assert_int_equal(s->rope.placement, KVF_ROPE_NONE);
     assert_int_equal(s->rope.layout, KVF_ROPE_HALF);
+    /* rope.sections depends on head_dim: absent (0) until the scheme is finalized,
+     * then one section of head_dim / 2 pairs. */
+    assert_int_equal(d.rope.n_sections, 0);
+    assert_int_equal(s->rope.n_sections, 1);
+    assert_int_equal(s->rope.sections[0], 64);
+    assert_int_equal(kvf_scheme_finalize(&d), KVF_OK);
     assert_true(s->rope.theta == 10000.0);
     assert_int_equal(s->chunk.tokens, 4680);
     assert_int_equal(s->chunk.span, 1);
@@ -212,6 +219,11 @@ static void test_defaults(void **state) {
     assert_memory_equal(&s->value, &d.value, sizeof d.value);
     assert_memory_equal(&s->rope, &d.rope, sizeof d.rope);
     assert_memory_equal(&s->chunk, &d.chunk, sizeof d.chunk);
+    free(d.canonical);
+    kvf_scheme *h64 = load_str("return { head_dim = 64 }");
+    assert_int_equal(h64->rope.n_sections, 1);
+    assert_int_equal(h64->rope.sections[0], 32);
+    kvf_scheme_free(h64);
     /* Later options: absent, nil and false are all fine. */
     kvf_scheme *l = load_str("return { outliers = false, anchors = nil, error_feedback = false,"
                              " mixed_precision = false }");
@@ -228,8 +240,8 @@ static void test_all_fields_read(void **state) {
         " key = { bits = 4, group_size = 2^5, axis = 'channel', mode = 'symmetric',\n"
         "  scale_format = 'int8_fp16', centroids = 256, kmeans_iters = 10, seed = 2^53,\n"
         "  qsac_candidates = 4, psac_rank = 8, stages = 3 },\n"
-        " value = { bits = 8, group_size = 16, axis = 'token', centroids = 16, stages = 2 },\n"
-        " rope = { placement = 'post', layout = 'interleaved', theta = 1e6 },\n"
+        " value = { bits = 8, group_size = 16, axis = 'token', rotation = 'hadamard' },\n"
+        " rope = { placement = 'post', layout = 'interleaved', theta = 1e6, sections = { 32, 48, 2^4*3 } },\n"
         " chunk = { tokens = 4096, span = 2, recent = 3, sink = 1 } }");
     assert_string_equal(s->name, "full");
     assert_int_equal(s->head_dim, 256);
@@ -246,6 +258,13 @@ static void test_all_fields_read(void **state) {
     assert_int_equal(s->value.bits, 8);
     assert_int_equal(s->value.axis, KVF_AXIS_TOKEN);
     assert_int_equal(s->value.mode, KVF_MODE_AFFINE);
+    assert_int_equal(s->value.rotation, KVF_ROTATION_HADAMARD);
+    assert_int_equal(s->key.rotation, KVF_ROTATION_NONE);
+    assert_int_equal(s->rope.n_sections, 3);
+    assert_int_equal(s->rope.sections[0], 32);
+    assert_int_equal(s->rope.sections[1], 48);
+    assert_int_equal(s->rope.sections[2], 48);
+    assert_int_equal(s->rope.sections[3], 0);
     assert_int_equal(s->rope.placement, KVF_ROPE_POST);
     assert_int_equal(s->rope.layout, KVF_ROPE_INTERLEAVED);
     assert_true(s->rope.theta == 1e6);
@@ -383,6 +402,12 @@ static const char *const variants[] = {
     "return { name = 'v', key = { group_size = 32 } }",
     "return { name = 'v', value = { group_size = 128 } }",
     "return { name = 'v', key = { axis = 'token', group_size = 16 }, chunk = { tokens = 4096 } }",
+    "return { name = 'v', value = { axis = 'token', group_size = 64 } }", /* partial last group */
+    "return { name = 'v', key = { rotation = 'hadamard' } }",
+    "return { name = 'v', value = { rotation = 'hadamard' } }",
+    "return { name = 'v', rope = { placement = 'pre', sections = { 16, 24, 24 } } }",
+    "return { name = 'v', rope = { sections = { 24, 24, 16 } } }",
+    "return { name = 'v', rope = { sections = { 16, 16, 16, 16 } } }",
     "return { name = 'v', key = { mode = 'symmetric' } }",
     "return { name = 'v', key = { scale_format = 'int8_fp16' } }",
     "return { name = 'v', key = { centroids = 256 } }",
@@ -490,9 +515,17 @@ static const bad_case bad_cases[] = {
     {"seed_range.lua", 3, "key.seed: must be an integer in 0..9007199254740992 (got -1)", NULL},
     {"group_not_dividing.lua", 5,
      "key.group_size: must divide head_dim (64) when axis = \"channel\" (got 128)", NULL},
-    {"group_token_axis.lua", 6,
-     "value.group_size: must divide chunk.tokens * chunk.span (4680) when axis = \"token\" "
-     "(got 64)", NULL},
+    {"token_axis_centroids.lua", 6, "key.centroids: must be 0 when axis = \"token\"", NULL},
+    {"token_axis_int8.lua", 6,
+     "value.scale_format: must be \"fp16\" when axis = \"token\" (two-level scales are per "
+     "token) (got \"int8_fp16\")", NULL},
+    {"rope_sections_sum.lua", 6,
+     "rope.sections: must add up to head_dim / 2 (64) frequency pairs (got 60)", NULL},
+    {"rope_sections_hole.lua", 4,
+     "rope.sections: must be an array of 1..4 integers in 1..128 (got table)", NULL},
+    {"rope_sections_float.lua", 3, "rope.sections: must be an array of 1..4 integers", NULL},
+    {"bad_rotation.lua", 5,
+     "key.rotation: must be one of \"none\", \"hadamard\" (got \"random\")", NULL},
     {"psac_in_value.lua", 5, "value.psac_rank: must be 0 in value: values get no PSAC (got 8)",
      NULL},
     {"psac_head_dim.lua", 5, "key.psac_rank: must be < head_dim (64) (got 64)", NULL},
@@ -672,6 +705,15 @@ static void test_hostile_strings(void **state) {
     expect_str_error("return { rope = { theta = math.huge } }", "(got inf)");
     expect_str_error("return { rope = { theta = 1/0 } }", "rope.theta");
     expect_str_error("return { chunk = { tokens = '64' } }", "(got \"64\")");
+    expect_str_error("return { rope = { sections = {} } }", "rope.sections: must be an array");
+    expect_str_error("return { rope = { sections = { 16, 16, 16, 8, 8 } } }", "rope.sections");
+    expect_str_error("return { rope = { sections = { 64, x = 1 } } }", "rope.sections");
+    expect_str_error("return { rope = { sections = { 0, 64 } } }", "rope.sections");
+    expect_str_error("return { rope = { sections = { '64' } } }", "rope.sections");
+    expect_str_error("return { rope = { sections = 64 } }", "rope.sections: must be an array");
+    expect_str_error("return { rope = { sections = setmetatable({ 64 }, {}) } }", "rope.sections");
+    expect_str_error("return { head_dim = 64, rope = { sections = { 64 } } }",
+                     "rope.sections: must add up to head_dim / 2 (32)");
     expect_str_error("return { outliers = 0 }", "outliers: not implemented yet");
     expect_str_error("return { mixed_precision = { fraction = 0.2 } }",
                      "mixed_precision: not implemented yet");

@@ -1,0 +1,329 @@
+/*
+ * CPU reference encode and decode of a whole packed cache (docs/METHODS.md
+ * section 1): per tensor section and head, the optional rotation, the
+ * progressive stages (k-means smoothing with nearest or QSAC assignment, then
+ * residual quantization), PSAC for keys, and on decode the sum of the stages,
+ * the PSAC correction, the inverse rotation and RoPE. The methods themselves
+ * live one per file (ref_quant.c, ref_kmeans.c, ref_hadamard.c, ref_psac.c,
+ * ref_qstats.c, ref_rope.c); this file only orders them.
+ */
+#include "ref.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+/* ------------------------------------------------------------ work space */
+
+/* Buffers of one head: f32 [n][d] planes and the k-means results. */
+typedef struct head_buf {
+    float *x0;       /* the input (rotated): E = x0 - y for PSAC */
+    float *e;        /* stage input e_s */
+    float *y;        /* running decode sum */
+    float *r;        /* residual of the stage */
+    float *rhat;     /* what decode gets back for it */
+    uint16_t *cent;  /* bf16 [C][d] */
+    int *z;          /* [n] centroid index */
+    float *w;        /* [d] QSAC weights */
+    uint16_t *ubf;   /* bf16 [d][r] PSAC basis */
+} head_buf;
+
+static void head_buf_free(head_buf *b) {
+    free(b->x0), free(b->e), free(b->y), free(b->r), free(b->rhat);
+    free(b->cent), free(b->z), free(b->w), free(b->ubf);
+    memset(b, 0, sizeof *b);
+}
+
+static int head_buf_alloc(head_buf *b, int64_t n, int d, int centroids, int rank) {
+    size_t nd = (size_t)n * (size_t)d * sizeof(float);
+    memset(b, 0, sizeof *b);
+    b->x0 = malloc(nd), b->e = malloc(nd), b->y = malloc(nd), b->r = malloc(nd), b->rhat = malloc(nd);
+    b->cent = malloc((size_t)(centroids > 0 ? centroids : 1) * (size_t)d * 2);
+    b->z = malloc((size_t)n * sizeof(int));
+    b->w = malloc((size_t)d * sizeof(float));
+    b->ubf = malloc((size_t)d * (size_t)(rank > 0 ? rank : 1) * 2);
+    if (b->x0 && b->e && b->y && b->r && b->rhat && b->cent && b->z && b->w && b->ubf) return KVF_OK;
+    head_buf_free(b);
+    return kvf_set_error(KVF_ENOMEM, "CPU reference: out of memory for %lld tokens", (long long)n);
+}
+
+/* What one section needs besides its layout. */
+typedef struct section_job {
+    const struct kvf_scheme *s;
+    const kvf_tensor_cfg *cfg;
+    const kvf_layout *L;
+    const kvf_section_layout *l;
+    const kvf_shape *sh;
+    bool is_key;
+} section_job;
+
+static size_t row_of(const kvf_layout *L, int32_t h, int64_t t) {
+    return (size_t)h * (size_t)L->n_tokens + (size_t)t;
+}
+
+/* ------------------------------------------------------------ BF16 sections */
+
+static void bf16_encode(const section_job *j, const uint16_t *x, uint8_t *packed) {
+    int d = j->L->head_dim;
+    for (int32_t h = 0; h < j->L->n_heads; h++)
+        for (int64_t t = 0; t < j->L->n_tokens; t++) {
+            const uint16_t *src = x + t * j->sh->token_stride + h * j->sh->head_stride;
+            uint8_t *dst = packed + j->l->stage[0].codes_off + row_of(j->L, h, t) * j->l->code_bytes_per_token;
+            for (int c = 0; c < d; c++) kvf_put_u16(dst + 2 * c, src[c]);
+        }
+}
+
+/* Bits 16: the stored values come back as they are, or through RoPE for keys
+ * cached before it. */
+static void bf16_decode(const section_job *j, const uint8_t *packed, const int32_t *pos, uint16_t *y) {
+    int d = j->L->head_dim, axes = j->s->rope.n_sections > 0 ? j->s->rope.n_sections : 1;
+    float v[1024];
+    for (int32_t h = 0; h < j->L->n_heads; h++)
+        for (int64_t t = 0; t < j->L->n_tokens; t++) {
+            const uint8_t *src = packed + j->l->stage[0].codes_off + row_of(j->L, h, t) * j->l->code_bytes_per_token;
+            uint16_t *dst = y + t * j->sh->token_stride + h * j->sh->head_stride;
+            if (!pos) {
+                for (int c = 0; c < d; c++) dst[c] = kvf_get_u16(src + 2 * c);
+                continue;
+            }
+            for (int c = 0; c < d; c++) v[c] = kvf_bf16_to_f32(kvf_get_u16(src + 2 * c));
+            kvf_ref_rope(v, d, &j->s->rope, pos + t * axes);
+            for (int c = 0; c < d; c++) dst[c] = kvf_output_bf16(v[c]);
+        }
+}
+
+/* ------------------------------------------------------------ encode */
+
+/* x0 = the head's input in f32, rotated if the scheme says so. */
+static void load_head(const section_job *j, const uint16_t *x, int32_t h, head_buf *b) {
+    int d = j->L->head_dim;
+    for (int64_t t = 0; t < j->L->n_tokens; t++) {
+        const uint16_t *src = x + t * j->sh->token_stride + h * j->sh->head_stride;
+        float *dst = b->x0 + t * d;
+        for (int c = 0; c < d; c++) dst[c] = kvf_bf16_to_f32(src[c]);
+        if (j->l->rotation == KVF_ROTATION_HADAMARD) kvf_ref_hadamard(dst, d);
+    }
+}
+
+/* QSAC weights of head h: the diagonal of M_h, or ones without statistics. */
+static int qsac_weights(const void *qstats, int32_t h, int d, float *w) {
+    if (qstats) return kvf_ref_qstats_weights(qstats, h, d, w);
+    for (int c = 0; c < d; c++) w[c] = 1.0f;
+    return KVF_OK;
+}
+
+/* k-means of one stage: centroid table and indices of head h, residual r. */
+static int smooth_stage(const section_job *j, int stage, int32_t h, const void *qstats, head_buf *b,
+                        uint8_t *packed) {
+    const kvf_stage_layout *st = &j->l->stage[stage];
+    int64_t n = j->L->n_tokens;
+    int d = j->L->head_dim, C = j->l->centroids, Ceff = n < C ? (int)n : C;
+    int rc = kvf_ref_kmeans(b->e, n, d, C, j->cfg->kmeans_iters, j->cfg->seed, stage, h, b->cent);
+    if (rc) return rc;
+    bool qsac = stage == 0 && j->cfg->qsac_candidates > 1;
+    if (qsac && (rc = qsac_weights(qstats, h, d, b->w))) return rc;
+    uint8_t *table = packed + st->centroids_off + (size_t)h * (size_t)C * (size_t)d * 2;
+    for (int k = 0; k < C; k++) /* rows past the n tokens repeat row 0 */
+        for (int c = 0; c < d; c++) kvf_put_u16(table + ((size_t)k * d + c) * 2, b->cent[(size_t)(k < Ceff ? k : 0) * d + c]);
+    for (int64_t t = 0; t < n; t++) {
+        const float *et = b->e + t * d;
+        int z = qsac ? kvf_ref_qsac(et, b->cent, Ceff, d, b->w, j->cfg->qsac_candidates, j->l->group_size)
+                     : kvf_ref_nearest(et, b->cent, Ceff, d);
+        b->z[t] = z;
+        packed[st->index_off + row_of(j->L, h, t)] = (uint8_t)z;
+        const uint16_t *mu = b->cent + (size_t)z * d;
+        for (int c = 0; c < d; c++) b->r[t * d + c] = et[c] - kvf_bf16_to_f32(mu[c]);
+    }
+    return KVF_OK;
+}
+
+/* y = ((0 + mu_0) + mu_1 ...) + r_hat: decode's order, for PSAC's error. */
+static void add_centroids(const section_job *j, int stage, const uint8_t *packed, int32_t h, float *y) {
+    const kvf_stage_layout *st = &j->l->stage[stage];
+    int64_t n = j->L->n_tokens;
+    int d = j->L->head_dim, C = j->l->centroids;
+    const uint8_t *table = packed + st->centroids_off + (size_t)h * (size_t)C * (size_t)d * 2;
+    for (int64_t t = 0; t < n; t++) {
+        const uint8_t *mu = table + (size_t)packed[st->index_off + row_of(j->L, h, t)] * (size_t)d * 2;
+        for (int c = 0; c < d; c++) y[t * d + c] = y[t * d + c] + kvf_bf16_to_f32(kvf_get_u16(mu + 2 * c));
+    }
+}
+
+/* PSAC of head h: the stored basis and per-token coefficients of E = x0 - y.
+ * Without statistics, or before any query of this head, the planes stay 0. */
+static int psac_head(const section_job *j, int32_t h, const void *qstats, head_buf *b, uint8_t *packed) {
+    const kvf_section_layout *l = j->l;
+    int d = j->L->head_dim, r = l->psac_rank;
+    const float *u = NULL, *lambda = NULL;
+    int have = qstats ? kvf_ref_qstats_basis(qstats, h, d, r, &u, &lambda) : 0;
+    if (have <= 0) return have; /* 0: no basis; < 0: an error status */
+    uint8_t *basis = packed + l->basis_off + (size_t)h * (size_t)d * (size_t)r * 2;
+    for (int i = 0; i < d * r; i++) {
+        b->ubf[i] = kvf_f32_to_bf16(u[i]);
+        kvf_put_u16(basis + 2 * i, b->ubf[i]);
+    }
+    float *E = b->r; /* the residual buffer is free now */
+    for (int64_t t = 0; t < j->L->n_tokens; t++) {
+        size_t row = row_of(j->L, h, t);
+        for (int c = 0; c < d; c++) E[c] = b->x0[t * d + c] - b->y[t * d + c];
+        uint16_t cs;
+        kvf_ref_psac_encode(E, b->ubf, lambda, d, r, (int8_t *)(packed + l->coef_off + row * (size_t)r), &cs);
+        kvf_put_u16(packed + l->cscale_off + row * 2, cs);
+    }
+    return KVF_OK;
+}
+
+static int encode_head(const section_job *j, const uint16_t *x, int32_t h, const void *qstats, head_buf *b,
+                       uint8_t *packed) {
+    int64_t nd = j->L->n_tokens * j->L->head_dim;
+    load_head(j, x, h, b);
+    memcpy(b->e, b->x0, (size_t)nd * sizeof(float));
+    memset(b->y, 0, (size_t)nd * sizeof(float));
+    /* QVG-Pro as QVG's code: every stage smooths the remaining residual with
+     * its own centroids; only the last residual is quantized (METHODS.md 1). */
+    const float *r = b->e;
+    for (int s = 0; s < j->l->stages && j->l->centroids > 0; s++) {
+        int rc = smooth_stage(j, s, h, qstats, b, packed);
+        if (rc) return rc;
+        add_centroids(j, s, packed, h, b->y);
+        if (s + 1 < j->l->stages) memcpy(b->e, b->r, (size_t)nd * sizeof(float));
+        r = b->r;
+    }
+    kvf_ref_quant_encode(j->l, &j->l->stage[0], j->L->n_tokens, h, j->L->head_dim, r, packed);
+    kvf_ref_quant_decode(j->l, &j->l->stage[0], j->L->n_tokens, h, j->L->head_dim, packed, b->rhat);
+    for (int64_t i = 0; i < nd; i++) b->y[i] = b->y[i] + b->rhat[i];
+    return j->l->psac_rank > 0 ? psac_head(j, h, qstats, b, packed) : KVF_OK;
+}
+
+static int encode_section(const section_job *j, const uint16_t *x, const void *qstats, uint8_t *packed) {
+    if (j->l->bits == 16) {
+        bf16_encode(j, x, packed);
+        return KVF_OK;
+    }
+    head_buf b;
+    int rc = head_buf_alloc(&b, j->L->n_tokens, j->L->head_dim, j->l->centroids, j->l->psac_rank);
+    for (int32_t h = 0; !rc && h < j->L->n_heads; h++) rc = encode_head(j, x, h, qstats, &b, packed);
+    head_buf_free(&b);
+    return rc;
+}
+
+/* ------------------------------------------------------------ decode */
+
+/* y = ((0 + mu_0) + mu_1 ...) + r_hat (METHODS.md 1). */
+static void sum_stages(const section_job *j, int32_t h, const uint8_t *packed, head_buf *b) {
+    int64_t n = j->L->n_tokens, nd = n * j->L->head_dim;
+    int d = j->L->head_dim;
+    memset(b->y, 0, (size_t)nd * sizeof(float));
+    for (int s = 0; s < j->l->stages && j->l->centroids > 0; s++) add_centroids(j, s, packed, h, b->y);
+    kvf_ref_quant_decode(j->l, &j->l->stage[0], n, h, d, packed, b->rhat);
+    for (int64_t i = 0; i < nd; i++) b->y[i] = b->y[i] + b->rhat[i];
+}
+
+/* PSAC correction, inverse rotation, RoPE, BF16 out, for every token of head h. */
+static void finish_head(const section_job *j, int32_t h, const uint8_t *packed, const int32_t *pos,
+                        head_buf *b, uint16_t *out) {
+    const kvf_section_layout *l = j->l;
+    int d = j->L->head_dim, r = l->psac_rank, axes = j->s->rope.n_sections > 0 ? j->s->rope.n_sections : 1;
+    if (r > 0) {
+        const uint8_t *basis = packed + l->basis_off + (size_t)h * (size_t)d * (size_t)r * 2;
+        for (int i = 0; i < d * r; i++) b->ubf[i] = kvf_get_u16(basis + 2 * i);
+    }
+    for (int64_t t = 0; t < j->L->n_tokens; t++) {
+        size_t row = row_of(j->L, h, t);
+        float *y = b->y + t * d;
+        if (r > 0) {
+            uint16_t cs = kvf_get_u16(packed + l->cscale_off + row * 2);
+            if (cs != 0) kvf_ref_psac_apply(y, b->ubf, (const int8_t *)(packed + l->coef_off + row * (size_t)r), cs, d, r);
+        }
+        if (l->rotation == KVF_ROTATION_HADAMARD) kvf_ref_hadamard(y, d);
+        if (pos) kvf_ref_rope(y, d, &j->s->rope, pos + t * axes);
+        uint16_t *dst = out + t * j->sh->token_stride + h * j->sh->head_stride;
+        for (int c = 0; c < d; c++) dst[c] = kvf_output_bf16(y[c]);
+    }
+}
+
+static int decode_section(const section_job *j, const uint8_t *packed, const int32_t *pos, uint16_t *out) {
+    if (j->l->bits == 16) {
+        bf16_decode(j, packed, pos, out);
+        return KVF_OK;
+    }
+    head_buf b;
+    int rc = head_buf_alloc(&b, j->L->n_tokens, j->L->head_dim, 0, j->l->psac_rank);
+    for (int32_t h = 0; !rc && h < j->L->n_heads; h++) {
+        sum_stages(j, h, packed, &b);
+        finish_head(j, h, packed, pos, &b, out);
+    }
+    head_buf_free(&b);
+    return rc;
+}
+
+/* ------------------------------------------------------------ entry points */
+
+/* Checks shared by encode and decode: scheme, layout, shape. */
+static int prepare(const struct kvf_scheme *s, const kvf_shape *shape, kvf_layout *L, kvf_shape *sh) {
+    int rc = kvf_shape_resolve(shape, s->head_dim, sh);
+    if (!rc) rc = kvf_layout_compute(s, sh->n_tokens, sh->n_heads, L);
+    if (!rc && s->head_dim > 1024)
+        rc = kvf_set_error(KVF_ENOTIMPL, "head_dim = %d: the CPU reference handles at most 1024", s->head_dim);
+    return rc;
+}
+
+static section_job job_of(const struct kvf_scheme *s, const kvf_layout *L, const kvf_shape *sh, bool key) {
+    section_job j = {s, key ? &s->key : &s->value, L, key ? &L->key : &L->value, sh, key};
+    return j;
+}
+
+/* Statistics given to encode: their header must match the scheme and shape. */
+static int check_qstats(const struct kvf_scheme *s, const void *qstats, int32_t n_heads) {
+    kvf_qstats_layout ql;
+    int rc = kvf_qstats_layout_compute(s, n_heads, &ql);
+    if (!rc) rc = kvf_qstats_check(s, qstats, ql.total_bytes, n_heads);
+    return rc ? kvf_wrap_error(rc, "kvf_ref_encode") : KVF_OK;
+}
+
+int kvf_ref_encode(const struct kvf_scheme *s, const uint16_t *k, const uint16_t *v,
+                   const kvf_shape *shape, const void *qstats, uint8_t *packed, size_t packed_bytes) {
+    if (!s || !k || !v || !shape || !packed)
+        return kvf_set_error(KVF_EINVAL, "kvf_ref_encode: NULL argument");
+    kvf_layout L;
+    kvf_shape sh;
+    int rc = prepare(s, shape, &L, &sh);
+    if (rc) return rc;
+    if (packed_bytes < L.total_bytes)
+        return kvf_set_error(KVF_ERANGE,
+                             "packed buffer is %zu bytes, %zu needed for %lld tokens x %d heads",
+                             packed_bytes, L.total_bytes, (long long)L.n_tokens, (int)L.n_heads);
+    if (qstats && (rc = check_qstats(s, qstats, sh.n_heads))) return rc;
+
+    memset(packed, 0, L.total_bytes); /* padding between planes is zero */
+    kvf_packed_header hdr;
+    kvf_header_fill(s, &L, &hdr);
+    memcpy(packed, &hdr, sizeof hdr);
+    section_job jk = job_of(s, &L, &sh, true), jv = job_of(s, &L, &sh, false);
+    rc = encode_section(&jk, k, qstats, packed);
+    if (!rc) rc = encode_section(&jv, v, NULL, packed); /* values: no QSAC, no PSAC */
+    return rc;
+}
+
+int kvf_ref_decode(const struct kvf_scheme *s, const uint8_t *packed, size_t packed_bytes,
+                   const kvf_shape *shape, const int32_t *positions, uint16_t *k_out, uint16_t *v_out) {
+    if (!s || !packed || !shape || !k_out || !v_out)
+        return kvf_set_error(KVF_EINVAL, "kvf_ref_decode: NULL argument");
+    bool rope = s->rope.placement == KVF_ROPE_PRE;
+    if (rope && !positions)
+        return kvf_set_error(KVF_EINVAL,
+                             "kvf_ref_decode: scheme %s caches keys before RoPE (rope.placement = \"pre\"): "
+                             "positions are required",
+                             s->name);
+    kvf_layout L;
+    kvf_shape sh;
+    int rc = prepare(s, shape, &L, &sh);
+    if (!rc) rc = kvf_packed_check(s, packed, packed_bytes, sh.n_tokens, sh.n_heads);
+    if (rc) return rc;
+    if (packed_bytes < L.total_bytes)
+        return kvf_set_error(KVF_ERANGE, "packed buffer is %zu bytes, its header says %zu",
+                             packed_bytes, L.total_bytes);
+    section_job jk = job_of(s, &L, &sh, true), jv = job_of(s, &L, &sh, false);
+    rc = decode_section(&jk, packed, rope ? positions : NULL, k_out);
+    if (!rc) rc = decode_section(&jv, packed, NULL, v_out);
+    return rc;
+}

@@ -1,0 +1,16 @@
+-- qvg_pro_int2: QVG-Pro, QVG with progressive residual quantization (SPEC.md section 3:
+-- "quantize, take the remaining error, smooth and quantize it again, L stages").
+--
+-- Where the settings come from: ANCHORS.md's QVG-Pro row ("4 stages, group 16, 5 iters",
+-- 4.84x, relative key error 0.240 against QVG's 0.375):
+--   stages = 4             four rounds of k-means smoothing + INT2 residual, each with its
+--                          own 256 centroids and index (docs/METHODS.md section 1);
+--   group_size = 16        smaller groups, more scales;
+--   kmeans_iters = 5.
+-- Everything else comes from qvg_int2.
+return {
+  base = "qvg_int2",
+  name = "qvg_pro_int2",
+  key = { stages = 4, group_size = 16, kmeans_iters = 5 },
+  value = { stages = 4, group_size = 16, kmeans_iters = 5 },
+}

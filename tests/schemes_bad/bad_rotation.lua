@@ -1,0 +1,7 @@
+-- rotation is "none" or "hadamard"
+return {
+  key = {
+    bits = 2,
+    rotation = "random",
+  },
+}

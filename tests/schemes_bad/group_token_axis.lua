@@ -1,8 +1,0 @@
--- per-channel groups (axis token) must tile the tokens quantized together
-return {
-  chunk = { tokens = 4680 },
-  value = {
-    axis = "token",
-    group_size = 64,
-  },
-}

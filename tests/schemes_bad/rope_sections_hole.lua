@@ -1,0 +1,6 @@
+-- rope.sections is an array: no holes, no names
+return {
+  rope = {
+    sections = { 32, nil, 32 },
+  },
+}
