@@ -1,31 +1,46 @@
 #!/usr/bin/env bash
 # Run on the GPU machine over a copy of the work tree with out/ carried
-# (built here by `make all aot-demo carry`). Prints what docs/VALIDATION.md records.
+# (built here by `make all aot-demo carry`). Prints what docs/VALIDATION.md
+# and docs/BENCHMARKS.md record. Parts: tests, demo, jit, aot, sanitizer, bench
+# (default: all), e.g. `bash tools/h200_validate.sh tests bench`.
 set -u
 export LD_LIBRARY_PATH=$PWD/out/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-export KVF_SRC=$PWD KVFORGE_CACHE_DIR=$(mktemp -d)
+export KVF_SRC=$PWD KVFORGE_CACHE_DIR=$(mktemp -d) KVFORGE_LIB=$PWD/out/lib/libkvforge.so
+parts=${*:-tests demo jit aot sanitizer bench}
 log=${OUT:-/tmp}/validate.log
+has() { case " $parts " in *" $1 "*) return 0;; esac; return 1; }
 {
 echo "== commit $(cat out/COMMIT 2>/dev/null || echo unknown)"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-echo "== tests"
-fails=0
-for t in out/bin/test_*; do echo "--- $t"; "$t" || fails=$((fails+1)); done
-echo "test binaries failed: $fails"
-echo "== demo (GPU)"
-out/bin/kvforge demo schemes/rtn_int2.lua
-out/bin/kvforge demo schemes/rtn_int4.lua
-echo "== cold compile (cache off) and warm"
-KVFORGE_CACHE=0 out/bin/kvforge compile rtn_int2 --arch sm_90
-out/bin/kvforge compile rtn_int2 --arch sm_90
-out/bin/kvforge compile rtn_int2 --arch sm_90
-echo "== exported kernels with NVRTC unreachable"
-KVFORGE_NVRTC_PATH=/nonexistent LD_DEBUG=libs out/bin/aot_demo 2>ld.txt; echo "aot_demo exit $?"
-echo "libraries opened that mention nvrtc: $(grep -c 'nvrtc' ld.txt)"
-if command -v compute-sanitizer >/dev/null; then
-  echo "== compute-sanitizer memcheck over test_gpu"
-  compute-sanitizer --tool memcheck --error-exitcode 9 out/bin/test_gpu >san.txt 2>&1; echo "memcheck exit $?"; tail -5 san.txt
-  echo "== compute-sanitizer racecheck over test_gpu"
-  compute-sanitizer --tool racecheck --error-exitcode 9 out/bin/test_gpu >san2.txt 2>&1; echo "racecheck exit $?"; tail -3 san2.txt
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader
+if has tests; then
+  echo "== tests"
+  fails=0
+  for t in out/bin/test_*; do echo "--- $t"; "$t" 2>&1 | grep -vE '^\[ *(RUN|OK) ' || fails=$((fails+1)); done
+  echo "test binaries failed: $fails"
+fi
+if has demo; then
+  echo "== demo (GPU)"
+  for s in rtn_int2 qvg_int2 quantwm_int2; do out/bin/kvforge demo schemes/$s.lua; done
+fi
+if has jit; then
+  echo "== cold compile (cache off) and warm"
+  KVFORGE_CACHE=0 out/bin/kvforge compile quantwm_int2 --arch sm_90
+  out/bin/kvforge compile quantwm_int2 --arch sm_90
+  out/bin/kvforge compile quantwm_int2 --arch sm_90
+fi
+if has aot; then
+  echo "== exported kernels with NVRTC unreachable"
+  KVFORGE_NVRTC_PATH=/nonexistent LD_DEBUG=libs out/bin/aot_demo 2>ld.txt; echo "aot_demo exit $?"
+  echo "libraries opened that mention nvrtc: $(grep -c 'nvrtc' ld.txt)"
+fi
+if has sanitizer && command -v compute-sanitizer >/dev/null; then
+  echo "== compute-sanitizer memcheck and racecheck over test_gpu (API errors of the deliberate bad-image test not reported)"
+  compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 out/bin/test_gpu >san.txt 2>&1; echo "memcheck exit $?"; grep -E "ERROR SUMMARY|Invalid|out of bounds" san.txt | head -5
+  compute-sanitizer --tool racecheck --error-exitcode 9 out/bin/test_gpu >san2.txt 2>&1; echo "racecheck exit $?"; grep -E "RACECHECK SUMMARY|hazard" san2.txt | head -3
+fi
+if has bench; then
+  echo "== bench"
+  out/bin/kvf_bench
+  python3 bench/sdpa.py rtn_int2 kivi_int2 qvg_int2 quantwm_int2
 fi
 } 2>&1 | tee "$log"
