@@ -266,6 +266,8 @@ static void describe(kvf_eval_report *rep, const kvf_scheme *s, const kvf_dump *
     snprintf(rep->scheme_source, sizeof rep->scheme_source, "%s", s->source);
     snprintf(rep->backend, sizeof rep->backend, "%s", kvf_eval_backend_describe(be));
     snprintf(rep->data, sizeof rep->data, "%s", kvf_st_label(d->file));
+    snprintf(rep->source, sizeof rep->source, "%s", d->source ? d->source : "");
+    snprintf(rep->q_subsample, sizeof rep->q_subsample, "%s", d->q_subsample ? d->q_subsample : "");
     rep->layers = d->layers;
     rep->chunks = d->chunks;
     rep->q_heads = d->q_heads;

@@ -19,6 +19,7 @@ typedef struct kvf_eval_options {
 
 typedef struct kvf_eval_report {
     char scheme_id[96], scheme_source[512], backend[96], data[512];
+    char source[256], q_subsample[32]; /* the dump's metadata ("" when absent) */
     int layers, chunks, q_heads, kv_heads, head_dim;
     int64_t tokens, max_queries;
     int uses_qstats, pre_rope, q_pre_used;

@@ -33,6 +33,9 @@ void kvf_eval_print_table(const kvf_eval_report *r, FILE *out) {
                  "up to %lld queries per chunk and head\n",
             r->data, r->layers, r->chunks, (long long)r->tokens, r->q_heads, r->kv_heads, r->head_dim,
             (long long)r->max_queries);
+    if (*r->source || *r->q_subsample)
+        fprintf(out, "         source: %s; q_subsample: %s\n", *r->source ? r->source : "-",
+                *r->q_subsample ? r->q_subsample : "-");
     fprintf(out, "policy:  sink %d, recent %d, span %d chunks; keys cached %s; ", r->sink, r->recent, r->span,
             r->pre_rope ? "before RoPE (k_pre, decoded with pos)" : "after RoPE (k)");
     if (r->uses_qstats)
@@ -94,11 +97,11 @@ char *kvf_eval_report_json(const kvf_eval_report *r) {
         if (json_array_append_new(layers, layer_json(r, l))) { json_decref(layers); layers = NULL; }
     if (!layers) return NULL;
     json_t *root = json_pack(
-        "{s:s, s:s, s:s, s:s, s:f, s:{s:i, s:i, s:i, s:i, s:i, s:I, s:I}, s:{s:i, s:i, s:i, s:s, s:s, s:I}, s:o, s:o}",
+        "{s:s, s:s, s:s, s:s, s:f, s:{s:i, s:i, s:i, s:i, s:i, s:I, s:I, s:s, s:s}, s:{s:i, s:i, s:i, s:s, s:s, s:I}, s:o, s:o}",
         "scheme", r->scheme_id, "scheme_source", r->scheme_source, "data", r->data, "backend", r->backend,
         "seconds", r->seconds, "dump", "layers", r->layers, "chunks", r->chunks, "q_heads", r->q_heads, "kv_heads",
         r->kv_heads, "head_dim", r->head_dim, "tokens_per_chunk", (json_int_t)r->tokens, "max_queries",
-        (json_int_t)r->max_queries, "policy", "sink", r->sink, "recent", r->recent, "span", r->span, "keys",
+        (json_int_t)r->max_queries, "source", r->source, "q_subsample", r->q_subsample, "policy", "sink", r->sink, "recent", r->recent, "span", r->span, "keys",
         r->pre_rope ? "k_pre" : "k", "query_statistics", !r->uses_qstats ? "none" : r->q_pre_used ? "q_pre" : "q",
         "qstats_bytes_per_layer", (json_int_t)(r->uses_qstats ? r->qstats_bytes : 0), "overall",
         metrics_json(&r->overall, 1), "layers", layers);
