@@ -200,6 +200,7 @@ typedef struct step_job {
     kvf_attn_sums *attn; /* [q_heads] */
     kv_sums *kv;         /* [kv_heads] */
     atomic_int next, rc;
+    char message[512]; /* the failing task's error (messages are per thread) */
 } step_job;
 
 static int attention_task(const kvf_eval_step *st, int j, kvf_attn_sums *out) {
@@ -245,10 +246,9 @@ static void *step_worker(void *arg) {
     const int n_tasks = st->q_heads + st->kv_heads;
     for (int t; (t = atomic_fetch_add(&job->next, 1)) < n_tasks && !atomic_load(&job->rc);) {
         int rc = t < st->q_heads ? attention_task(st, t, &job->attn[t]) : kv_task(st, t - st->q_heads, &job->kv[t - st->q_heads]);
-        if (rc) {
-            int zero = 0;
-            atomic_compare_exchange_strong(&job->rc, &zero, rc);
-        }
+        int zero = 0;
+        if (rc && atomic_compare_exchange_strong(&job->rc, &zero, rc))
+            snprintf(job->message, sizeof job->message, "%s", kvf_last_error());
     }
     return NULL;
 }
@@ -284,12 +284,12 @@ int kvf_eval_step_run(const kvf_eval_step *st, kvf_eval_sums *out) {
     int rc = check_step(st);
     if (rc) return rc;
     step_job job = {st, calloc((size_t)st->q_heads, sizeof(kvf_attn_sums)), calloc((size_t)st->kv_heads, sizeof(kv_sums)),
-                    0, 0};
+                    0, 0, ""};
     if (!job.attn || !job.kv) rc = kvf_set_error(KVF_ENOMEM, "kvf_eval_step_run: out of memory");
     else {
         int threads = st->threads < st->q_heads + st->kv_heads ? st->threads : st->q_heads + st->kv_heads;
         run_workers(&job, threads);
-        rc = atomic_load(&job.rc);
+        if ((rc = atomic_load(&job.rc))) kvf_set_error(rc, "%s", job.message);
     }
     if (!rc) {
         kvf_attn_sums a = {0};

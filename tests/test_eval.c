@@ -14,6 +14,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 static char *tmp_dir;
 
@@ -736,6 +738,45 @@ static void test_gpu_matches_cpu(void **state) {
     synth_free(sd);
 }
 
+/* `kvforge eval --json` through the command line (the binary `make test` built). */
+static void test_cli_json(void **state) {
+    (void)state;
+    const char *o = getenv("O");
+    char bin[1200], cmd[4096];
+    snprintf(bin, sizeof bin, "%s/%s/bin/kvforge", tu_src(), o && *o ? o : "out");
+    if (access(bin, X_OK) != 0) {
+        printf("skipped: %s not built\n", bin);
+        skip();
+    }
+    synth_dump *sd = synth_make(&small_cfg);
+    const char *path = tmp_file("cli.safetensors"), *json_path = tmp_file("cli.json");
+    synth_write(sd, path, NULL);
+    snprintf(cmd, sizeof cmd, "'%s' eval --scheme rtn_int4 --data '%s' --json --threads 2 > '%s'", bin, path, json_path);
+    assert_int_equal(system(cmd), 0);
+    json_error_t err;
+    json_t *root = json_load_file(json_path, 0, &err);
+    if (!root) fail_msg("%s: %s", json_path, err.text);
+    json_t *ov = json_object_get(root, "overall");
+    static const char *keys[] = {"top1_shift", "top5_overlap", "attn_out_rel_err", "key_mse", "value_mse", "qk_err",
+                                 "compression"};
+    for (size_t i = 0; i < 7; i++) assert_true(json_is_number(json_object_get(ov, keys[i])));
+    assert_string_equal(json_string_value(json_object_get(root, "backend")), "CPU reference");
+    assert_int_equal(json_array_size(json_object_get(root, "layers")), 1);
+    json_decref(root);
+    /* a bad dump: exit status 1 and the tensor named on stderr */
+    synth_write_opts bad = {.wrong_dtype = "l0.c1.v"};
+    synth_write(sd, path, &bad);
+    snprintf(cmd, sizeof cmd, "'%s' eval --scheme rtn_int4 --data '%s' > '%s' 2>&1", bin, path, json_path);
+    int status = system(cmd);
+    assert_true(WIFEXITED(status) && WEXITSTATUS(status) == 1);
+    FILE *f = fopen(json_path, "r");
+    char line[1024] = "";
+    assert_non_null(fgets(line, sizeof line, f));
+    fclose(f);
+    assert_non_null(strstr(line, "\"l0.c1.v\": dtype F32, expected BF16"));
+    synth_free(sd);
+}
+
 /* The committed world-model dump, when it exists. */
 static void test_committed_dump(void **state) {
     (void)state;
@@ -778,6 +819,7 @@ int main(void) {
         cmocka_unit_test(test_chunk_policy),
         cmocka_unit_test(test_mismatch_errors),
         cmocka_unit_test(test_gpu_matches_cpu),
+        cmocka_unit_test(test_cli_json),
         cmocka_unit_test(test_committed_dump),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
