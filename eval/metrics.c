@@ -41,6 +41,7 @@ int64_t kvf_metric_argmax(const double *l, int64_t n) {
 int kvf_metric_topk(const double *l, int64_t n, int k, int64_t *idx) {
     if (k > KVF_TOPK) k = KVF_TOPK;
     if (k > n) k = (int)n;
+    if (k <= 0) return 0;
     double val[KVF_TOPK];
     int m = 0;
     for (int64_t j = 0; j < n; j++) {
@@ -67,6 +68,7 @@ double kvf_metric_topk_overlap(const int64_t *a, const int64_t *b, int k) {
 }
 
 void kvf_metric_softmax(double *p, int64_t n) {
+    if (n <= 0) return;
     double mx = p[kvf_metric_argmax(p, n)], sum = 0;
     for (int64_t j = 0; j < n; j++) sum += p[j] = exp(p[j] - mx);
     for (int64_t j = 0; j < n; j++) p[j] /= sum;

@@ -98,6 +98,7 @@ static void test_top5_overlap(void **state) {
     const double flat[8] = {1, 1, 1, 1, 1, 1, 1, 1};
     assert_int_equal(kvf_metric_topk(flat, 8, 5, b), 5);
     for (int i = 0; i < 5; i++) assert_int_equal(b[i], i);
+    assert_int_equal(kvf_metric_topk(ref, 7, 0, a), 0);
     /* fewer keys than 5: overlap over min(5, n) */
     const double two[2] = {0, 1};
     assert_int_equal(kvf_metric_topk(two, 2, 5, a), 2);
