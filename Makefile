@@ -21,6 +21,7 @@ SHARED_DEPS := -llua5.4 -lxxhash -ljansson -lm -ldl -pthread
 RUNTIME_SRC := $(sort $(wildcard runtime/*.c))
 GEN_SRC := $(filter-out gen/embed.c,$(sort $(wildcard gen/*.c)))
 LIB_SRC := $(RUNTIME_SRC) $(GEN_SRC)
+include eval/eval.mk
 LIB_OBJ := $(patsubst %.c,$(O)/obj/%.o,$(LIB_SRC)) $(O)/obj/embedded.o
 TEMPLATES := $(sort $(wildcard templates/*))
 SCHEMES := $(sort $(wildcard schemes/*.lua))

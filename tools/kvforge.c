@@ -1,5 +1,6 @@
-/* kvforge command line: gen, compile, export, info, cache, demo. */
+/* kvforge command line: gen, compile, export, info, cache, demo, eval. */
 #include "cuda_api.h"
+#include "eval.h"
 #include "gen.h"
 #include "jit.h"
 
@@ -17,6 +18,8 @@ static int usage(void) {
           "  kvforge info SCHEME.lua                         canonical configuration and footprint\n"
           "  kvforge cache list | cache clear | cache dir    the JIT disk cache\n"
           "  kvforge demo [SCHEME.lua] [--cpu]                encode/decode a synthetic chunk\n"
+          "  kvforge eval --scheme SCHEME.lua --data DUMP.safetensors [--gpu] [--json] [--threads N]\n"
+          "                                                  attention-level quality on a KV dump\n"
           "A SCHEME is a file path, or the name of a shipped scheme (rtn_int2).\n",
           stderr);
     return 2;
@@ -251,6 +254,69 @@ static int cmd_demo(int argc, char **argv) {
     return 0;
 }
 
+/* ------------------------------------------------------------------ eval */
+
+typedef struct eval_args { const char *scheme, *data; int gpu, json, threads; } eval_args;
+
+static int parse_eval_args(int argc, char **argv, eval_args *a) {
+    memset(a, 0, sizeof *a);
+    for (int i = 0; i < argc; i++) {
+        const char *o = argv[i];
+        if (!strcmp(o, "--gpu")) a->gpu = 1;
+        else if (!strcmp(o, "--json")) a->json = 1;
+        else if (i + 1 < argc && !strcmp(o, "--scheme")) a->scheme = argv[++i];
+        else if (i + 1 < argc && !strcmp(o, "--data")) a->data = argv[++i];
+        else if (i + 1 < argc && !strcmp(o, "--threads")) {
+            char *end;
+            long n = strtol(argv[++i], &end, 10);
+            if (*end || n < 1 || n > 256) {
+                fprintf(stderr, "kvforge eval: --threads %s: must be an integer in 1..256\n", argv[i]);
+                return 2;
+            }
+            a->threads = (int)n;
+        } else {
+            fprintf(stderr, "kvforge eval: unknown or incomplete option '%s'\n", o);
+            return usage();
+        }
+    }
+    if (!a->scheme || !a->data) {
+        fputs("kvforge eval: --scheme and --data are required\n", stderr);
+        return usage();
+    }
+    return 0;
+}
+
+static int print_report(const kvf_eval_report *r, int json) {
+    if (!json) {
+        kvf_eval_print_table(r, stdout);
+        return 0;
+    }
+    char *text = kvf_eval_report_json(r);
+    if (!text) return fail(kvf_set_error(KVF_ENOMEM, "cannot build the JSON report"));
+    puts(text);
+    free(text);
+    return 0;
+}
+
+static int cmd_eval(int argc, char **argv) {
+    eval_args a;
+    int rc = parse_eval_args(argc, argv, &a);
+    if (rc) return rc;
+    kvf_scheme *s;
+    if ((rc = load_scheme(a.scheme, &s))) return fail(rc);
+    kvf_dump *d;
+    if ((rc = kvf_dump_open(a.data, &d))) { kvf_scheme_free(s); return fail(rc); }
+    kvf_eval_options opt = {a.gpu ? 0 : KVF_DEVICE_CPU, a.threads};
+    kvf_eval_report r;
+    rc = kvf_eval_run(s, d, &opt, &r);
+    kvf_dump_close(d);
+    kvf_scheme_free(s);
+    if (rc) return fail(rc);
+    int status = print_report(&r, a.json);
+    kvf_eval_report_free(&r);
+    return status;
+}
+
 int main(int argc, char **argv) {
     if (argc < 2) return usage();
     const char *cmd = argv[1];
@@ -262,6 +328,7 @@ int main(int argc, char **argv) {
     if (!strcmp(cmd, "info")) return cmd_info(argc, argv);
     if (!strcmp(cmd, "cache")) return cmd_cache(argc, argv);
     if (!strcmp(cmd, "demo")) return cmd_demo(argc, argv);
+    if (!strcmp(cmd, "eval")) return cmd_eval(argc, argv);
     if (!strcmp(cmd, "version") || !strcmp(cmd, "--version")) { puts(KVF_VERSION_STRING); return 0; }
     return usage();
 }

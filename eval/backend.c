@@ -1,0 +1,180 @@
+/* Evaluation backends: the CPU reference or a CUDA device (see backend.h). */
+#include "backend.h"
+
+#include "cuda_api.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct dbuf { CUdeviceptr p; size_t cap; } dbuf;
+
+struct kvf_eval_backend {
+    kvf_context *ctx;
+    int device; /* KVF_DEVICE_CPU or the CUDA ordinal */
+    char desc[96];
+    /* query statistics: host memory on the CPU, qs_dev on a device */
+    void *qs_host;
+    size_t qs_bytes;
+    int qs_ready;
+    uint8_t *packed_host;
+    size_t packed_cap;
+    /* device state */
+    const kvf_cuda_api *cu;
+    CUdevice dev;
+    CUcontext pctx;
+    int retained, pushed;
+    dbuf k, v, k_out, v_out, packed, pos, q, qs_dev;
+};
+
+static size_t bf16_bytes(const kvf_shape *sh, int d) { return (size_t)sh->n_tokens * sh->n_heads * d * 2; }
+
+/* ------------------------------------------------------------ device */
+
+static int dev_reserve(kvf_eval_backend *b, dbuf *buf, size_t need) {
+    if (buf->cap >= need) return KVF_OK;
+    if (buf->p) b->cu->cuMemFree(buf->p);
+    buf->p = 0;
+    buf->cap = 0;
+    KVF_CU(b->cu, b->device, cuMemAlloc(&buf->p, need ? need : 16));
+    buf->cap = need;
+    return KVF_OK;
+}
+
+static int dev_upload(kvf_eval_backend *b, dbuf *buf, const void *host, size_t bytes) {
+    int rc = dev_reserve(b, buf, bytes);
+    if (rc) return rc;
+    KVF_CU(b->cu, b->device, cuMemcpyHtoD(buf->p, host, bytes));
+    return KVF_OK;
+}
+
+/* Keep the device's primary context current for the buffers of the run. */
+static int dev_open(kvf_eval_backend *b) {
+    int rc = kvf_cuda_load(&b->cu);
+    if (rc) return rc;
+    KVF_CU(b->cu, b->device, cuDeviceGet(&b->dev, b->device));
+    KVF_CU(b->cu, b->device, cuDevicePrimaryCtxRetain(&b->pctx, b->dev));
+    b->retained = 1;
+    KVF_CU(b->cu, b->device, cuCtxPushCurrent(b->pctx));
+    b->pushed = 1;
+    return KVF_OK;
+}
+
+static void dev_close(kvf_eval_backend *b) {
+    dbuf *all[] = {&b->k, &b->v, &b->k_out, &b->v_out, &b->packed, &b->pos, &b->q, &b->qs_dev};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
+        if (all[i]->p) b->cu->cuMemFree(all[i]->p);
+    if (b->pushed) {
+        CUcontext popped;
+        b->cu->cuCtxPopCurrent(&popped);
+    }
+    if (b->retained) b->cu->cuDevicePrimaryCtxRelease(b->dev);
+}
+
+static int dev_roundtrip(kvf_eval_backend *b, const uint16_t *k, const uint16_t *v, const kvf_shape *sh,
+                         const int32_t *positions, int n_axes, uint16_t *k_out, uint16_t *v_out, size_t packed) {
+    const size_t bytes = bf16_bytes(sh, kvf_scheme_head_dim(kvf_context_scheme(b->ctx)));
+    int rc;
+    if ((rc = dev_upload(b, &b->k, k, bytes)) || (rc = dev_upload(b, &b->v, v, bytes)) ||
+        (rc = dev_reserve(b, &b->k_out, bytes)) || (rc = dev_reserve(b, &b->v_out, bytes)) ||
+        (rc = dev_reserve(b, &b->packed, packed)))
+        return rc;
+    if (positions && (rc = dev_upload(b, &b->pos, positions, (size_t)sh->n_tokens * n_axes * sizeof *positions)))
+        return rc;
+    void *qs = b->qs_ready ? (void *)(uintptr_t)b->qs_dev.p : NULL;
+    const int32_t *dpos = positions ? (const int32_t *)(uintptr_t)b->pos.p : NULL;
+    if ((rc = kvf_encode(b->ctx, (void *)(uintptr_t)b->k.p, (void *)(uintptr_t)b->v.p, sh, qs,
+                         (void *)(uintptr_t)b->packed.p, packed, NULL)) ||
+        (rc = kvf_decode(b->ctx, (void *)(uintptr_t)b->packed.p, packed, sh, dpos, (void *)(uintptr_t)b->k_out.p,
+                         (void *)(uintptr_t)b->v_out.p, NULL)))
+        return rc;
+    KVF_CU(b->cu, b->device, cuCtxSynchronize());
+    KVF_CU(b->cu, b->device, cuMemcpyDtoH(k_out, b->k_out.p, bytes));
+    KVF_CU(b->cu, b->device, cuMemcpyDtoH(v_out, b->v_out.p, bytes));
+    return KVF_OK;
+}
+
+/* ------------------------------------------------------------ common */
+
+int kvf_eval_backend_open(const kvf_scheme *s, int device, kvf_eval_backend **out) {
+    if (!s || !out) return kvf_set_error(KVF_EINVAL, "kvf_eval_backend_open: NULL argument");
+    *out = NULL;
+    kvf_eval_backend *b = calloc(1, sizeof *b);
+    if (!b) return kvf_set_error(KVF_ENOMEM, "out of memory for an evaluation backend");
+    b->device = device;
+    int rc = kvf_context_create(s, device, &b->ctx);
+    if (!rc && device != KVF_DEVICE_CPU) rc = dev_open(b);
+    if (rc) { kvf_eval_backend_close(b); return rc; }
+    if (device == KVF_DEVICE_CPU) snprintf(b->desc, sizeof b->desc, "CPU reference");
+    else
+        snprintf(b->desc, sizeof b->desc, "GPU %d %s (kernels from %s)", device, kvf_context_backend(b->ctx),
+                 kvf_context_origin(b->ctx));
+    *out = b;
+    return KVF_OK;
+}
+
+void kvf_eval_backend_close(kvf_eval_backend *b) {
+    if (!b) return;
+    if (b->cu) dev_close(b);
+    kvf_context_destroy(b->ctx);
+    free(b->qs_host);
+    free(b->packed_host);
+    free(b);
+}
+
+const char *kvf_eval_backend_describe(const kvf_eval_backend *b) { return b ? b->desc : ""; }
+
+int kvf_eval_backend_qstats_init(kvf_eval_backend *b, int32_t n_kv_heads, size_t *bytes) {
+    size_t need;
+    int rc = kvf_qstats_size(kvf_context_scheme(b->ctx), n_kv_heads, &need);
+    if (rc) return rc;
+    b->qs_ready = 0;
+    if (b->device == KVF_DEVICE_CPU) {
+        if (need > b->qs_bytes) {
+            void *p = aligned_alloc(64, (need + 63) & ~(size_t)63);
+            if (!p) return kvf_set_error(KVF_ENOMEM, "out of memory for %zu bytes of query statistics", need);
+            free(b->qs_host);
+            b->qs_host = p;
+        }
+        b->qs_bytes = need;
+        rc = kvf_qstats_init(b->ctx, b->qs_host, need, n_kv_heads, NULL);
+    } else {
+        b->qs_bytes = need;
+        if (!(rc = dev_reserve(b, &b->qs_dev, need)))
+            rc = kvf_qstats_init(b->ctx, (void *)(uintptr_t)b->qs_dev.p, need, n_kv_heads, NULL);
+    }
+    if (rc) return rc;
+    b->qs_ready = 1;
+    *bytes = need;
+    return KVF_OK;
+}
+
+int kvf_eval_backend_qstats_update(kvf_eval_backend *b, const uint16_t *q, const kvf_shape *q_shape) {
+    if (!b->qs_ready) return kvf_set_error(KVF_EINVAL, "query statistics updated before they were initialized");
+    if (b->device == KVF_DEVICE_CPU) return kvf_qstats_update(b->ctx, b->qs_host, b->qs_bytes, q, q_shape, NULL);
+    int rc = dev_upload(b, &b->q, q, bf16_bytes(q_shape, kvf_scheme_head_dim(kvf_context_scheme(b->ctx))));
+    if (!rc) rc = kvf_qstats_update(b->ctx, (void *)(uintptr_t)b->qs_dev.p, b->qs_bytes, (void *)(uintptr_t)b->q.p,
+                                    q_shape, NULL);
+    if (rc) return rc;
+    KVF_CU(b->cu, b->device, cuCtxSynchronize());
+    return KVF_OK;
+}
+
+int kvf_eval_backend_roundtrip(kvf_eval_backend *b, const uint16_t *k, const uint16_t *v, const kvf_shape *shape,
+                               const int32_t *positions, int n_axes, uint16_t *k_out, uint16_t *v_out,
+                               size_t *packed_bytes) {
+    size_t need;
+    int rc = kvf_packed_size(kvf_context_scheme(b->ctx), shape->n_tokens, shape->n_heads, &need);
+    if (rc) return rc;
+    *packed_bytes = need;
+    if (b->device != KVF_DEVICE_CPU) return dev_roundtrip(b, k, v, shape, positions, n_axes, k_out, v_out, need);
+    if (need > b->packed_cap) {
+        uint8_t *p = aligned_alloc(64, (need + 63) & ~(size_t)63);
+        if (!p) return kvf_set_error(KVF_ENOMEM, "out of memory for a %zu-byte packed span", need);
+        free(b->packed_host);
+        b->packed_host = p;
+        b->packed_cap = need;
+    }
+    void *qs = b->qs_ready ? b->qs_host : NULL;
+    if ((rc = kvf_encode(b->ctx, k, v, shape, qs, b->packed_host, need, NULL))) return rc;
+    return kvf_decode(b->ctx, b->packed_host, need, shape, positions, k_out, v_out, NULL);
+}

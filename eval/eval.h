@@ -1,0 +1,42 @@
+/*
+ * Quality evaluation of a scheme on a world-model KV dump (docs/QUALITY.md):
+ * the chunks stream causally through the scheme's cache policy, layer by
+ * layer, and every chunk's queries are scored against full precision.
+ */
+#ifndef KVF_EVAL_H
+#define KVF_EVAL_H
+
+#include <stdio.h>
+
+#include "dump.h"
+#include "kvforge.h"
+#include "metrics.h"
+
+typedef struct kvf_eval_options {
+    int device;  /* KVF_DEVICE_CPU or a CUDA ordinal */
+    int threads; /* metric threads; <= 0: the online CPUs */
+} kvf_eval_options;
+
+typedef struct kvf_eval_report {
+    char scheme_id[96], scheme_source[512], backend[96], data[512];
+    char source[256], q_subsample[32]; /* the dump's metadata ("" when absent) */
+    int layers, chunks, q_heads, kv_heads, head_dim;
+    int64_t tokens, max_queries;
+    int uses_qstats, pre_rope, q_pre_used;
+    int sink, recent, span;
+    size_t qstats_bytes;             /* per layer, counted in stored_bytes */
+    kvf_eval_metrics overall;
+    kvf_eval_metrics *layer;         /* [layers] */
+    kvf_eval_metrics *step;          /* [layers][chunks]; chunk 0 has no queries scored */
+    double seconds;
+} kvf_eval_report;
+
+int kvf_eval_run(const kvf_scheme *s, const kvf_dump *dump, const kvf_eval_options *opt, kvf_eval_report *out);
+void kvf_eval_report_free(kvf_eval_report *r);
+
+/* A table per layer and overall. */
+void kvf_eval_print_table(const kvf_eval_report *r, FILE *out);
+/* JSON text (Jansson) with "overall" and "layers"; malloc'ed, NULL on failure. */
+char *kvf_eval_report_json(const kvf_eval_report *r);
+
+#endif

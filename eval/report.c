@@ -1,0 +1,112 @@
+/* Evaluation reports: a table, and JSON built with Jansson (eval.h). */
+#include "eval.h"
+
+#include <jansson.h>
+#include <math.h>
+#include <stdlib.h>
+
+/* ---------------------------------------------------------------- table */
+
+/* One number right-aligned in width columns ('f' or 'e', 4 digits), "-" for NaN. */
+static void cell(FILE *out, double x, int width, char style) {
+    if (isnan(x)) fprintf(out, " %*s", width, "-");
+    else if (style == 'f') fprintf(out, " %*.4f", width, x);
+    else fprintf(out, " %*.4e", width, x);
+}
+
+static void table_row(FILE *out, const char *label, const kvf_eval_metrics *m) {
+    fprintf(out, "%-8s", label);
+    cell(out, m->top1_shift, 12, 'f');
+    cell(out, m->top5_overlap, 12, 'f');
+    cell(out, m->attn_out_rel_err, 16, 'e');
+    cell(out, m->key_mse, 12, 'e');
+    cell(out, m->value_mse, 12, 'e');
+    cell(out, m->qk_err, 12, 'e');
+    if (isnan(m->compression)) fprintf(out, " %12s", "-");
+    else fprintf(out, " %11.3fx", m->compression);
+    fputc('\n', out);
+}
+
+void kvf_eval_print_table(const kvf_eval_report *r, FILE *out) {
+    fprintf(out, "scheme:  %s (%s)\n", r->scheme_id, r->scheme_source);
+    fprintf(out, "data:    %s: %d layers x %d chunks x %lld tokens, %d query heads / %d KV heads, d = %d, "
+                 "up to %lld queries per chunk and head\n",
+            r->data, r->layers, r->chunks, (long long)r->tokens, r->q_heads, r->kv_heads, r->head_dim,
+            (long long)r->max_queries);
+    if (*r->source || *r->q_subsample)
+        fprintf(out, "         source: %s; q_subsample: %s\n", *r->source ? r->source : "-",
+                *r->q_subsample ? r->q_subsample : "-");
+    fprintf(out, "policy:  sink %d, recent %d, span %d chunks; keys cached %s; ", r->sink, r->recent, r->span,
+            r->pre_rope ? "before RoPE (k_pre, decoded with pos)" : "after RoPE (k)");
+    if (r->uses_qstats)
+        fprintf(out, "query statistics from %s queries, %zu bytes per layer (counted)\n",
+                r->q_pre_used ? "pre-RoPE (q_pre)" : "post-RoPE (q)", r->qstats_bytes);
+    else
+        fprintf(out, "no query statistics\n");
+    fprintf(out, "backend: %s, %.2f s\n\n", r->backend, r->seconds);
+    fprintf(out, "%-8s %12s %12s %16s %12s %12s %12s %12s\n", "layer", "top1_shift", "top5_overlap", "attn_out_rel_err",
+            "key_mse", "value_mse", "qk_err", "compression");
+    char label[16];
+    for (int l = 0; l < r->layers; l++) {
+        snprintf(label, sizeof label, "%d", l);
+        table_row(out, label, &r->layer[l]);
+    }
+    table_row(out, "overall", &r->overall);
+}
+
+/* ----------------------------------------------------------------- JSON */
+
+/* A number, or null where it is undefined (NaN: nothing to average) or infinite. */
+static json_t *num(double x) { return isfinite(x) ? json_real(x) : json_null(); }
+
+/* The seven metrics; with_bytes adds the compression (not per step). */
+static json_t *metrics_json(const kvf_eval_metrics *m, int with_bytes) {
+    json_t *o = json_pack("{s:o, s:o, s:o, s:o, s:o, s:o, s:I, s:I, s:I}", "top1_shift", num(m->top1_shift),
+                          "top5_overlap", num(m->top5_overlap), "attn_out_rel_err", num(m->attn_out_rel_err),
+                          "key_mse", num(m->key_mse), "value_mse", num(m->value_mse), "qk_err", num(m->qk_err),
+                          "queries", (json_int_t)m->queries, "packed_values", (json_int_t)m->kv_values,
+                          "packed_key_tokens", (json_int_t)m->key_tokens);
+    if (o && with_bytes &&
+        (json_object_set_new(o, "compression", num(m->compression)) ||
+         json_object_set_new(o, "bf16_bytes", json_integer((json_int_t)m->bf16_bytes)) ||
+         json_object_set_new(o, "stored_bytes", json_integer((json_int_t)m->stored_bytes)))) {
+        json_decref(o);
+        return NULL;
+    }
+    return o;
+}
+
+static json_t *layer_json(const kvf_eval_report *r, int l) {
+    json_t *o = metrics_json(&r->layer[l], 1), *steps = json_array();
+    if (!o || !steps || json_object_set_new(o, "layer", json_integer(l))) goto fail;
+    for (int c = 1; c < r->chunks; c++) {
+        json_t *s = metrics_json(&r->step[(size_t)l * r->chunks + c], 0);
+        if (!s || json_object_set_new(s, "chunk", json_integer(c)) || json_array_append_new(steps, s)) goto fail;
+    }
+    if (json_object_set_new(o, "chunks", steps)) { steps = NULL; goto fail; }
+    return o;
+fail:
+    json_decref(steps);
+    json_decref(o);
+    return NULL;
+}
+
+char *kvf_eval_report_json(const kvf_eval_report *r) {
+    json_t *layers = json_array();
+    for (int l = 0; layers && l < r->layers; l++)
+        if (json_array_append_new(layers, layer_json(r, l))) { json_decref(layers); layers = NULL; }
+    if (!layers) return NULL;
+    json_t *root = json_pack(
+        "{s:s, s:s, s:s, s:s, s:f, s:{s:i, s:i, s:i, s:i, s:i, s:I, s:I, s:s, s:s}, s:{s:i, s:i, s:i, s:s, s:s, s:I}, s:o, s:o}",
+        "scheme", r->scheme_id, "scheme_source", r->scheme_source, "data", r->data, "backend", r->backend,
+        "seconds", r->seconds, "dump", "layers", r->layers, "chunks", r->chunks, "q_heads", r->q_heads, "kv_heads",
+        r->kv_heads, "head_dim", r->head_dim, "tokens_per_chunk", (json_int_t)r->tokens, "max_queries",
+        (json_int_t)r->max_queries, "source", r->source, "q_subsample", r->q_subsample, "policy", "sink", r->sink, "recent", r->recent, "span", r->span, "keys",
+        r->pre_rope ? "k_pre" : "k", "query_statistics", !r->uses_qstats ? "none" : r->q_pre_used ? "q_pre" : "q",
+        "qstats_bytes_per_layer", (json_int_t)(r->uses_qstats ? r->qstats_bytes : 0), "overall",
+        metrics_json(&r->overall, 1), "layers", layers);
+    if (!root) return NULL;
+    char *text = json_dumps(root, JSON_INDENT(2) | JSON_REAL_PRECISION(10));
+    json_decref(root);
+    return text;
+}

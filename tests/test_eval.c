@@ -1,0 +1,827 @@
+/* Quality evaluation (eval/): the metrics on hand-computed cases, the
+ * safetensors reader and the dump validation on good and malformed files,
+ * and whole runs on synthetic dumps written here (and on the committed dump
+ * eval/worldmodel/dump_small.safetensors when it exists). */
+#include "testutil.h"
+
+#include "dump.h"
+#include "eval.h"
+#include "metrics.h"
+#include "safetensors.h"
+
+#include <jansson.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+static char *tmp_dir;
+
+static int setup(void **state) {
+    (void)state;
+    tmp_dir = tu_mkdtemp();
+    setenv("KVFORGE_CACHE_DIR", tmp_dir, 1);
+    return 0;
+}
+
+static int teardown(void **state) {
+    (void)state;
+    tu_rmtree(tmp_dir);
+    free(tmp_dir);
+    return 0;
+}
+
+static const char *tmp_file(const char *name) {
+    static char buf[4][1024];
+    static int slot;
+    char *b = buf[slot++ & 3];
+    snprintf(b, sizeof buf[0], "%s/%s", tmp_dir, name);
+    return b;
+}
+
+#define assert_error_has(rc, code, needle)                                                        \
+    do {                                                                                          \
+        int rc_ = (rc);                                                                           \
+        if (rc_ != (code) || !strstr(kvf_last_error(), (needle)))                                 \
+            fail_msg("expected %s with \"%s\", got %s: %s", kvf_status_name(code), (needle),      \
+                     kvf_status_name(rc_), kvf_last_error());                                     \
+    } while (0)
+
+/* ============================================================ metrics */
+
+static kvf_attn_sums attend(const float *q, int64_t nq, const float *kr, const float *vr, const float *kh,
+                            const float *vh, int64_t n, int d) {
+    kvf_attn_sums s = {0};
+    assert_int_equal(kvf_metric_attention(q, nq, kr, vr, kh, vh, n, d, &s), KVF_OK);
+    return s;
+}
+
+/* q = e0 picks key 0 (logit 1 against 0.5 and 0); lowering key 0 to 0.4
+ * moves the top-1 to key 1, lowering it to 0.9 does not. */
+static void test_top1_known(void **state) {
+    (void)state;
+    const float q[2] = {1, 0};
+    const float k[3][2] = {{1, 0}, {0.5f, 0}, {0, 1}}, v[3][2] = {{1, 0}, {0, 1}, {1, 1}};
+    const float flip[3][2] = {{0.4f, 0}, {0.5f, 0}, {0, 1}}, keep[3][2] = {{0.9f, 0}, {0.5f, 0}, {0, 1}};
+    double l[3];
+    kvf_metric_logits(q, 1, &k[0][0], 3, 2, 1.0, l);
+    assert_int_equal(kvf_metric_argmax(l, 3), 0);
+    kvf_attn_sums s = attend(q, 1, &k[0][0], &v[0][0], &flip[0][0], &v[0][0], 3, 2);
+    assert_true(s.queries == 1 && s.top1_shifted == 1.0);
+    s = attend(q, 1, &k[0][0], &v[0][0], &keep[0][0], &v[0][0], 3, 2);
+    assert_true(s.queries == 1 && s.top1_shifted == 0.0);
+    /* ties go to the lowest index */
+    const double tie[4] = {1, 3, 3, 2};
+    assert_int_equal(kvf_metric_argmax(tie, 4), 1);
+}
+
+static void test_top5_overlap(void **state) {
+    (void)state;
+    /* d = 1, q = 1: the logits are the keys. Reference top 5 = {0,1,2,3,4};
+     * cached top 5 = {0,1,2,5,6}: overlap 3/5, top-1 unchanged. */
+    const float q[1] = {1};
+    const float kr[7] = {9, 8, 7, 6, 5, 4, 3}, kh[7] = {9, 8, 7, 0, 0, 6, 5}, v[7] = {0};
+    kvf_attn_sums s = attend(q, 1, kr, v, kh, v, 7, 1);
+    assert_float_equal(s.top5_overlap, 0.6, 1e-12);
+    assert_true(s.top1_shifted == 0.0);
+
+    int64_t a[KVF_TOPK], b[KVF_TOPK];
+    const double ref[7] = {9, 8, 7, 6, 5, 4, 3}, hat[7] = {9, 8, 7, 0, 0, 6, 5};
+    assert_int_equal(kvf_metric_topk(ref, 7, 5, a), 5);
+    assert_int_equal(kvf_metric_topk(hat, 7, 5, b), 5);
+    const int64_t want_b[5] = {0, 1, 2, 5, 6};
+    for (int i = 0; i < 5; i++) assert_int_equal(b[i], want_b[i]);
+    assert_float_equal(kvf_metric_topk_overlap(a, b, 5), 0.6, 1e-12);
+    /* equal logits: the lowest indices, in order */
+    const double flat[8] = {1, 1, 1, 1, 1, 1, 1, 1};
+    assert_int_equal(kvf_metric_topk(flat, 8, 5, b), 5);
+    for (int i = 0; i < 5; i++) assert_int_equal(b[i], i);
+    assert_int_equal(kvf_metric_topk(ref, 7, 0, a), 0);
+    /* fewer keys than 5: overlap over min(5, n) */
+    const double two[2] = {0, 1};
+    assert_int_equal(kvf_metric_topk(two, 2, 5, a), 2);
+    assert_true(a[0] == 1 && a[1] == 0);
+    const float k2r[2] = {0, 1}, k2h[2] = {1, 0}, v2[2] = {0};
+    s = attend(q, 1, k2r, v2, k2h, v2, 2, 1);
+    assert_true(s.top1_shifted == 1.0 && s.top5_overlap == 1.0);
+}
+
+static void fill(float *x, size_t n, uint64_t seed) {
+    for (size_t i = 0; i < n; i++) {
+        seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+        x[i] = (float)((double)(seed >> 11) * 0x1.0p-53 * 2.0 - 1.0);
+    }
+}
+
+static void test_attention_identical(void **state) {
+    (void)state;
+    enum { NQ = 37, N = 50, D = 16 };
+    float *q = malloc(NQ * D * 4), *k = malloc(N * D * 4), *v = malloc(N * D * 4);
+    fill(q, NQ * D, 1);
+    fill(k, N * D, 2);
+    fill(v, N * D, 3);
+    kvf_attn_sums s = attend(q, NQ, k, v, k, v, N, D);
+    assert_true(s.queries == NQ && s.top1_shifted == 0 && s.top5_overlap == NQ && s.err_sq == 0 && s.ref_sq > 0);
+    free(q);
+    free(k);
+    free(v);
+}
+
+/* q = 0: uniform attention, the output is the mean of the values:
+ * ref [2, 3], cached [2, 4]: relative error 1 / sqrt(13). */
+static void test_attention_output_hand(void **state) {
+    (void)state;
+    const float q[2] = {0, 0}, k[2][2] = {{1, 0}, {0, 1}};
+    const float vr[2][2] = {{1, 2}, {3, 4}}, vh[2][2] = {{1, 2}, {3, 6}};
+    double p[2] = {0.3, 0.3}, o[2];
+    kvf_metric_softmax(p, 2);
+    assert_float_equal(p[0], 0.5, 1e-15);
+    kvf_metric_attend(p, 1, &vr[0][0], 2, 2, o);
+    assert_true(o[0] == 2 && o[1] == 3);
+    kvf_eval_step st = {1, 1, 2, 1, q, 2, 2, &k[0][0], &vr[0][0], &k[0][0], &vh[0][0], NULL, 1};
+    kvf_eval_sums sums = {0};
+    assert_int_equal(kvf_eval_step_run(&st, &sums), KVF_OK);
+    kvf_eval_metrics m;
+    kvf_eval_finish(&sums, &m);
+    assert_float_equal(m.attn_out_rel_err, 1.0 / sqrt(13.0), 1e-12);
+    assert_true(m.top1_shift == 0 && m.top5_overlap == 1);
+    assert_true(isnan(m.key_mse) && isnan(m.qk_err)); /* nothing packed */
+}
+
+static void test_qk_err_hand(void **state) {
+    (void)state;
+    const float e[2] = {1, 2};
+    const double M[4] = {2, 1, 1, 3};
+    assert_float_equal(kvf_metric_quad(e, M, 2), 18.0, 1e-12); /* 2 + 2*2 + 3*4 */
+    double m[4] = {0};
+    const float qs[2][2] = {{1, 0}, {0, 1}};
+    kvf_metric_qq_add(&qs[0][0], 2, 2, m);
+    assert_true(m[0] == 1 && m[1] == 0 && m[2] == 0 && m[3] == 1);
+
+    /* Through a step: queries e0 and e1, M = diag(1/2, 1/2); key 0 packed
+     * with error (2, 2): e^T M e = 4, key MSE 4; key 1 not packed. */
+    const float kr[2][2] = {{1, 1}, {0, 0}}, kh[2][2] = {{3, 3}, {0, 0}}, v[2][2] = {{0, 0}, {0, 0}};
+    const uint8_t packed[2] = {1, 0};
+    kvf_eval_step st = {1, 1, 2, 2, &qs[0][0], 2, 2, &kr[0][0], &v[0][0], &kh[0][0], &v[0][0], packed, 1};
+    kvf_eval_sums sums = {0};
+    assert_int_equal(kvf_eval_step_run(&st, &sums), KVF_OK);
+    kvf_eval_metrics mm;
+    kvf_eval_finish(&sums, &mm);
+    assert_float_equal(mm.qk_err, 4.0, 1e-12);
+    assert_float_equal(mm.key_mse, 4.0, 1e-12);
+    assert_float_equal(mm.value_mse, 0.0, 0);
+    assert_true(mm.key_tokens == 1 && mm.kv_values == 2);
+}
+
+/* Query heads 0,1 read KV head 0 and heads 2,3 KV head 1 (GQA): only KV
+ * head 1's keys are disturbed, so half of the queries move. */
+static void test_gqa_mapping(void **state) {
+    (void)state;
+    enum { HQ = 4, HKV = 2, N = 3, D = 2 };
+    const float q[HQ][1][D] = {{{1, 0}}, {{1, 0}}, {{1, 0}}, {{1, 0}}};
+    const float kr[HKV][N][D] = {{{1, 0}, {0.5f, 0}, {0, 1}}, {{1, 0}, {0.5f, 0}, {0, 1}}};
+    const float kh[HKV][N][D] = {{{1, 0}, {0.5f, 0}, {0, 1}}, {{0.4f, 0}, {0.5f, 0}, {0, 1}}};
+    const float v[HKV][N][D] = {{{1, 0}, {0, 1}, {1, 1}}, {{1, 0}, {0, 1}, {1, 1}}};
+    for (int threads = 1; threads <= 3; threads++) {
+        kvf_eval_step st = {HQ, HKV, D, 1, &q[0][0][0], N, N, &kr[0][0][0], &v[0][0][0], &kh[0][0][0], &v[0][0][0],
+                            NULL, threads};
+        kvf_eval_sums s = {0};
+        assert_int_equal(kvf_eval_step_run(&st, &s), KVF_OK);
+        assert_true(s.queries == 4 && s.top1_shifted == 2);
+    }
+}
+
+/* ========================================================= safetensors */
+
+static void write_bytes(const char *path, const void *p, size_t n) {
+    FILE *f = fopen(path, "wb");
+    assert_non_null(f);
+    assert_int_equal(fwrite(p, 1, n, f), n);
+    assert_int_equal(fclose(f), 0);
+}
+
+/* 8-byte length, header text, then data. */
+static size_t make_file(uint8_t *buf, const char *header, const void *data, size_t data_len) {
+    uint64_t h = strlen(header);
+    memcpy(buf, &h, 8);
+    memcpy(buf + 8, header, h);
+    if (data_len) memcpy(buf + 8 + h, data, data_len);
+    return 8 + h + data_len;
+}
+
+static void test_safetensors_hand_file(void **state) {
+    (void)state;
+    const char *header = "{\"__metadata__\":{\"source\":\"hand\"},"
+                         "\"b\":{\"dtype\":\"I32\",\"shape\":[2],\"data_offsets\":[4,12]},"
+                         "\"a\":{\"dtype\":\"BF16\",\"shape\":[1,2],\"data_offsets\":[0,4]},"
+                         "\"e\":{\"dtype\":\"F32\",\"shape\":[0,3],\"data_offsets\":[12,12]}}";
+    uint8_t data[12];
+    const uint16_t bf[2] = {0x3f80, 0xc000}; /* 1.0, -2.0 */
+    const int32_t i32[2] = {7, -9};
+    memcpy(data, bf, 4);
+    memcpy(data + 4, i32, 8);
+    uint8_t buf[1024];
+    size_t n = make_file(buf, header, data, sizeof data);
+    const char *path = tmp_file("hand.safetensors");
+    write_bytes(path, buf, n);
+
+    kvf_st_file *f;
+    assert_int_equal(kvf_st_open(path, &f), KVF_OK);
+    assert_int_equal(kvf_st_count(f), 3);
+    assert_string_equal(kvf_st_at(f, 0)->name, "a"); /* sorted */
+    assert_string_equal(kvf_st_meta(f, "source"), "hand");
+    assert_null(kvf_st_meta(f, "nothing"));
+    const kvf_st_tensor *a = kvf_st_find(f, "a"), *b = kvf_st_find(f, "b"), *e = kvf_st_find(f, "e");
+    assert_non_null(a);
+    assert_non_null(b);
+    assert_non_null(e);
+    assert_null(kvf_st_find(f, "c"));
+    assert_true(a->dtype == KVF_ST_BF16 && a->ndim == 2 && a->shape[0] == 1 && a->shape[1] == 2 && a->n_elements == 2);
+    float af[2];
+    kvf_dump_f32(a, 0, 2, af);
+    assert_true(af[0] == 1.0f && af[1] == -2.0f);
+    int32_t bi[2];
+    kvf_dump_i32(b, 0, 2, bi);
+    assert_true(bi[0] == 7 && bi[1] == -9);
+    assert_true(e->n_elements == 0 && e->n_bytes == 0);
+    kvf_st_close(f);
+}
+
+typedef struct bad_case { const char *header; size_t data_len; const char *message; } bad_case;
+
+static void test_safetensors_malformed(void **state) {
+    (void)state;
+    static const bad_case cases[] = {
+        {"{\"a\":{\"dtype\":\"BF16\",\"shape\":[2],\"data_offsets\":[0,4]}", 4, "not valid JSON"},
+        {"[1, 2]", 0, "must be a JSON object"},
+        {"{\"a\":{\"dtype\":\"BF16\",\"shape\":[4],\"data_offsets\":[0,8]}}", 4, "\"a\": data_offsets [0, 8] run past the end"},
+        {"{\"a\":{\"dtype\":\"BF17\",\"shape\":[2],\"data_offsets\":[0,4]}}", 4, "\"a\": unknown dtype \"BF17\""},
+        {"{\"a\":{\"dtype\":\"BF16\",\"shape\":[3],\"data_offsets\":[0,4]}}", 4, "\"a\": 3 BF16 elements need 6 bytes"},
+        {"{\"a\":{\"dtype\":\"BF16\",\"shape\":[-2],\"data_offsets\":[0,4]}}", 4, "\"a\": shape[0] must be a non-negative"},
+        {"{\"a\":{\"dtype\":\"BF16\",\"shape\":[2.0],\"data_offsets\":[0,4]}}", 4, "\"a\": shape[0]"},
+        {"{\"a\":{\"dtype\":\"BF16\",\"shape\":[2],\"data_offsets\":[4,0]}}", 4, "begin > end"},
+        {"{\"a\":{\"dtype\":\"BF16\",\"shape\":[2],\"data_offsets\":[0]}}", 4, "\"a\": \"data_offsets\" must be"},
+        {"{\"a\":{\"dtype\":\"BF16\",\"shape\":[2],\"data_offsets\":[0,4],\"x\":1}}", 4, "unknown field \"x\""},
+        {"{\"a\":{\"dtype\":\"BF16\",\"shape\":[2],\"data_offsets\":[0,4]},"
+         "\"a\":{\"dtype\":\"BF16\",\"shape\":[2],\"data_offsets\":[0,4]}}", 4, "duplicate"},
+        {"{\"a\":{\"dtype\":\"BF16\",\"shape\":[2],\"data_offsets\":[0,4]},"
+         "\"b\":{\"dtype\":\"BF16\",\"shape\":[2],\"data_offsets\":[2,6]}}", 8, "\"a\" and \"b\" overlap"},
+        {"{\"a\":{\"dtype\":\"BF16\",\"shape\":[4294967296,4294967296,4294967296],\"data_offsets\":[0,4]}}", 4,
+         "overflows"},
+        {"{\"__metadata__\":{\"n\":3}}", 0, "__metadata__[\"n\"] must be a string"},
+        {"{\"a\":[1]}", 0, "\"a\": entry must be an object"},
+        {"{\"a\\u0001b\":{\"dtype\":\"X\",\"shape\":[],\"data_offsets\":[0,0]}}", 0, "\"a\\x01b\": unknown dtype"},
+    };
+    uint8_t buf[1024], zeros[16] = {0};
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        size_t n = make_file(buf, cases[i].header, zeros, cases[i].data_len);
+        kvf_st_file *f = (kvf_st_file *)1;
+        int rc = kvf_st_parse(buf, n, "bad.safetensors", &f);
+        if (rc != KVF_EFORMAT || !strstr(kvf_last_error(), cases[i].message) ||
+            !strstr(kvf_last_error(), "bad.safetensors"))
+            fail_msg("case %zu: expected KVF_EFORMAT with \"%s\", got %s: %s", i, cases[i].message,
+                     kvf_status_name(rc), kvf_last_error());
+        assert_null(f);
+    }
+    /* the length prefix itself */
+    assert_error_has(kvf_st_parse(buf, 5, "short", &(kvf_st_file *){0}), KVF_EFORMAT, "too short");
+    uint64_t huge = 1000;
+    memcpy(buf, &huge, 8);
+    assert_error_has(kvf_st_parse(buf, 100, "x", &(kvf_st_file *){0}), KVF_EFORMAT, "runs past the end of the file");
+    huge = 1ull << 62;
+    memcpy(buf, &huge, 8);
+    assert_error_has(kvf_st_parse(buf, 100, "x", &(kvf_st_file *){0}), KVF_EFORMAT, "exceeds");
+    assert_error_has(kvf_st_open(tmp_file("none"), &(kvf_st_file *){0}), KVF_EIO, "cannot open");
+    write_bytes(tmp_file("empty"), "", 0);
+    assert_error_has(kvf_st_open(tmp_file("empty"), &(kvf_st_file *){0}), KVF_EFORMAT, "too short");
+}
+
+/* ============================================================ dumps */
+
+typedef struct synth_cfg {
+    int layers, chunks, tokens, kv_heads, q_heads, queries, d;
+    double q_align; /* queries = q_align * a key + noise */
+} synth_cfg;
+
+static uint64_t mix(uint64_t x) {
+    x += 0x9e3779b97f4a7c15ull;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
+static double gauss(uint64_t *st) {
+    double u = ((mix((*st)++) >> 11) + 0.5) * 0x1.0p-53, v = ((mix((*st)++) >> 11) + 0.5) * 0x1.0p-53;
+    return sqrt(-2 * log(u)) * cos(2 * M_PI * v);
+}
+
+/* Everything a synthetic dump holds, in memory. */
+typedef struct synth_dump {
+    synth_cfg c;
+    uint16_t **k, **v, **q; /* [layers * chunks] */
+    int32_t *pos;
+    char meta_text[8][32];
+} synth_dump;
+
+/* Queries of chunk c lean towards keys of chunks <= c of their KV head. */
+static void synth_queries(const synth_dump *s, int l, int c, uint16_t *q) {
+    const synth_cfg *g = &s->c;
+    uint64_t st = mix(((uint64_t)l << 32) ^ ((uint64_t)c << 16) ^ 0x51ull);
+    for (int j = 0; j < g->q_heads; j++) {
+        int h = j / (g->q_heads / g->kv_heads);
+        for (int i = 0; i < g->queries; i++) {
+            uint64_t pick = mix(st++) % ((uint64_t)(c + 1) * g->tokens);
+            const uint16_t *kc = s->k[l * g->chunks + (int)(pick / g->tokens)];
+            const uint16_t *key = kc + ((size_t)h * g->tokens + pick % g->tokens) * g->d;
+            for (int x = 0; x < g->d; x++) {
+                double val = g->q_align * kvf_bf16_to_f32(key[x]) + gauss(&st);
+                q[((size_t)j * g->queries + i) * g->d + x] = kvf_f32_to_bf16((float)val);
+            }
+        }
+    }
+}
+
+static synth_dump *synth_make(const synth_cfg *c) {
+    synth_dump *s = calloc(1, sizeof *s);
+    s->c = *c;
+    int cells = c->layers * c->chunks;
+    s->k = calloc(cells, sizeof *s->k);
+    s->v = calloc(cells, sizeof *s->v);
+    s->q = calloc(cells, sizeof *s->q);
+    size_t kv = (size_t)c->kv_heads * c->tokens * c->d, qn = (size_t)c->q_heads * c->queries * c->d;
+    for (int i = 0; i < cells; i++) {
+        s->k[i] = malloc(kv * 2);
+        s->v[i] = malloc(kv * 2);
+        s->q[i] = malloc(qn * 2);
+        tu_synth_kv(s->k[i], c->tokens, c->kv_heads, c->d, 1000 + 2 * (uint64_t)i);
+        tu_synth_kv(s->v[i], c->tokens, c->kv_heads, c->d, 1001 + 2 * (uint64_t)i);
+    }
+    for (int l = 0; l < c->layers; l++)
+        for (int ch = 0; ch < c->chunks; ch++) synth_queries(s, l, ch, s->q[l * c->chunks + ch]);
+    s->pos = malloc((size_t)c->chunks * c->tokens * 3 * sizeof *s->pos);
+    for (int t = 0; t < c->chunks * c->tokens; t++) {
+        s->pos[3 * t] = t / 64;
+        s->pos[3 * t + 1] = (t % 64) / 8;
+        s->pos[3 * t + 2] = t % 8;
+    }
+    return s;
+}
+
+static void synth_free(synth_dump *s) {
+    for (int i = 0; i < s->c.layers * s->c.chunks; i++) {
+        free(s->k[i]);
+        free(s->v[i]);
+        free(s->q[i]);
+    }
+    free(s->k);
+    free(s->v);
+    free(s->q);
+    free(s->pos);
+    free(s);
+}
+
+/* Tweaks of the file written, for the validation tests. */
+typedef struct synth_write_opts {
+    const char *drop;          /* a tensor name left out */
+    const char *wrong_dtype;   /* a tensor written as F32 (same bytes count x2) */
+    const char *wrong_shape;   /* a tensor whose first dimension is 1 too many */
+    const char *extra;         /* an extra tensor name */
+    const char *meta_key, *meta_value; /* one metadata value replaced ("" = removed) */
+} synth_write_opts;
+
+static void synth_write(const synth_dump *s, const char *path, const synth_write_opts *o) {
+    const synth_cfg *c = &s->c;
+    static const synth_write_opts none = {0};
+    if (!o) o = &none;
+    int cells = c->layers * c->chunks, nt = 0;
+    kvf_st_write_tensor *t = calloc((size_t)cells * 4 + 2, sizeof *t);
+    char (*names)[32] = calloc((size_t)cells * 4 + 2, 32);
+    size_t big = (size_t)c->q_heads * c->queries * c->d;
+    if ((size_t)c->kv_heads * c->tokens * c->d > big) big = (size_t)c->kv_heads * c->tokens * c->d;
+    uint8_t *scratch = calloc(big * 4 + 64, 1);
+    for (int l = 0; l < c->layers; l++)
+        for (int ch = 0; ch < c->chunks; ch++)
+            for (int r = 0; r < 4; r++) {
+                static const char *role[4] = {"q", "k", "k_pre", "v"};
+                snprintf(names[nt], 32, "l%d.c%d.%s", l, ch, role[r]);
+                if (o->drop && !strcmp(o->drop, names[nt])) continue;
+                int i = l * c->chunks + ch;
+                kvf_st_write_tensor *w = &t[nt];
+                w->name = names[nt];
+                w->dtype = KVF_ST_BF16;
+                w->ndim = 3;
+                w->shape[0] = r == 0 ? c->q_heads : c->kv_heads;
+                w->shape[1] = r == 0 ? c->queries : c->tokens;
+                w->shape[2] = c->d;
+                w->data = r == 0 ? s->q[i] : r == 3 ? s->v[i] : s->k[i];
+                if (o->wrong_dtype && !strcmp(o->wrong_dtype, names[nt])) {
+                    w->dtype = KVF_ST_F32;
+                    w->data = scratch;
+                }
+                if (o->wrong_shape && !strcmp(o->wrong_shape, names[nt])) {
+                    w->shape[0]++;
+                    w->data = scratch;
+                }
+                nt++;
+            }
+    t[nt] = (kvf_st_write_tensor){"pos", KVF_ST_I32, 2, {(int64_t)c->chunks * c->tokens, 3}, s->pos};
+    nt++;
+    if (o->extra) t[nt++] = (kvf_st_write_tensor){o->extra, KVF_ST_U8, 1, {4}, scratch};
+    char num[6][16];
+    snprintf(num[0], 16, "%d", c->layers);
+    snprintf(num[1], 16, "%d", c->chunks);
+    snprintf(num[2], 16, "%d", c->q_heads);
+    snprintf(num[3], 16, "%d", c->kv_heads);
+    snprintf(num[4], 16, "%d", c->d);
+    snprintf(num[5], 16, "%d", c->tokens);
+    const char *meta[20] = {"layers", num[0], "chunks", num[1], "q_heads", num[2], "kv_heads", num[3],
+                            "head_dim", num[4], "tokens_per_chunk", num[5], "rope_theta", "10000.0",
+                            "rope_sections", "[16, 24, 24]", "q_subsample", "1", "source", "synthetic (test_eval)"};
+    int n_meta = 10;
+    for (int i = 0; i < 10 && o->meta_key; i++)
+        if (!strcmp(meta[2 * i], o->meta_key)) {
+            if (*o->meta_value) meta[2 * i + 1] = o->meta_value;
+            else {
+                meta[2 * i] = meta[18];
+                meta[2 * i + 1] = meta[19];
+                n_meta--;
+            }
+        }
+    assert_int_equal(kvf_st_write(path, meta, n_meta, t, nt), KVF_OK);
+    free(t);
+    free(names);
+    free(scratch);
+}
+
+static const synth_cfg small_cfg = {1, 3, 64, 2, 4, 32, 128, 0.05};
+
+static void test_dump_valid(void **state) {
+    (void)state;
+    synth_dump *s = synth_make(&small_cfg);
+    const char *path = tmp_file("ok.safetensors");
+    synth_write(s, path, NULL);
+    kvf_dump *d;
+    assert_int_equal(kvf_dump_open(path, &d), KVF_OK);
+    assert_true(d->layers == 1 && d->chunks == 3 && d->q_heads == 4 && d->kv_heads == 2 && d->head_dim == 128 &&
+                d->tokens == 64 && d->pos_axes == 3 && d->n_sections == 3 && d->sections[2] == 24);
+    assert_float_equal(d->rope_theta, 10000.0, 0);
+    assert_string_equal(d->source, "synthetic (test_eval)");
+    const kvf_st_tensor *k = kvf_dump_tensor(d, 0, 2, KVF_DUMP_K);
+    assert_non_null(k);
+    uint16_t x[8];
+    kvf_dump_bf16(k, 64 * 128 + 5, 8, x); /* head 1, token 0, channel 5 */
+    assert_memory_equal(x, s->k[2] + 64 * 128 + 5, sizeof x);
+    assert_null(kvf_dump_tensor(d, 0, 0, KVF_DUMP_Q_PRE));
+    assert_null(kvf_dump_tensor(d, 0, 3, KVF_DUMP_K));
+    kvf_dump_close(d);
+    synth_free(s);
+}
+
+static void test_dump_invalid(void **state) {
+    (void)state;
+    synth_dump *s = synth_make(&small_cfg);
+    static const struct { synth_write_opts o; int code; const char *msg; } cases[] = {
+        {{.drop = "l0.c1.v"}, KVF_EFORMAT, "tensor \"l0.c1.v\" is missing"},
+        {{.wrong_dtype = "l0.c2.k"}, KVF_EFORMAT, "\"l0.c2.k\": dtype F32, expected BF16"},
+        {{.wrong_shape = "l0.c0.q"}, KVF_EFORMAT, "\"l0.c0.q\": shape [5, 32, 128], expected [q_heads = 4"},
+        {{.wrong_shape = "l0.c1.k_pre"}, KVF_EFORMAT, "\"l0.c1.k_pre\": shape [3, 64, 128]"},
+        {{.extra = "l0.c3.k"}, KVF_EFORMAT, "unexpected tensor \"l0.c3.k\""},
+        {{.extra = "l00.c1.k"}, KVF_EFORMAT, "unexpected tensor \"l00.c1.k\""},
+        {{.extra = "l0.c1.kk"}, KVF_EFORMAT, "unexpected tensor"},
+        {{.extra = "pos"}, KVF_EFORMAT, "\"pos\": dtype U8, expected I32"},
+        {{.meta_key = "layers", .meta_value = ""}, KVF_EFORMAT, "metadata \"layers\" is missing"},
+        {{.meta_key = "chunks", .meta_value = "3x"}, KVF_EFORMAT, "metadata \"chunks\" = \"3x\""},
+        {{.meta_key = "kv_heads", .meta_value = "3"}, KVF_EFORMAT, "not a multiple of kv_heads"},
+        {{.meta_key = "rope_theta", .meta_value = "-1"}, KVF_EFORMAT, "rope_theta"},
+        {{.meta_key = "rope_sections", .meta_value = "16;24"}, KVF_EFORMAT, "rope_sections"},
+        {{.meta_key = "chunks", .meta_value = "4000"}, KVF_EFORMAT, "need 12000 q/k/v tensors"},
+        {{.meta_key = "tokens_per_chunk", .meta_value = "32"}, KVF_EFORMAT, "expected [kv_heads = 2, tokens_per_chunk = 32"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        const char *path = tmp_file("bad.safetensors");
+        synth_write(s, path, &cases[i].o);
+        kvf_dump *d = (kvf_dump *)1;
+        int rc = kvf_dump_open(path, &d);
+        if (rc != cases[i].code || !strstr(kvf_last_error(), cases[i].msg))
+            fail_msg("case %zu: expected \"%s\", got %s: %s", i, cases[i].msg, kvf_status_name(rc), kvf_last_error());
+        assert_null(d);
+    }
+    synth_free(s);
+}
+
+/* Random byte changes in the header and the length must give an error or a
+ * valid dump, never a crash (a small stand-in for the fuzzer). */
+static void test_dump_corrupted(void **state) {
+    (void)state;
+    synth_cfg c = {1, 2, 8, 1, 1, 2, 64, 0.0};
+    synth_dump *s = synth_make(&c);
+    const char *path = tmp_file("small.safetensors");
+    synth_write(s, path, NULL);
+    FILE *f = fopen(path, "rb");
+    assert_non_null(f);
+    uint8_t *good = malloc(1 << 20), *bad = malloc(1 << 20);
+    size_t n = fread(good, 1, 1 << 20, f);
+    fclose(f);
+    uint64_t hlen;
+    memcpy(&hlen, good, 8);
+    uint64_t st = 7;
+    int ok = 0;
+    for (int iter = 0; iter < 3000; iter++) {
+        memcpy(bad, good, n);
+        int flips = 1 + (int)(mix(st++) % 4);
+        for (int i = 0; i < flips; i++) {
+            size_t at = (size_t)(mix(st++) % (8 + hlen));
+            static const char pool[] = "0123456789[]{}\",:-e. BF16I32";
+            bad[at] = mix(st++) & 1 ? (uint8_t)pool[mix(st++) % (sizeof pool - 1)] : (uint8_t)mix(st++);
+        }
+        size_t len = mix(st++) % 8 == 0 ? (size_t)(mix(st++) % n) : n;
+        kvf_dump *d;
+        if (kvf_dump_parse(bad, len, "fuzz", &d) == KVF_OK) {
+            ok++;
+            kvf_dump_close(d);
+        }
+    }
+    printf("corrupted headers: %d of 3000 still valid dumps\n", ok);
+    free(good);
+    free(bad);
+    synth_free(s);
+}
+
+/* ============================================================ runs */
+
+static kvf_eval_report run_eval(const kvf_scheme *s, const char *path, int device) {
+    kvf_dump *d;
+    assert_int_equal(kvf_dump_open(path, &d), KVF_OK);
+    kvf_eval_options opt = {device, 0};
+    kvf_eval_report r;
+    int rc = kvf_eval_run(s, d, &opt, &r);
+    if (rc) fail_msg("kvf_eval_run: %s: %s", kvf_status_name(rc), kvf_last_error());
+    kvf_dump_close(d);
+    return r;
+}
+
+static kvf_scheme *scheme_text(const char *text) {
+    kvf_scheme *s;
+    int rc = kvf_scheme_load_string(text, strlen(text), "=test", &s);
+    if (rc) fail_msg("scheme: %s", kvf_last_error());
+    return s;
+}
+
+static double packed_bytes(const kvf_scheme *s, int64_t tokens, int heads) {
+    size_t b;
+    assert_int_equal(kvf_packed_size(s, tokens, heads, &b), KVF_OK);
+    return (double)b;
+}
+
+static void print_metrics(const char *name, const kvf_eval_metrics *m) {
+    printf("%-10s top1_shift %.4f top5_overlap %.4f attn_out_rel_err %.4e key_mse %.4e value_mse %.4e qk_err %.4e "
+           "compression %.3fx\n",
+           name, m->top1_shift, m->top5_overlap, m->attn_out_rel_err, m->key_mse, m->value_mse, m->qk_err,
+           m->compression);
+}
+
+static void test_int4_beats_int2(void **state) {
+    (void)state;
+    synth_dump *sd = synth_make(&small_cfg);
+    const char *path = tmp_file("e2e.safetensors");
+    synth_write(sd, path, NULL);
+    kvf_scheme *s2 = tu_scheme("rtn_int2"), *s4 = tu_scheme("rtn_int4");
+    kvf_eval_report r2 = run_eval(s2, path, KVF_DEVICE_CPU), r4 = run_eval(s4, path, KVF_DEVICE_CPU);
+    const kvf_eval_metrics *a = &r2.overall, *b = &r4.overall;
+    print_metrics("rtn_int2", a);
+    print_metrics("rtn_int4", b);
+    assert_true(b->top1_shift < a->top1_shift);
+    assert_true(b->top5_overlap > a->top5_overlap);
+    assert_true(b->attn_out_rel_err < a->attn_out_rel_err);
+    assert_true(b->key_mse < a->key_mse);
+    assert_true(b->value_mse < a->value_mse);
+    assert_true(b->qk_err < a->qk_err);
+    assert_true(a->top1_shift > 0 && a->top5_overlap < 1 && b->attn_out_rel_err > 0);
+    /* INT2 stores fewer bytes: every chunk packed at the end of the stream */
+    const double bf16 = 3.0 * 4 * 2 * 64 * 128;
+    assert_float_equal(a->compression, bf16 / (3 * packed_bytes(s2, 64, 2)), 1e-12);
+    assert_float_equal(b->compression, bf16 / (3 * packed_bytes(s4, 64, 2)), 1e-12);
+    assert_true(a->compression > b->compression);
+    /* weights: chunks 1 and 2 score 4 heads x 32 queries; chunk c sees c packed chunks */
+    assert_true(a->queries == 2 * 4 * 32 && a->key_tokens == (1 + 2) * 64 * 2 && a->kv_values == a->key_tokens * 128);
+    /* one layer: the layer is the overall */
+    assert_memory_equal(&r2.layer[0], &r2.overall, sizeof r2.overall);
+
+    char *json = kvf_eval_report_json(&r2);
+    assert_non_null(json);
+    json_error_t err;
+    json_t *root = json_loads(json, 0, &err);
+    assert_non_null(root);
+    json_t *ov = json_object_get(root, "overall");
+    static const char *keys[] = {"top1_shift", "top5_overlap", "attn_out_rel_err", "key_mse", "value_mse", "qk_err",
+                                 "compression"};
+    for (size_t i = 0; i < 7; i++) assert_true(json_is_number(json_object_get(ov, keys[i])));
+    assert_float_equal(json_number_value(json_object_get(ov, "top1_shift")), a->top1_shift, 1e-9);
+    json_t *layers = json_object_get(root, "layers");
+    assert_int_equal(json_array_size(layers), 1);
+    json_t *l0 = json_array_get(layers, 0);
+    assert_int_equal(json_integer_value(json_object_get(l0, "layer")), 0);
+    for (size_t i = 0; i < 7; i++) assert_true(json_is_number(json_object_get(l0, keys[i])));
+    assert_int_equal(json_array_size(json_object_get(l0, "chunks")), 2);
+    json_decref(root);
+    free(json);
+    kvf_eval_print_table(&r2, stdout);
+
+    kvf_eval_report_free(&r2);
+    kvf_eval_report_free(&r4);
+    kvf_scheme_free(s2);
+    kvf_scheme_free(s4);
+    synth_free(sd);
+}
+
+/* BF16 "quantization": nothing changes. */
+static void test_bf16_scheme_exact(void **state) {
+    (void)state;
+    synth_dump *sd = synth_make(&small_cfg);
+    const char *path = tmp_file("bf16.safetensors");
+    synth_write(sd, path, NULL);
+    kvf_scheme *s = scheme_text("return { base = 'rtn_int2', key = { bits = 16 }, value = { bits = 16 } }");
+    kvf_eval_report r = run_eval(s, path, KVF_DEVICE_CPU);
+    const kvf_eval_metrics *m = &r.overall;
+    assert_true(m->top1_shift == 0 && m->top5_overlap == 1 && m->attn_out_rel_err == 0 && m->key_mse == 0 &&
+                m->value_mse == 0 && m->qk_err == 0);
+    assert_true(m->compression < 1.0); /* the header and alignment cost bytes */
+    kvf_eval_report_free(&r);
+    kvf_scheme_free(s);
+    synth_free(sd);
+}
+
+/* sink, recent and span decide what is packed when (docs/QUALITY.md). */
+static void test_chunk_policy(void **state) {
+    (void)state;
+    synth_cfg c = small_cfg;
+    c.chunks = 4;
+    c.layers = 2;
+    synth_dump *sd = synth_make(&c);
+    const char *path = tmp_file("policy.safetensors");
+    synth_write(sd, path, NULL);
+    const double B = 4.0 * 2 * 64 * 128; /* BF16 bytes of one chunk's K and V */
+
+    /* sink 1, recent 1: chunk 1 is packed after step 2, chunk 2 after step 3;
+     * chunks 0 and 3 stay BF16. Only step 3 sees a packed chunk. */
+    kvf_scheme *s = scheme_text("return { base = 'rtn_int2', chunk = { sink = 1, recent = 1 } }");
+    kvf_eval_report r = run_eval(s, path, KVF_DEVICE_CPU);
+    for (int l = 0; l < 2; l++) {
+        assert_float_equal(r.layer[l].compression, 4 * B / (2 * packed_bytes(s, 64, 2) + 2 * B), 1e-12);
+        assert_true(r.layer[l].key_tokens == 64 * 2);
+        assert_true(r.step[l * 4 + 1].kv_values == 0 && r.step[l * 4 + 2].kv_values == 0 &&
+                    r.step[l * 4 + 3].key_tokens == 64 * 2);
+        assert_true(isnan(r.step[l * 4 + 1].key_mse) && r.step[l * 4 + 1].attn_out_rel_err == 0);
+    }
+    assert_float_equal(r.overall.compression, r.layer[0].compression, 1e-12);
+    assert_true(r.overall.queries == 2 * 3 * 4 * 32);
+    kvf_eval_report_free(&r);
+    kvf_scheme_free(s);
+
+    /* span 2: chunks 0-1 packed after step 1, chunks 2-3 after step 3. */
+    s = scheme_text("return { base = 'rtn_int2', chunk = { span = 2 } }");
+    r = run_eval(s, path, KVF_DEVICE_CPU);
+    assert_float_equal(r.layer[0].compression, 4 * B / (2 * packed_bytes(s, 128, 2)), 1e-12);
+    assert_true(r.step[1].key_tokens == 0 && r.step[2].key_tokens == 128 * 2 && r.step[3].key_tokens == 128 * 2);
+    kvf_eval_report_free(&r);
+    kvf_scheme_free(s);
+
+    /* span 3 over 4 chunks: chunks 0-2 packed after step 2, chunk 3 never. */
+    s = scheme_text("return { base = 'rtn_int2', chunk = { span = 3 } }");
+    r = run_eval(s, path, KVF_DEVICE_CPU);
+    assert_float_equal(r.layer[1].compression, 4 * B / (packed_bytes(s, 192, 2) + B), 1e-12);
+    assert_true(r.step[3].key_tokens == 192 * 2);
+    kvf_eval_report_free(&r);
+    kvf_scheme_free(s);
+    synth_free(sd);
+}
+
+static void test_mismatch_errors(void **state) {
+    (void)state;
+    synth_dump *sd = synth_make(&small_cfg);
+    const char *path = tmp_file("mm.safetensors");
+    synth_write(sd, path, NULL);
+    kvf_dump *d;
+    assert_int_equal(kvf_dump_open(path, &d), KVF_OK);
+    kvf_eval_options opt = {KVF_DEVICE_CPU, 1};
+    kvf_eval_report r;
+    kvf_scheme *s = scheme_text("return { base = 'rtn_int2', head_dim = 64 }");
+    assert_error_has(kvf_eval_run(s, d, &opt, &r), KVF_EINVAL, "head_dim = 128, scheme scheme has head_dim = 64");
+    kvf_scheme_free(s);
+    s = scheme_text("return { base = 'rtn_int2', rope = { placement = 'pre', theta = 500.0 } }");
+    int rc = kvf_eval_run(s, d, &opt, &r);
+    assert_true(rc != KVF_OK && strstr(kvf_last_error(), "RoPE"));
+    kvf_scheme_free(s);
+    kvf_dump_close(d);
+    synth_free(sd);
+}
+
+/* The GPU gives the CPU's numbers (RTN decode is bit-identical). */
+static void test_gpu_matches_cpu(void **state) {
+    (void)state;
+    int n = 0;
+    if (kvf_device_count(&n) != KVF_OK || n == 0) {
+        printf("skipped: no GPU (%s)\n", kvf_last_error());
+        skip();
+    }
+    synth_dump *sd = synth_make(&small_cfg);
+    const char *path = tmp_file("gpu.safetensors");
+    synth_write(sd, path, NULL);
+    kvf_scheme *s = tu_scheme("rtn_int2");
+    kvf_eval_report c = run_eval(s, path, KVF_DEVICE_CPU), g = run_eval(s, path, 0);
+    printf("GPU backend: %s\n", g.backend);
+    assert_memory_equal(&c.overall, &g.overall, sizeof c.overall);
+    kvf_eval_report_free(&c);
+    kvf_eval_report_free(&g);
+    kvf_scheme_free(s);
+    synth_free(sd);
+}
+
+/* `kvforge eval --json` through the command line (the binary `make test` built). */
+static void test_cli_json(void **state) {
+    (void)state;
+    const char *o = getenv("O");
+    char bin[1200], cmd[4096];
+    snprintf(bin, sizeof bin, "%s/%s/bin/kvforge", tu_src(), o && *o ? o : "out");
+    if (access(bin, X_OK) != 0) {
+        printf("skipped: %s not built\n", bin);
+        skip();
+    }
+    synth_dump *sd = synth_make(&small_cfg);
+    const char *path = tmp_file("cli.safetensors"), *json_path = tmp_file("cli.json");
+    synth_write(sd, path, NULL);
+    snprintf(cmd, sizeof cmd, "'%s' eval --scheme rtn_int4 --data '%s' --json --threads 2 > '%s'", bin, path, json_path);
+    assert_int_equal(system(cmd), 0);
+    json_error_t err;
+    json_t *root = json_load_file(json_path, 0, &err);
+    if (!root) fail_msg("%s: %s", json_path, err.text);
+    json_t *ov = json_object_get(root, "overall");
+    static const char *keys[] = {"top1_shift", "top5_overlap", "attn_out_rel_err", "key_mse", "value_mse", "qk_err",
+                                 "compression"};
+    for (size_t i = 0; i < 7; i++) assert_true(json_is_number(json_object_get(ov, keys[i])));
+    assert_string_equal(json_string_value(json_object_get(root, "backend")), "CPU reference");
+    assert_int_equal(json_array_size(json_object_get(root, "layers")), 1);
+    json_decref(root);
+    /* a bad dump: exit status 1 and the tensor named on stderr */
+    synth_write_opts bad = {.wrong_dtype = "l0.c1.v"};
+    synth_write(sd, path, &bad);
+    snprintf(cmd, sizeof cmd, "'%s' eval --scheme rtn_int4 --data '%s' > '%s' 2>&1", bin, path, json_path);
+    int status = system(cmd);
+    assert_true(WIFEXITED(status) && WEXITSTATUS(status) == 1);
+    FILE *f = fopen(json_path, "r");
+    char line[1024] = "";
+    assert_non_null(fgets(line, sizeof line, f));
+    fclose(f);
+    assert_non_null(strstr(line, "\"l0.c1.v\": dtype F32, expected BF16"));
+    synth_free(sd);
+}
+
+/* The committed world-model dump, when it exists. */
+static void test_committed_dump(void **state) {
+    (void)state;
+    const char *path = tu_path("eval/worldmodel/dump_small.safetensors");
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        printf("skipped: %s does not exist yet\n", path);
+        skip();
+    }
+    fclose(f);
+    kvf_scheme *s2 = tu_scheme("rtn_int2"), *s4 = tu_scheme("rtn_int4");
+    kvf_eval_report r2 = run_eval(s2, path, KVF_DEVICE_CPU), r4 = run_eval(s4, path, KVF_DEVICE_CPU);
+    kvf_eval_print_table(&r2, stdout);
+    kvf_eval_print_table(&r4, stdout);
+    assert_true(r2.overall.queries > 0 && r2.overall.key_tokens > 0);
+    assert_true(r4.overall.attn_out_rel_err < r2.overall.attn_out_rel_err);
+    assert_true(r4.overall.key_mse < r2.overall.key_mse && r4.overall.qk_err < r2.overall.qk_err);
+    assert_true(r2.overall.compression > r4.overall.compression);
+    kvf_eval_report_free(&r2);
+    kvf_eval_report_free(&r4);
+    kvf_scheme_free(s2);
+    kvf_scheme_free(s4);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_top1_known),
+        cmocka_unit_test(test_top5_overlap),
+        cmocka_unit_test(test_attention_identical),
+        cmocka_unit_test(test_attention_output_hand),
+        cmocka_unit_test(test_qk_err_hand),
+        cmocka_unit_test(test_gqa_mapping),
+        cmocka_unit_test(test_safetensors_hand_file),
+        cmocka_unit_test(test_safetensors_malformed),
+        cmocka_unit_test(test_dump_valid),
+        cmocka_unit_test(test_dump_invalid),
+        cmocka_unit_test(test_dump_corrupted),
+        cmocka_unit_test(test_int4_beats_int2),
+        cmocka_unit_test(test_bf16_scheme_exact),
+        cmocka_unit_test(test_chunk_policy),
+        cmocka_unit_test(test_mismatch_errors),
+        cmocka_unit_test(test_gpu_matches_cpu),
+        cmocka_unit_test(test_cli_json),
+        cmocka_unit_test(test_committed_dump),
+    };
+    return cmocka_run_group_tests(tests, setup, teardown);
+}
