@@ -11,10 +11,10 @@ __all__ = ["QuantizedKVCache"]
 
 class _Entry:
     """A run of consecutive chunks of one layer: one packed span, or one BF16 chunk."""
-    __slots__ = ("kind", "first_chunk", "n_chunks", "n_tokens", "packed", "k", "v", "positions")
+    __slots__ = ("kind", "first_chunk", "n_chunks", "n_tokens", "packed", "k", "v", "positions", "qstats")
 
     def __init__(self, kind, first_chunk, n_chunks, n_tokens, packed=None, k=None, v=None,
-                 positions=None):
+                 positions=None, qstats=None):
         self.kind = kind  # "packed", "sink" (BF16 forever) or "bf16" (recent / waiting for a span)
         self.first_chunk = first_chunk
         self.n_chunks = n_chunks
@@ -23,6 +23,7 @@ class _Entry:
         self.k = k  # [H, N, d] contiguous BF16 (held chunks)
         self.v = v
         self.positions = positions  # int32 [N, A] ("pre" schemes)
+        self.qstats = qstats  # statistics as of this chunk's append (first chunk of a waiting span)
 
 
 class _Layer:
@@ -62,6 +63,9 @@ class QuantizedKVCache:
     other chunks stay BF16; a chunk older than that waits (BF16) until ``span``
     such chunks are there, which are then packed together as one span. With the
     defaults (span 1, recent 0, sink 0) every chunk is packed inside its append.
+
+    Query statistics are strictly causal: a span starting at chunk t is encoded
+    with the statistics of the queries of chunks < t, whenever it is packed.
     """
 
     def __init__(self, scheme, num_layers: int, num_kv_heads: int, head_dim: int | None = None, *,
@@ -143,7 +147,9 @@ class QuantizedKVCache:
         bits / float32. q (optional): the chunk's queries [Hq, Nq, d], Hq a
         multiple of Hkv (grouped-query attention); they update the layer's query
         statistics *after* this append's encoding, so a chunk's keys are never
-        packed with statistics of its own queries. positions: int32 [N, axes],
+        packed with statistics of its own queries (nor of later chunks': a chunk
+        that waits in BF16 before being packed is packed with the statistics as
+        of its own append, a copy of which waits with it). positions: int32 [N, axes],
         required for rope.placement = "pre" schemes (k then holds keys before RoPE
         and q queries before RoPE) and refused otherwise.
         """
@@ -178,8 +184,14 @@ class QuantizedKVCache:
             self.ctx.encode_args(ka, va, st.qstats, packed)
             entries = st.entries + [_Entry("packed", idx, 1, n, packed=packed, positions=pos)]
         else:
-            entries = st.entries + [_Entry("bf16", idx, 1, n, k=be.hnd_copy(ka), v=be.hnd_copy(va), positions=pos)]
-            entries = self._age(entries, st.qstats)
+            # Waits in BF16. The span it starts (if it does) is packed later with the
+            # statistics of now (chunks < idx): a copy is kept until then.
+            snap = None
+            if st.qstats is not None and (idx - sink) % span == 0:
+                snap = be.clone(st.qstats)
+            entries = st.entries + [_Entry("bf16", idx, 1, n, k=be.hnd_copy(ka), v=be.hnd_copy(va),
+                                           positions=pos, qstats=snap)]
+            entries = self._age(entries)
         # Everything that can fail has run: commit.
         st.entries = entries
         st.n_chunks += 1
@@ -188,7 +200,7 @@ class QuantizedKVCache:
             self.ctx.qstats_update_arg(st.qstats, qa)
             st.q_chunks += 1
 
-    def _age(self, entries, qstats):
+    def _age(self, entries):
         """Pack the oldest waiting chunks, span by span, once more than `recent` wait."""
         info, be = self.info, self.be
         while True:
@@ -206,7 +218,7 @@ class QuantizedKVCache:
             va = be.kv(v, "v", "hnd", self.head_dim)
             n = sum(e.n_tokens for e in group)
             packed = be.empty_u8(self.ctx.packed_size(n, self.num_kv_heads))
-            self.ctx.encode_args(ka, va, qstats, packed)
+            self.ctx.encode_args(ka, va, group[0].qstats, packed)
             packed_entry = _Entry("packed", group[0].first_chunk, len(group), n, packed=packed, positions=pos)
             entries = entries[:first] + [packed_entry] + waiting[info.chunk_span:]
 
@@ -282,6 +294,7 @@ class QuantizedKVCache:
                 else:
                     m["bf16"] += be.nbytes(e.k) + be.nbytes(e.v)
                 m["positions"] += be.nbytes(e.positions)
+                m["qstats"] += be.nbytes(e.qstats)
             if st.qstats is not None:
                 m["qstats"] += be.nbytes(st.qstats)
             m["tokens"] += st.n_tokens
