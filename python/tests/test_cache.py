@@ -183,7 +183,8 @@ class _FakeQstats:
     def encode(self, ctx, k, v, shape, qstats, packed, nbytes, stream):
         seen = ctypes.c_uint32.from_address(qstats).value if qstats else None
         self.log.append(("encode", int(shape._obj.n_tokens), seen))
-        return self.real_encode(ctx, k, v, shape, qstats, packed, nbytes, stream)
+        # the fake buffer is no real one (a library that reads statistics checks them)
+        return self.real_encode(ctx, k, v, shape, None, packed, nbytes, stream)
 
 
 @pytest.mark.parametrize("policy", ["default", "delayed"])
@@ -258,3 +259,44 @@ def test_rope_pre_sink_chunk_is_rotated(rng, layout):
     assert np.all(np.abs(K - ref) <= np.abs(ref) * 2.0**-7 + 1e-3)  # within 2 bf16 ulps
     assert np.array_equal(V, kb)  # values are not rotated
     assert cache.memory()["positions"] == 8 * 4
+
+
+@pytest.mark.parametrize("layout,sections", [("half", ""), ("interleaved", ""), ("half", "sections = { 16, 24, 24 },")])
+def test_python_rope_matches_the_library(rng, layout, sections):
+    """The RoPE applied to held BF16 chunks is the library's, bit for bit: a scheme
+    with BF16 keys (bits 16) decodes through the library's RoPE without rounding."""
+    text = (f'return {{ base = "rtn_int2", name = "pre16", key = {{ bits = 16 }},'
+            f' rope = {{ placement = "pre", layout = "{layout}", {sections} theta = 500.0 }} }}')
+    try:
+        s = kvforge.Scheme.from_string(text, "=pre16")
+    except kvforge.KvforgeError as e:
+        pytest.skip(f"this libkvforge does not load multi-axis RoPE yet: {e.detail}")
+    axes = s.info.rope_axes
+    ctx = kvforge.Context(s)
+    k = kvforge.float32_to_bf16_bits(video_like(rng, (2, 24, 128)))
+    p = ctx.encode(k, k)
+    pos = rng.integers(-50, 5000, (24, axes)).astype(np.int32)
+    kd, _ = ctx.decode(p, 24, 2, positions=pos, bits=True)
+    if np.array_equal(kd, k):
+        pytest.skip("this libkvforge does not apply RoPE in decode yet")
+    from kvforge._rope import rope_numpy
+    assert np.array_equal(kd, rope_numpy(k, pos, s.info))
+
+
+def test_real_qstats_when_the_library_has_them(rng):
+    if not kvforge._lib.has_symbol("kvf_qstats_update"):
+        pytest.skip("this libkvforge has no kvf_qstats_* yet")
+    s = kvforge.Scheme("rtn_int2")
+    cache = kvforge.QuantizedKVCache(s, 2, H, D, qstats=True)
+    n = s.qstats_size(H)
+    assert cache.memory()["qstats"] == 2 * n
+    for t in range(3):
+        (k, v), = chunks(rng, 1, 16)
+        cache.append(0, k, v, q=video_like(rng, (2 * H, 20, D)))  # GQA: 2 query heads per KV head
+    b = cache.qstats_buffer(0)
+    assert b[:4].tobytes() == b"KVFQ"
+    count = np.frombuffer(b[256:256 + 8 * H].tobytes(), np.float64)  # METHODS.md section 4
+    assert np.array_equal(count, np.full(H, 3 * 20 * 2.0))
+    assert not cache.qstats_buffer(1)[256:256 + 8 * H].any()  # layer 1 saw no queries
+    cache.reset()
+    assert not cache.qstats_buffer(0)[256:256 + 8 * H].any()

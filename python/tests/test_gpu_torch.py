@@ -27,9 +27,14 @@ except ImportError:
 import kvforge  # noqa: E402
 
 HAS_CUDA = torch is not None and torch.cuda.is_available()
+# KVFORGE_TEST_TORCH_DEVICE=cpu runs the "GPU" tests on torch CPU tensors (the CPU
+# reference): a check of the binding's torch code on a machine without a GPU.
+DEV = os.environ.get("KVFORGE_TEST_TORCH_DEVICE", "cuda")
+ON_CUDA = DEV.startswith("cuda")
+RUN_GPU_TESTS = HAS_CUDA or not ON_CUDA
 if pytest is not None:
     pytestmark = pytest.mark.skipif(torch is None, reason="torch is not installed")
-    gpu = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA GPU visible to torch")
+    gpu = pytest.mark.skipif(not RUN_GPU_TESTS, reason="no CUDA GPU visible to torch")
     _raises = pytest.raises
 else:
     def gpu(f):
@@ -57,16 +62,17 @@ D = 128
 POLICY = ('return { base = "rtn_int4", name = "policy_t", chunk = { tokens = 64, span = 2, recent = 1, sink = 1 } }')
 
 
-def video_like(gen, shape, device, outliers=True):
-    """BF16 K/V/Q-like data: per-channel offsets and scales (outlier channels), smooth tokens."""
+def video_like(gen, shape, device, outliers=4.0, scale_all=1.0):
+    """BF16 K/V/Q-like data: per-channel offsets and scales (4 outlier channels
+    `outliers` times larger), neighbouring tokens alike."""
     d = shape[-1]
     off = torch.randn(d, generator=gen) * 1.5
     scale = torch.exp(torch.randn(d, generator=gen) * 0.5)
-    if outliers:
-        scale[torch.randperm(d, generator=gen)[:4]] *= 6
+    if outliers > 1:
+        scale[torch.randperm(d, generator=gen)[:4]] *= outliers
     x = torch.randn(shape, generator=gen)
-    x = 0.7 * x + 0.3 * torch.roll(x, 1, dims=-2)  # neighbouring tokens alike
-    return (x * scale + off).to(torch.bfloat16).to(device)
+    x = 0.7 * x + 0.3 * torch.roll(x, 1, dims=-2)
+    return ((x * scale + off) * scale_all).to(torch.bfloat16).to(device)
 
 
 def to_bits(t):
@@ -97,6 +103,21 @@ def test_torch_cpu_matches_numpy():
     assert torch.equal(Kc, K) and torch.equal(Vc, V)
 
 
+def test_torch_rope_matches_numpy():
+    from kvforge._rope import rope_numpy, rope_torch
+    for text in ('rope = { placement = "pre", theta = 500.0 }',
+                 'rope = { placement = "pre", layout = "interleaved" }'):
+        info = kvforge.scheme._info_from_canonical(f"return {{ head_dim = 128, {text} }}")
+        g = torch.Generator().manual_seed(7)
+        k = video_like(g, (3, 40, D), "cpu")
+        pos = torch.randint(-10, 3000, (40, 1), generator=g, dtype=torch.int32)
+        a = rope_torch(k, pos, info)
+        b = rope_numpy(to_bits(k), pos.numpy(), info)
+        diff = (a.float() - torch.from_numpy(kvforge.bf16_bits_to_float32(b))).abs()
+        # f32 sin/cos of numpy and torch may differ by an ulp: within 2 bf16 ulps
+        assert (diff <= a.float().abs() * 2.0**-7 + 1e-6).all()
+
+
 def test_torch_argument_errors():
     tc = kvforge.Context("rtn_int2", "cpu")
     k = torch.zeros(2, 8, D, dtype=torch.bfloat16)
@@ -118,17 +139,19 @@ def test_torch_argument_errors():
 
 @gpu
 def test_gpu_encode_decode_bit_identical_to_cpu():
-    dev = torch.device("cuda", 0)
+    dev = torch.device("cuda", 0) if ON_CUDA else torch.device(DEV)
     g = torch.Generator().manual_seed(1)
     for name in ("rtn_int2", "rtn_int4"):
         ctx = kvforge.Context(name, dev)
-        assert ctx.backend.startswith("sm_") and ctx.origin in ("nvrtc", "disk-cache")
+        if ON_CUDA:
+            assert ctx.backend.startswith("sm_") and ctx.origin in ("nvrtc", "disk-cache")
         cpu = kvforge.Context(name)
         k, v = video_like(g, (8, 4680, D), dev), video_like(g, (8, 4680, D), dev)
         packed = ctx.encode(k, v)
         assert packed.device == dev and packed.numel() == ctx.packed_size(4680, 8)
         K, V = ctx.decode(packed, 4680, 8)
-        torch.cuda.synchronize()
+        if ON_CUDA:
+            torch.cuda.synchronize()
         pc = cpu.encode(to_bits(k), to_bits(v))
         Kc, Vc = cpu.decode(pc, 4680, 8, bits=True)
         assert np.array_equal(to_bits(K), Kc) and np.array_equal(to_bits(V), Vc)
@@ -149,16 +172,17 @@ def test_gpu_encode_decode_bit_identical_to_cpu():
 
 @gpu
 def test_gpu_errors():
-    ctx = kvforge.Context("rtn_int2", "cuda")
-    k = torch.zeros(2, 8, D, dtype=torch.bfloat16, device="cuda")
+    ctx = kvforge.Context("rtn_int2", DEV)
+    k = torch.zeros(2, 8, D, dtype=torch.bfloat16, device=DEV)
     with _raises(TypeError, match="torch.bfloat16, got torch.float32"):
         ctx.encode(k.float(), k)
-    with _raises(ValueError, match="tensor is on cpu"):
-        ctx.encode(k.cpu(), k)
     with _raises(kvforge.KvforgeError, match="KVF_ERANGE"):
-        ctx.encode(k, k, out=torch.empty(64, dtype=torch.uint8, device="cuda"))
-    with _raises(kvforge.KvforgeError, match="KVF_ENODEV"):
-        kvforge.Context("rtn_int2", "cuda:1000")
+        ctx.encode(k, k, out=torch.empty(64, dtype=torch.uint8, device=DEV))
+    if ON_CUDA:
+        with _raises(ValueError, match="tensor is on cpu"):
+            ctx.encode(k.cpu(), k)
+        with _raises(kvforge.KvforgeError, match="KVF_ENODEV"):
+            kvforge.Context("rtn_int2", "cuda:1000")
 
 
 def _sdpa(q, k, v):
@@ -174,9 +198,9 @@ def run_attention(scheme, n_chunks, hq, hkv, n_tokens, device, seed=0, layers=1,
     plus chunk t's own BF16 K/V; the reference attends to BF16 K/V of every chunk."""
     g = torch.Generator().manual_seed(seed)
     cache = kvforge.QuantizedKVCache(scheme, layers, hkv, D, device=device, num_q_heads=hq)
-    ks, vs, errs = [], [], []
+    ks, vs, errs, drops = [], [], [], []
     for t in range(n_chunks):
-        q = video_like(g, (hq, n_tokens, D), device, outliers=False)
+        q = video_like(g, (hq, n_tokens, D), device, outliers=1, scale_all=0.5)  # softmax not too peaked
         k = video_like(g, (hkv, n_tokens, D), device)
         v = video_like(g, (hkv, n_tokens, D), device)
         ks.append(k)
@@ -185,43 +209,58 @@ def run_attention(scheme, n_chunks, hq, hkv, n_tokens, device, seed=0, layers=1,
         Kc, Vc = cache.keys_values(0)
         out = _sdpa(q, torch.cat([Kc, k], 1), torch.cat([Vc, v], 1))
         errs.append(((out.float() - ref.float()).norm() / ref.float().norm()).item())
+        drop = _sdpa(q, k, v)  # baseline: no cache at all, chunk t alone
+        drops.append(((drop.float() - ref.float()).norm() / ref.float().norm()).item())
         cache.append(0, k, v, q=q)
+    run_attention.drops = drops
     return cache, errs, ks, vs
 
 
 @gpu
 def test_attention_through_the_cache_vs_bf16():
-    torch.cuda.synchronize()
-    for scheme, tol in (("rtn_int4", 0.03), ("rtn_int2", 0.2)):
-        cache, errs, ks, vs = run_attention(scheme, 4, hq=8, hkv=2, n_tokens=3 * 256, device="cuda")
+    """8 query heads over 2 KV heads, 4 chunks of 768 tokens; chunk t attends to the
+    cache (chunks < t) and to itself. Errors are against BF16 attention over every
+    chunk; "drop" is attending to chunk t alone (no cache), which the cache must beat
+    by far. On the synthetic data (seed 0) the CPU gives INT4 ~0.02-0.07, INT2
+    ~0.4-0.75, drop ~0.8-1.7."""
+    errs_of = {}
+    for scheme, tol in (("rtn_int4", 0.1), ("rtn_int2", 0.9)):
+        cache, errs, ks, vs = run_attention(scheme, 4, hq=8, hkv=2, n_tokens=3 * 256, device=DEV)
+        drops = run_attention.drops
         assert errs[0] < 1e-6, errs  # no cached chunk yet: exact
         assert all(0 < e < tol for e in errs[1:]), (scheme, errs)
-        # the cache decodes as the CPU reference would
+        assert all(e < 0.6 * dr for e, dr in zip(errs[1:], drops[1:])), (scheme, errs, drops)
+        errs_of[scheme] = errs
+        # the cache decodes as the CPU reference would, bit for bit
         cpu, _, _, _ = run_attention(scheme, 4, hq=8, hkv=2, n_tokens=3 * 256, device="cpu")
         Kg, Vg = cache.keys_values(0)
         Kc, Vc = cpu.keys_values(0)
         assert torch.equal(Kg.cpu(), Kc) and torch.equal(Vg.cpu(), Vc)
         assert cache.nbytes == cpu.nbytes == 4 * cache.scheme.packed_size(768, 2)
         assert cache.compression_ratio > (3.5 if scheme == "rtn_int4" else 6.0)
-        print(f"{scheme}: attention rel. error per chunk {['%.4f' % e for e in errs]}, "
-              f"ratio {cache.compression_ratio:.2f}")
+        print(f"\n{scheme} on {DEV}: attention rel. error per chunk {['%.4f' % e for e in errs]} "
+              f"(no cache: {['%.4f' % e for e in drops]}), ratio {cache.compression_ratio:.2f}")
+    assert all(a < b for a, b in zip(errs_of["rtn_int4"][1:], errs_of["rtn_int2"][1:]))
 
 
 @gpu
 def test_cache_policy_on_gpu_and_side_stream():
     s = kvforge.Scheme.from_string(POLICY, "=policy_t")
     g = torch.Generator().manual_seed(3)
-    data = [(video_like(g, (2, 64, D), "cuda"), video_like(g, (2, 64, D), "cuda")) for _ in range(6)]
-    gc = kvforge.QuantizedKVCache(s, 1, 2, D, device="cuda")
+    data = [(video_like(g, (2, 64, D), DEV), video_like(g, (2, 64, D), DEV)) for _ in range(6)]
+    gc = kvforge.QuantizedKVCache(s, 1, 2, D, device=DEV)
     cc = kvforge.QuantizedKVCache(s, 1, 2, D, device="cpu")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+    import contextlib
+    side = torch.cuda.Stream() if ON_CUDA else None
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
         for k, v in data:
             gc.append(0, k, v)
         K, V = gc.keys_values(0)
         Kn, Vn = gc.keys_values(0, layout="nhd")
-    side.synchronize()
+    if side is not None:
+        side.synchronize()
     for k, v in data:
         cc.append(0, k.cpu(), v.cpu())
     assert gc.segments(0) == cc.segments(0) == [
@@ -241,7 +280,7 @@ if __name__ == "__main__":
         sys.exit(0)
     failed = 0
     for name, fn in sorted((n, f) for n, f in globals().items() if n.startswith("test_") and callable(f)):
-        if getattr(fn, "_gpu", False) and not HAS_CUDA:
+        if getattr(fn, "_gpu", False) and not RUN_GPU_TESTS:
             print(f"SKIP {name}: no CUDA GPU")
             continue
         try:
