@@ -191,8 +191,9 @@ class Context:
         ka = self.be.kv(ko, "out[0]", layout, self.head_dim, n_heads=n_heads)
         va = self.be.kv(vo, "out[1]", layout, self.head_dim, n_heads=n_heads)
         if ka.obj is not ko or va.obj is not vo:
-            raise ValueError("out: the output tensors need 16-byte alignment and strides that are "
-                             "multiples of 8 (and no zero strides): pass contiguous tensors")
+            raise ValueError("out: decode cannot write into these outputs: they must be BF16 "
+                             "(torch.bfloat16, or numpy uint16 bits), with no zero or negative "
+                             "strides, and on a GPU 16-byte aligned with strides multiple of 8")
         if ka.n_tokens != n_tokens or va.n_tokens != n_tokens:
             raise ValueError(f"out: {ka.n_tokens} tokens, {n_tokens} expected")
         if (ka.token_stride, ka.head_stride) != (va.token_stride, va.head_stride):

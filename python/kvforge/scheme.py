@@ -1,6 +1,7 @@
 """Schemes: loading, their configuration, packed sizes."""
 from __future__ import annotations
 
+import ctypes
 import os
 import weakref
 from ctypes import byref, c_size_t, c_void_p
@@ -227,6 +228,11 @@ def _info_from_c(ci: KvfSchemeInfo) -> SchemeInfo:
 # ------------------------------------------------------------------- Scheme
 
 
+class _InfoBuffer(ctypes.Union):
+    _fields_ = [("info", KvfSchemeInfo), ("spare", ctypes.c_char * 1024)]
+
+
+
 def _free_scheme(L, ptr):
     try:
         L.kvf_scheme_free(ptr)
@@ -311,9 +317,12 @@ class Scheme:
         if self._info is None:
             L = lib()
             if L.has("kvf_scheme_get_info"):
-                ci = KvfSchemeInfo()
-                check(L.kvf_scheme_get_info(self._ptr, byref(ci)), "kvf_scheme_get_info")
-                self._info = _info_from_c(ci)
+                # Room to spare: a library whose struct grew fields at its end
+                # cannot write past this buffer.
+                buf = _InfoBuffer()
+                ci = ctypes.cast(ctypes.pointer(buf), ctypes.POINTER(KvfSchemeInfo))
+                check(L.kvf_scheme_get_info(self._ptr, ci), "kvf_scheme_get_info")
+                self._info = _info_from_c(ci.contents)
             else:
                 self._info = _info_from_canonical(self.canonical)
         return self._info

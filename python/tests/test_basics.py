@@ -125,3 +125,39 @@ def test_context_shared_and_named():
     assert a._c is b._c  # one kvf_context per (scheme, device)
     assert a.backend == "cpu" and a.origin == "cpu"
     assert kvforge.Context("rtn_int4")._c is not a._c
+
+
+def test_scheme_info_from_the_c_struct(monkeypatch):
+    """The kvf_scheme_get_info path (a stand-in here while the library lacks it)."""
+    L = kvforge._lib.lib()
+
+    def fake(scheme, out):
+        ci = out.contents
+        ci.head_dim, ci.key_bits, ci.value_bits = 128, 2, 4
+        ci.chunk_tokens, ci.chunk_span, ci.chunk_recent, ci.chunk_sink = 4680, 2, 1, 1
+        ci.rope_placement, ci.rope_axes, ci.rope_layout, ci.rope_theta = 1, 3, 1, 500.0
+        ci.rope_sections[:] = [16, 24, 24, 0]
+        ci.psac_rank, ci.key_centroids, ci.key_qsac_candidates = 8, 64, 4
+        return 0
+
+    monkeypatch.setattr(L, "kvf_scheme_get_info", fake)
+    i = kvforge.Scheme("rtn_int2").info
+    assert (i.value_bits, i.chunk_span, i.chunk_recent, i.chunk_sink) == (4, 2, 1, 1)
+    assert (i.rope_placement, i.rope_layout, i.rope_axes, i.rope_sections) == ("pre", "interleaved", 3, (16, 24, 24))
+    assert i.rope_theta == 500.0 and i.reads_qstats and i.psac_rank == 8 and i.key_centroids == 64
+
+    monkeypatch.setattr(L, "kvf_scheme_get_info", lambda s, out: -3)
+    with pytest.raises(kvforge.KvforgeError, match="kvf_scheme_get_info: KVF_ESCHEME"):
+        kvforge.Scheme("rtn_int2").info
+
+
+def test_scheme_info_c_agrees_with_canonical():
+    """Once the library has kvf_scheme_get_info: it says what the canonical text says."""
+    if not kvforge._lib.has_symbol("kvf_scheme_get_info"):
+        pytest.skip("this libkvforge has no kvf_scheme_get_info yet (the canonical text is parsed)")
+    texts = ['return { base = "rtn_int2", name = "a", head_dim = 64, key = { bits = 4 },'
+             ' chunk = { tokens = 32, span = 2, recent = 3, sink = 1 }, rope = { placement = "post" } }',
+             'return { base = "rtn_int4", name = "b", rope = { placement = "pre", layout = "interleaved", theta = 500.0 } }']
+    for t in texts:
+        s = kvforge.Scheme.from_string(t)
+        assert s.info == kvforge.scheme._info_from_canonical(s.canonical)
