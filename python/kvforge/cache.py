@@ -1,0 +1,328 @@
+"""QuantizedKVCache: the K/V cache of a chunked autoregressive video model, packed
+by a kvforge scheme chunk by chunk."""
+from __future__ import annotations
+
+from ._tensors import check_layout
+from .context import Context
+from .scheme import load_scheme
+
+__all__ = ["QuantizedKVCache"]
+
+
+class _Entry:
+    """A run of consecutive chunks of one layer: one packed span, or one BF16 chunk."""
+    __slots__ = ("kind", "first_chunk", "n_chunks", "n_tokens", "packed", "k", "v", "positions", "qstats")
+
+    def __init__(self, kind, first_chunk, n_chunks, n_tokens, packed=None, k=None, v=None,
+                 positions=None, qstats=None):
+        self.kind = kind  # "packed", "sink" (BF16 forever) or "bf16" (recent / waiting for a span)
+        self.first_chunk = first_chunk
+        self.n_chunks = n_chunks
+        self.n_tokens = n_tokens
+        self.packed = packed
+        self.k = k  # [H, N, d] contiguous BF16 (held chunks)
+        self.v = v
+        self.positions = positions  # int32 [N, A] ("pre" schemes)
+        self.qstats = qstats  # statistics as of this chunk's append (first chunk of a waiting span)
+
+
+class _Layer:
+    __slots__ = ("entries", "n_chunks", "n_tokens", "qstats", "q_chunks")
+
+    def __init__(self):
+        self.entries = []
+        self.n_chunks = 0
+        self.n_tokens = 0
+        self.qstats = None
+        self.q_chunks = 0
+
+
+class QuantizedKVCache:
+    """Per-layer K/V cache packed by a kvforge scheme, chunk by chunk.
+
+    Parameters
+    ----------
+    scheme: a scheme file path, a shipped scheme's name, or a :class:`kvforge.Scheme`.
+    num_layers, num_kv_heads, head_dim: the model's attention shape; head_dim must
+        be the scheme's.
+    device: ``None`` for numpy arrays on the CPU reference; ``"cpu"`` for torch CPU
+        tensors; ``"cuda"``, ``"cuda:N"``, ``N`` or a torch.device for CUDA tensors
+        (the kernels are JIT-compiled here, at construction, or read from the
+        disk cache).
+    layout: ``"hnd"`` ([Hkv, N, d], also [1, Hkv, N, d]) or ``"nhd"`` ([N, Hkv, d]):
+        the layout of k, v and q given to :meth:`append` and of what
+        :meth:`keys_values` returns.
+    num_q_heads: optional; when given, q must have exactly this many heads (a
+        multiple of num_kv_heads). Otherwise any multiple is accepted.
+    qstats: ``"auto"`` keeps per-layer query statistics when the scheme reads them
+        (QSAC or PSAC keys); ``True`` always; ``False`` never (q is then checked
+        and ignored, and such schemes encode from a cold start).
+
+    Chunk policy (the scheme's ``chunk`` section): chunk i of a layer is the i-th
+    :meth:`append`. Chunks ``i < sink`` stay BF16 for ever. The ``recent`` newest
+    other chunks stay BF16; a chunk older than that waits (BF16) until ``span``
+    such chunks are there, which are then packed together as one span. With the
+    defaults (span 1, recent 0, sink 0) every chunk is packed inside its append.
+
+    Query statistics are strictly causal: a span starting at chunk t is encoded
+    with the statistics of the queries of chunks < t, whenever it is packed.
+    """
+
+    def __init__(self, scheme, num_layers: int, num_kv_heads: int, head_dim: int | None = None, *,
+                 device=None, layout: str = "hnd", num_q_heads: int | None = None, qstats="auto"):
+        self.scheme = load_scheme(scheme)
+        info = self.info = self.scheme.info
+        if head_dim is None:
+            head_dim = info.head_dim
+        for name, val in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+                raise ValueError(f"{name} must be a positive int, got {val!r}")
+        if head_dim != info.head_dim:
+            raise ValueError(f"head_dim = {head_dim}, but scheme {self.scheme.name} is for head_dim = "
+                             f"{info.head_dim} (set head_dim in the scheme file)")
+        if num_q_heads is not None and (num_q_heads < 1 or num_q_heads % num_kv_heads):
+            raise ValueError(f"num_q_heads = {num_q_heads} is not a multiple of num_kv_heads = {num_kv_heads}")
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.num_q_heads = num_q_heads
+        self.head_dim = head_dim
+        self.layout = check_layout(layout)
+        self.ctx = Context(self.scheme, device)  # JIT / disk cache here
+        self.be = self.ctx.be
+        if qstats == "auto":
+            qstats = info.reads_qstats
+        elif qstats not in (True, False):
+            raise ValueError(f"qstats must be 'auto', True or False, got {qstats!r}")
+        self.uses_qstats = bool(qstats)
+        self._qstats_bytes = self.scheme.qstats_size(num_kv_heads) if self.uses_qstats else 0
+        self._layers = [_Layer() for _ in range(num_layers)]
+        if self.uses_qstats:
+            for st in self._layers:
+                st.qstats = self.ctx.qstats_new(num_kv_heads)
+
+    # ------------------------------------------------------------ properties
+    @property
+    def device(self):
+        return self.ctx.device
+
+    @property
+    def chunk_policy(self) -> dict:
+        i = self.info
+        return {"tokens": i.chunk_tokens, "span": i.chunk_span, "recent": i.chunk_recent, "sink": i.chunk_sink}
+
+    def __repr__(self):
+        return (f"QuantizedKVCache({self.scheme.id!r}, layers={self.num_layers}, kv_heads={self.num_kv_heads}, "
+                f"head_dim={self.head_dim}, {self.be!r}, tokens={self.num_tokens()}, "
+                f"nbytes={self.nbytes}, ratio={self.compression_ratio:.3f})")
+
+    def _layer(self, layer) -> _Layer:
+        if not isinstance(layer, int) or isinstance(layer, bool):
+            raise TypeError(f"layer must be an int, got {type(layer).__name__}")
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} out of range (the cache has {self.num_layers} layers)")
+        return self._layers[layer]
+
+    def num_tokens(self, layer: int = 0) -> int:
+        return self._layer(layer).n_tokens
+
+    def num_chunks(self, layer: int = 0) -> int:
+        return self._layer(layer).n_chunks
+
+    def segments(self, layer: int):
+        """How a layer is held, oldest first: a list of (kind, first_chunk, n_chunks,
+        n_tokens) with kind "sink" (BF16 for ever), "packed" (one span) or "bf16"
+        (recent, or waiting for a full span)."""
+        return [(e.kind, e.first_chunk, e.n_chunks, e.n_tokens) for e in self._layer(layer).entries]
+
+    def qstats_buffer(self, layer: int):
+        """The layer's query-statistics buffer (None when the cache keeps none)."""
+        return self._layer(layer).qstats
+
+    # ------------------------------------------------------------ append
+    def append(self, layer: int, k, v, q=None, positions=None):
+        """Add one finished chunk of a layer.
+
+        k, v: the chunk's keys and values, [Hkv, N, d] (or [N, Hkv, d] with
+        layout="nhd"); torch.bfloat16 on the cache's device, or numpy uint16 BF16
+        bits / float32. q (optional): the chunk's queries [Hq, Nq, d], Hq a
+        multiple of Hkv (grouped-query attention); they update the layer's query
+        statistics *after* this append's encoding, so a chunk's keys are never
+        packed with statistics of its own queries (nor of later chunks': a chunk
+        that waits in BF16 before being packed is packed with the statistics as
+        of its own append, a copy of which waits with it). positions: int32 [N, axes],
+        required for rope.placement = "pre" schemes (k then holds keys before RoPE
+        and q queries before RoPE) and refused otherwise.
+        """
+        st = self._layer(layer)
+        be, d, info = self.be, self.head_dim, self.info
+        ka = be.kv(k, "k", self.layout, d, n_heads=self.num_kv_heads)
+        va = be.kv(v, "v", self.layout, d, n_heads=self.num_kv_heads)
+        if va.n_tokens != ka.n_tokens:
+            raise ValueError(f"v has {va.n_tokens} tokens, k has {ka.n_tokens}")
+        qa = None
+        if q is not None:
+            qa = be.kv(q, "q", self.layout, d, n_heads=self.num_q_heads, heads_multiple_of=self.num_kv_heads)
+        if info.rope_placement == "pre":
+            if positions is None:
+                raise ValueError(f"positions: scheme {self.scheme.name} caches keys before RoPE "
+                                 f"(rope.placement = 'pre'): append needs int32 positions "
+                                 f"[{ka.n_tokens}, {info.rope_axes}]")
+            pos = be.positions(positions, ka.n_tokens, info.rope_axes)
+        else:
+            if positions is not None:
+                raise ValueError(f"positions: scheme {self.scheme.name} has rope.placement = "
+                                 f"{info.rope_placement!r}; positions are only for 'pre' schemes")
+            pos = None
+
+        idx, n = st.n_chunks, ka.n_tokens
+        span, recent, sink = info.chunk_span, info.chunk_recent, info.chunk_sink
+        if idx < sink:
+            entries = st.entries + [_Entry("sink", idx, 1, n, k=be.hnd_copy(ka), v=be.hnd_copy(va), positions=pos)]
+        elif span == 1 and recent == 0:
+            # Packed at once, straight from the caller's tensors (no copy).
+            packed = be.empty_u8(self.ctx.packed_size(n, self.num_kv_heads))
+            self.ctx.encode_args(ka, va, st.qstats, packed)
+            entries = st.entries + [_Entry("packed", idx, 1, n, packed=packed, positions=pos)]
+        else:
+            # Waits in BF16. The span it starts (if it does) is packed later with the
+            # statistics of now (chunks < idx): a copy is kept until then.
+            snap = None
+            if st.qstats is not None and (idx - sink) % span == 0:
+                snap = be.clone(st.qstats)
+            entries = st.entries + [_Entry("bf16", idx, 1, n, k=be.hnd_copy(ka), v=be.hnd_copy(va),
+                                           positions=pos, qstats=snap)]
+            entries = self._age(entries)
+        # Everything that can fail has run: commit.
+        st.entries = entries
+        st.n_chunks += 1
+        st.n_tokens += n
+        if qa is not None and st.qstats is not None:
+            self.ctx.qstats_update_arg(st.qstats, qa)
+            st.q_chunks += 1
+
+    def _age(self, entries):
+        """Pack the oldest waiting chunks, span by span, once more than `recent` wait."""
+        info, be = self.info, self.be
+        while True:
+            first = next((i for i, e in enumerate(entries) if e.kind == "bf16"), None)
+            if first is None:
+                return entries
+            waiting = entries[first:]  # BF16 chunks are always the newest
+            if len(waiting) - info.chunk_recent < info.chunk_span:
+                return entries
+            group = waiting[:info.chunk_span]
+            k = be.cat_tokens([e.k for e in group])
+            v = be.cat_tokens([e.v for e in group])
+            pos = be.cat_rows([e.positions for e in group]) if group[0].positions is not None else None
+            ka = be.kv(k, "k", "hnd", self.head_dim)
+            va = be.kv(v, "v", "hnd", self.head_dim)
+            n = sum(e.n_tokens for e in group)
+            packed = be.empty_u8(self.ctx.packed_size(n, self.num_kv_heads))
+            self.ctx.encode_args(ka, va, group[0].qstats, packed)
+            packed_entry = _Entry("packed", group[0].first_chunk, len(group), n, packed=packed, positions=pos)
+            entries = entries[:first] + [packed_entry] + waiting[info.chunk_span:]
+
+    # ------------------------------------------------------------ read back
+    def keys_values(self, layer: int, *, layout: str | None = None, out=None, bits: bool = False):
+        """Decoded keys and values of every cached token of a layer, oldest first.
+
+        Returns (K, V) of shape [Hkv, T, d] (layout "hnd") or [T, Hkv, d] ("nhd"):
+        torch.bfloat16 on the cache's device, or numpy float32 (uint16 BF16 bits
+        with bits=True). Every packed span is decoded straight into its slice of
+        one preallocated buffer (no concatenation), the BF16 chunks are copied in.
+        For rope.placement = "pre" schemes the keys come back rotated. ``out``:
+        (K, V) BF16 tensors / uint16 arrays of that shape to write into.
+        """
+        st = self._layer(layer)
+        layout = check_layout(layout or self.layout)
+        be, H, d, T = self.be, self.num_kv_heads, self.head_dim, st.n_tokens
+        shape = (H, T, d) if layout == "hnd" else (T, H, d)
+        if out is not None:
+            K, V = out
+            for name, x in (("out[0]", K), ("out[1]", V)):
+                if tuple(x.shape) != shape:
+                    raise ValueError(f"{name}: shape {tuple(x.shape)}, expected {shape}")
+                a = be.kv(x, name, layout, d, n_heads=H) if T else None
+                if a is not None and (a.obj is not x or a.token_stride != (d if layout == "hnd" else H * d)
+                                      or a.head_stride != (T * d if layout == "hnd" else d)):
+                    raise ValueError(f"{name}: must be a contiguous BF16 {'torch.bfloat16 tensor' if be.kind == 'torch' else 'uint16 array'}")
+        else:
+            K, V = be.empty_bf16(shape), be.empty_bf16(shape)
+        if T:
+            tok_stride, head_stride = (d, T * d) if layout == "hnd" else (H * d, d)
+            kbase, vbase = be.ptr(K), be.ptr(V)
+            t0 = 0
+            for e in st.entries:
+                if e.kind == "packed":
+                    off = t0 * tok_stride * 2  # bytes
+                    self.ctx.decode_into(e.packed, e.n_tokens, H, kbase + off, vbase + off,
+                                         tok_stride, head_stride, e.positions)
+                else:
+                    k = e.k
+                    if e.positions is not None:
+                        k = self._rope(k, e.positions)
+                    self._put(K, k, t0, e.n_tokens, layout)
+                    self._put(V, e.v, t0, e.n_tokens, layout)
+                t0 += e.n_tokens
+        if be.kind == "numpy" and not bits:
+            from ._bf16 import bf16_bits_to_float32
+            return bf16_bits_to_float32(K), bf16_bits_to_float32(V)
+        return K, V
+
+    def _put(self, dst, src_hnd, t0, n, layout):
+        if layout == "hnd":
+            dst[:, t0:t0 + n] = src_hnd
+        else:
+            dst[t0:t0 + n] = src_hnd.transpose(1, 0, 2) if self.be.kind == "numpy" else src_hnd.transpose(0, 1)
+
+    def _rope(self, k, positions):
+        from ._rope import rope_numpy, rope_torch
+        return rope_numpy(k, positions, self.info) if self.be.kind == "numpy" else rope_torch(k, positions, self.info)
+
+    # ------------------------------------------------------------ memory
+    def memory(self, layer: int | None = None) -> dict:
+        """Bytes held, by kind, for one layer or all: packed, bf16 (sink/recent/waiting
+        chunks), positions, qstats; total (= nbytes); kv_bf16 (what BF16 K and V of
+        the same tokens take); compression_ratio = kv_bf16 / total."""
+        be = self.be
+        layers = self._layers if layer is None else [self._layer(layer)]
+        m = {"packed": 0, "bf16": 0, "positions": 0, "qstats": 0, "tokens": 0}
+        for st in layers:
+            for e in st.entries:
+                if e.kind == "packed":
+                    m["packed"] += be.nbytes(e.packed)
+                else:
+                    m["bf16"] += be.nbytes(e.k) + be.nbytes(e.v)
+                m["positions"] += be.nbytes(e.positions)
+                m["qstats"] += be.nbytes(e.qstats)
+            if st.qstats is not None:
+                m["qstats"] += be.nbytes(st.qstats)
+            m["tokens"] += st.n_tokens
+        m["total"] = m["packed"] + m["bf16"] + m["positions"] + m["qstats"]
+        m["kv_bf16"] = 2 * m["tokens"] * self.num_kv_heads * self.head_dim * 2
+        m["compression_ratio"] = m["kv_bf16"] / m["total"] if m["total"] else 1.0
+        return m
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the cache holds: packed spans + BF16 chunks + positions + query statistics."""
+        return self.memory()["total"]
+
+    @property
+    def bf16_nbytes(self) -> int:
+        """Bytes BF16 K and V of every cached token would take."""
+        return self.memory()["kv_bf16"]
+
+    @property
+    def compression_ratio(self) -> float:
+        """bf16_nbytes / nbytes (1.0 while the cache is empty and holds nothing)."""
+        return self.memory()["compression_ratio"]
+
+    def reset(self):
+        """Forget every chunk (and the query statistics, which are re-initialized)."""
+        for i, st in enumerate(self._layers):
+            q = st.qstats
+            self._layers[i] = _Layer()
+            if q is not None:
+                self.ctx.qstats_init(q, self.num_kv_heads)
+                self._layers[i].qstats = q

@@ -1,0 +1,383 @@
+"""Schemes: loading, their configuration, packed sizes."""
+from __future__ import annotations
+
+import ctypes
+import os
+import weakref
+from ctypes import byref, c_size_t, c_void_p
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import _lib
+from ._lib import KvfFootprint, KvfSchemeInfo, check, cstr, lib
+
+__all__ = ["Scheme", "SchemeInfo", "load_scheme", "builtin_schemes"]
+
+ROPE_PLACEMENTS = ("none", "pre", "post")
+ROPE_LAYOUTS = ("half", "interleaved")
+
+
+@dataclass(frozen=True)
+class SchemeInfo:
+    """What the binding needs to know of a scheme (kvf_scheme_info)."""
+    head_dim: int
+    key_bits: int
+    value_bits: int
+    chunk_tokens: int
+    chunk_span: int
+    chunk_recent: int
+    chunk_sink: int
+    rope_placement: str          # "none", "pre", "post"
+    rope_axes: int               # position axes decode needs (1 = 1D RoPE)
+    psac_rank: int
+    key_centroids: int
+    key_qsac_candidates: int
+    rope_layout: str = "half"
+    rope_theta: float = 10000.0
+    rope_sections: tuple = field(default=())  # frequency pairs per axis (sum = head_dim / 2)
+
+    @property
+    def reads_qstats(self) -> bool:
+        """Whether encode reads query statistics (QSAC or PSAC keys)."""
+        return self.key_qsac_candidates > 1 or self.psac_rank > 0
+
+
+# ------------------------------------------------ stopgap: canonical text parser
+#
+# STOPGAP until libkvforge exports kvf_scheme_get_info (python/README.md): the
+# configuration is read from kvf_scheme_canonical(), Lua text such as
+#   return {
+#     name = "rtn_int2",
+#     head_dim = 128,
+#     key = { axis = "channel", bits = 2, ... },
+#     chunk = { recent = 0, sink = 0, span = 1, tokens = 4680 },
+#   }
+# The parser reads Lua table constructors of names, strings, numbers, booleans
+# and nested tables (arrays too): all the canonical text contains.
+
+
+class _CanonicalParser:
+    def __init__(self, text: str):
+        self.t = text
+        self.i = 0
+
+    def error(self, what: str):
+        line = self.t.count("\n", 0, self.i) + 1
+        return ValueError(f"canonical scheme text, line {line}: {what}")
+
+    def skip(self):
+        t = self.t
+        while self.i < len(t):
+            c = t[self.i]
+            if c.isspace():
+                self.i += 1
+            elif t.startswith("--", self.i):
+                j = t.find("\n", self.i)
+                self.i = len(t) if j < 0 else j + 1
+            else:
+                break
+
+    def peek(self) -> str:
+        self.skip()
+        return self.t[self.i] if self.i < len(self.t) else ""
+
+    def expect(self, s: str):
+        self.skip()
+        if not self.t.startswith(s, self.i):
+            raise self.error(f"expected {s!r}")
+        self.i += len(s)
+
+    def name(self) -> str:
+        self.skip()
+        j = self.i
+        while j < len(self.t) and (self.t[j].isalnum() or self.t[j] == "_"):
+            j += 1
+        if j == self.i:
+            raise self.error("expected a name")
+        n = self.t[self.i:j]
+        self.i = j
+        return n
+
+    def value(self) -> Any:
+        c = self.peek()
+        if c == "{":
+            return self.table()
+        if c in "\"'":
+            q = c
+            self.i += 1
+            out = []
+            while self.i < len(self.t) and self.t[self.i] != q:
+                if self.t[self.i] == "\\":
+                    self.i += 1
+                    esc = self.t[self.i]
+                    out.append({"n": "\n", "t": "\t", "\\": "\\", '"': '"', "'": "'"}.get(esc, esc))
+                else:
+                    out.append(self.t[self.i])
+                self.i += 1
+            self.expect(q)
+            return "".join(out)
+        j = self.i
+        while j < len(self.t) and (self.t[j].isalnum() or self.t[j] in "._+-"):
+            j += 1
+        tok = self.t[self.i:j]
+        self.i = j
+        if tok in ("true", "false"):
+            return tok == "true"
+        if tok == "nil":
+            return None
+        try:
+            return int(tok, 0)
+        except ValueError:
+            try:
+                return float(tok)
+            except ValueError:
+                raise self.error(f"unexpected {tok!r}") from None
+
+    def table(self):
+        self.expect("{")
+        d: dict = {}
+        arr: list = []
+        while self.peek() != "}":
+            save = self.i
+            if self.peek().isalpha() or self.peek() == "_":
+                n = self.name()
+                if self.peek() == "=":
+                    self.expect("=")
+                    d[n] = self.value()
+                else:
+                    self.i = save
+                    arr.append(self.value())
+            elif self.peek() == "[":
+                self.expect("[")
+                k = self.value()
+                self.expect("]")
+                self.expect("=")
+                d[k] = self.value()
+            else:
+                arr.append(self.value())
+            if self.peek() in (",", ";"):
+                self.i += 1
+            elif self.peek() != "}":
+                raise self.error("expected ',' or '}'")
+        self.expect("}")
+        if arr and not d:
+            return arr
+        if arr:
+            d.update({i + 1: v for i, v in enumerate(arr)})
+        return d
+
+    def parse(self) -> dict:
+        self.skip()
+        if self.t.startswith("return", self.i):
+            self.i += len("return")
+        v = self.table()
+        if not isinstance(v, dict):
+            raise self.error("the scheme is not a table of fields")
+        return v
+
+
+def parse_canonical(text: str) -> dict:
+    """Parse a scheme's canonical Lua text into nested dicts (stopgap helper)."""
+    return _CanonicalParser(text).parse()
+
+
+def _info_from_canonical(text: str) -> SchemeInfo:
+    c = parse_canonical(text)
+    key, value = c.get("key", {}), c.get("value", {})
+    rope, chunk = c.get("rope", {}), c.get("chunk", {})
+    head_dim = int(c.get("head_dim", 128))
+    sections = rope.get("sections")
+    if isinstance(sections, dict):  # an empty or mixed table
+        sections = [v for k, v in sorted(sections.items()) if isinstance(k, int)]
+    sections = tuple(int(s) for s in sections) if sections else (head_dim // 2,)
+    return SchemeInfo(
+        head_dim=head_dim,
+        key_bits=int(key.get("bits", 2)),
+        value_bits=int(value.get("bits", 2)),
+        chunk_tokens=int(chunk.get("tokens", 4680)),
+        chunk_span=int(chunk.get("span", 1)),
+        chunk_recent=int(chunk.get("recent", 0)),
+        chunk_sink=int(chunk.get("sink", 0)),
+        rope_placement=str(rope.get("placement", "none")),
+        rope_axes=len(sections),
+        psac_rank=int(key.get("psac_rank", 0)),
+        key_centroids=int(key.get("centroids", 0)),
+        key_qsac_candidates=int(key.get("qsac_candidates", 1)),
+        rope_layout=str(rope.get("layout", "half")),
+        rope_theta=float(rope.get("theta", 10000.0)),
+        rope_sections=sections,
+    )
+
+
+def _info_from_c(ci: KvfSchemeInfo) -> SchemeInfo:
+    axes = max(1, ci.rope_axes)
+    sections = tuple(ci.rope_sections[i] for i in range(min(axes, _lib.KVF_MAX_ROPE_SECTIONS)))
+    if not any(sections):
+        sections = (ci.head_dim // 2,)
+    return SchemeInfo(
+        head_dim=ci.head_dim, key_bits=ci.key_bits, value_bits=ci.value_bits,
+        chunk_tokens=ci.chunk_tokens, chunk_span=ci.chunk_span, chunk_recent=ci.chunk_recent,
+        chunk_sink=ci.chunk_sink,
+        rope_placement=ROPE_PLACEMENTS[ci.rope_placement] if 0 <= ci.rope_placement < 3 else "none",
+        rope_axes=axes, psac_rank=ci.psac_rank, key_centroids=ci.key_centroids,
+        key_qsac_candidates=ci.key_qsac_candidates,
+        rope_layout=ROPE_LAYOUTS[ci.rope_layout] if ci.rope_layout in (0, 1) else "half",
+        rope_theta=ci.rope_theta, rope_sections=sections)
+
+
+# ------------------------------------------------------------------- Scheme
+
+
+class _InfoBuffer(ctypes.Union):
+    _fields_ = [("info", KvfSchemeInfo), ("spare", ctypes.c_char * 1024)]
+
+
+
+def _free_scheme(L, ptr):
+    try:
+        L.kvf_scheme_free(ptr)
+    except Exception:  # pragma: no cover - interpreter shutdown
+        pass
+
+
+class Scheme:
+    """A loaded scheme (``kvf_scheme``).
+
+    ``Scheme("schemes/rtn_int2.lua")`` loads a file; ``Scheme("rtn_int2")`` a
+    scheme shipped inside the library (a string with no ``/`` and no ``.lua``
+    that is not an existing file); :meth:`from_string` loads Lua text.
+    """
+
+    def __init__(self, source, *, _ptr=None, _origin=None):
+        if isinstance(source, Scheme):
+            raise TypeError("Scheme(scheme): pass the Scheme itself, no copy is needed")
+        L = lib()
+        if _ptr is None:
+            if not isinstance(source, (str, os.PathLike)):
+                raise TypeError(f"Scheme: expected a path or a shipped scheme's name, got "
+                                f"{type(source).__name__}")
+            s = os.fspath(source)
+            out = c_void_p()
+            if os.path.exists(s) or s.endswith(".lua") or os.sep in s:
+                check(L.kvf_scheme_load(s.encode(), byref(out)), "kvf_scheme_load")
+                _origin = s
+            else:
+                check(L.kvf_scheme_load_builtin(s.encode(), byref(out)), "kvf_scheme_load_builtin")
+                _origin = f"<builtin>/{s}.lua"
+            _ptr = out
+        self._ptr = _ptr
+        self.source = _origin
+        self._finalizer = weakref.finalize(self, _free_scheme, L, _ptr)
+        self._info = None
+
+    @classmethod
+    def from_string(cls, text: str, chunkname: str | None = None) -> "Scheme":
+        """Load Lua text; ``chunkname`` names it in messages (``"@file.lua"``, ``"=name"``)."""
+        if not isinstance(text, str):
+            raise TypeError(f"Scheme.from_string: text must be str, got {type(text).__name__}")
+        L = lib()
+        b = text.encode()
+        out = c_void_p()
+        check(L.kvf_scheme_load_string(b, len(b), chunkname.encode() if chunkname else None,
+                                       byref(out)), "kvf_scheme_load_string")
+        return cls(None, _ptr=out, _origin=chunkname or "<string>")
+
+    @classmethod
+    def builtin(cls, name: str) -> "Scheme":
+        L = lib()
+        out = c_void_p()
+        check(L.kvf_scheme_load_builtin(name.encode(), byref(out)), "kvf_scheme_load_builtin")
+        return cls(None, _ptr=out, _origin=f"<builtin>/{name}.lua")
+
+    # ----------------------------------------------------------- properties
+    @property
+    def name(self) -> str:
+        return cstr(lib().kvf_scheme_name(self._ptr))
+
+    @property
+    def id(self) -> str:
+        return cstr(lib().kvf_scheme_id(self._ptr))
+
+    @property
+    def hash(self) -> int:
+        return int(lib().kvf_scheme_hash(self._ptr))
+
+    @property
+    def canonical(self) -> str:
+        return cstr(lib().kvf_scheme_canonical(self._ptr))
+
+    @property
+    def head_dim(self) -> int:
+        return int(lib().kvf_scheme_head_dim(self._ptr))
+
+    @property
+    def info(self) -> SchemeInfo:
+        """Chunk policy, bits, RoPE placement...: kvf_scheme_get_info when the
+        library has it, else parsed from the canonical text (stopgap)."""
+        if self._info is None:
+            L = lib()
+            if L.has("kvf_scheme_get_info"):
+                # Room to spare: a library whose struct grew fields at its end
+                # cannot write past this buffer.
+                buf = _InfoBuffer()
+                ci = ctypes.cast(ctypes.pointer(buf), ctypes.POINTER(KvfSchemeInfo))
+                check(L.kvf_scheme_get_info(self._ptr, ci), "kvf_scheme_get_info")
+                self._info = _info_from_c(ci.contents)
+            else:
+                self._info = _info_from_canonical(self.canonical)
+        return self._info
+
+    def packed_size(self, n_tokens: int, n_heads: int) -> int:
+        """Bytes of the packed K and V of n_tokens x n_heads (kvf_packed_size)."""
+        n = c_size_t()
+        check(lib().kvf_packed_size(self._ptr, int(n_tokens), int(n_heads), byref(n)),
+              "kvf_packed_size")
+        return n.value
+
+    def footprint(self, n_tokens: int, n_heads: int) -> dict:
+        f = KvfFootprint()
+        check(lib().kvf_footprint_of(self._ptr, int(n_tokens), int(n_heads), byref(f)),
+              "kvf_footprint_of")
+        return {"packed_bytes": f.packed_bytes, "bf16_bytes": f.bf16_bytes,
+                "compression": f.compression, "bits_per_value": f.bits_per_value}
+
+    def qstats_size(self, n_kv_heads: int) -> int:
+        """Bytes of one layer's query statistics (kvf_qstats_size)."""
+        L = lib()
+        if not L.has("kvf_qstats_size"):
+            raise NotImplementedError(
+                f"{L.path} has no kvf_qstats_size: query statistics need a newer libkvforge")
+        n = c_size_t()
+        check(L.kvf_qstats_size(self._ptr, int(n_kv_heads), byref(n)), "kvf_qstats_size")
+        return n.value
+
+    def check_packed(self, header, n_tokens: int, n_heads: int) -> None:
+        """kvf_packed_check on a host buffer (numpy uint8, bytes) holding the first >= 64 bytes."""
+        import numpy as np
+        h = np.ascontiguousarray(np.frombuffer(bytes(header), dtype=np.uint8)
+                                 if isinstance(header, (bytes, bytearray)) else header)
+        check(lib().kvf_packed_check(self._ptr, h.ctypes.data, h.nbytes, int(n_tokens),
+                                     int(n_heads)), "kvf_packed_check")
+
+    def context(self, device=None):
+        """The shared Context of this scheme on a device (see kvforge.Context)."""
+        from .context import Context
+        return Context(self, device)
+
+    def __repr__(self) -> str:
+        return f"Scheme({self.id!r}, source={self.source!r})"
+
+
+def load_scheme(scheme) -> Scheme:
+    """A Scheme from a Scheme, a path or a shipped name."""
+    return scheme if isinstance(scheme, Scheme) else Scheme(scheme)
+
+
+def builtin_schemes() -> list:
+    p = lib().kvf_builtin_schemes()
+    out = []
+    i = 0
+    while p[i]:
+        out.append(cstr(p[i]))
+        i += 1
+    return out
