@@ -35,7 +35,8 @@ all: $(O)/lib/libkvforge.a $(O)/lib/libkvforge.so $(O)/bin/kvforge $(O)/bin/kvf_
 setup:
 	apt-get update
 	DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
-		make gcc liblua5.4-dev libcmocka-dev libxxhash-dev libjansson-dev
+		make gcc liblua5.4-dev libcmocka-dev libxxhash-dev libjansson-dev python3 python3-venv
+	$(MAKE) py-setup
 
 $(O)/bin/embed: gen/embed.c
 	@mkdir -p $(dir $@)
@@ -78,6 +79,7 @@ lib: $(O)/lib/libkvforge.a $(O)/lib/libkvforge.so
 # Unit tests. GPU tests skip (and say so) where there is no GPU.
 test: all
 	@KVF_SRC=$(CURDIR) O=$(O) sh tests/run_all.sh $(TEST_BIN)
+	@$(MAKE) --no-print-directory py-test
 
 test-gpu: all
 	@KVF_SRC=$(CURDIR) O=$(O) sh tests/run_all.sh $(O)/bin/test_gpu
@@ -111,3 +113,5 @@ $(O)/bin/kvf_bench: $(O)/obj/bench/bench.o $(O)/lib/libkvforge.a
 bench: $(O)/bin/kvf_bench
 	$(O)/bin/kvf_bench
 	$(PYTHON) bench/sdpa.py
+
+include python/python.mk

@@ -71,6 +71,23 @@ uint64_t kvf_scheme_hash(const kvf_scheme *s);
 const char *kvf_scheme_id(const kvf_scheme *s);
 int kvf_scheme_head_dim(const kvf_scheme *s);
 
+/* What a caller (the Python binding, a cache manager) needs to know of a
+ * scheme. Fields may be added at the end in later versions. */
+typedef struct kvf_scheme_info {
+    int head_dim;
+    int key_bits, value_bits;
+    int chunk_tokens, chunk_span, chunk_recent, chunk_sink;
+    int rope_placement;      /* 0 none, 1 pre, 2 post */
+    int rope_axes;           /* position axes (rope.sections count), >= 1 */
+    int psac_rank;           /* key.psac_rank */
+    int key_centroids;
+    int key_qsac_candidates; /* encode reads query statistics when > 1 or psac_rank > 0 */
+    int rope_layout;         /* 0 half, 1 interleaved */
+    int rope_sections[4];    /* frequency pairs per axis; 1-D RoPE = { head_dim / 2 } */
+    double rope_theta;
+} kvf_scheme_info;
+int kvf_scheme_get_info(const kvf_scheme *s, kvf_scheme_info *out);
+
 /* Names of the shipped schemes, NULL-terminated. */
 const char *const *kvf_builtin_schemes(void);
 

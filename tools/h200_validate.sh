@@ -38,6 +38,12 @@ if has sanitizer && command -v compute-sanitizer >/dev/null; then
   compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 out/bin/test_gpu >san.txt 2>&1; echo "memcheck exit $?"; grep -E "ERROR SUMMARY|Invalid|out of bounds" san.txt | head -5
   compute-sanitizer --tool racecheck --error-exitcode 9 out/bin/test_gpu >san2.txt 2>&1; echo "racecheck exit $?"; grep -E "RACECHECK SUMMARY|hazard" san2.txt | head -3
 fi
+if has python; then
+  echo "== python binding on the GPU"
+  PYTHONPATH=python python3 -m pytest -q -s -rs python/tests 2>&1 | tail -25
+  PYTHONPATH=python python3 examples/attention_layer.py --scheme schemes/rtn_int2.lua --chunks 4
+  PYTHONPATH=python python3 examples/attention_layer.py --scheme schemes/quantwm_int2.lua --chunks 4
+fi
 if has bench; then
   echo "== bench"
   out/bin/kvf_bench

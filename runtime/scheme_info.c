@@ -1,0 +1,28 @@
+/* kvf_scheme_get_info: a scheme's fields for callers that cannot read struct kvf_scheme. */
+#include "internal.h"
+
+#include <string.h>
+
+int kvf_scheme_get_info(const kvf_scheme *s, kvf_scheme_info *out) {
+    if (!s || !out) return kvf_set_error(KVF_EINVAL, "kvf_scheme_get_info: NULL argument");
+    memset(out, 0, sizeof *out);
+    out->head_dim = s->head_dim;
+    out->key_bits = s->key.bits;
+    out->value_bits = s->value.bits;
+    out->chunk_tokens = s->chunk.tokens;
+    out->chunk_span = s->chunk.span;
+    out->chunk_recent = s->chunk.recent;
+    out->chunk_sink = s->chunk.sink;
+    out->rope_placement = s->rope.placement;
+    out->rope_layout = s->rope.layout;
+    out->rope_theta = s->rope.theta;
+    out->psac_rank = s->key.psac_rank;
+    out->key_centroids = s->key.centroids;
+    out->key_qsac_candidates = s->key.qsac_candidates;
+    out->rope_axes = s->rope.n_sections > 0 ? s->rope.n_sections : 1;
+    if (s->rope.n_sections > 0)
+        for (int i = 0; i < s->rope.n_sections && i < 4; i++) out->rope_sections[i] = s->rope.sections[i];
+    else
+        out->rope_sections[0] = s->head_dim / 2;
+    return KVF_OK;
+}
