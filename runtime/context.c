@@ -443,7 +443,8 @@ int kvf_decode(kvf_context *ctx, const void *packed, size_t packed_bytes, const 
     if (ctx->device == KVF_DEVICE_CPU)
         return kvf_ref_decode(ctx->scheme, packed, packed_bytes, &sh, positions, k_out, v_out);
     int n_tokens = (int)sh.n_tokens, n_heads = sh.n_heads;
-    unsigned grid = row_grid(ctx, &sh);
+    /* kvf_decode::RPT rows per thread (templates/kvf_decode.cuh). */
+    unsigned grid = blocks_for((int64_t)sh.n_tokens * sh.n_heads, 2 * (BLOCK / (ctx->scheme->head_dim / VEC)));
     void *dst[2] = {k_out, v_out};
     const kvf_section_layout *sec[2] = {&l.key, &l.value};
     rope_arg rope = rope_of(ctx->scheme);

@@ -17,6 +17,7 @@
 namespace kvf_decode {
 
 constexpr int BLOCK = 256;
+constexpr int RPT = 2; // rows per thread: twice the loads in flight (runtime/context.c sizes the grid)
 
 struct section_planes {
     kvf_quant::stage_planes stage[8];
@@ -93,10 +94,10 @@ __device__ __forceinline__ void apply_rope(float y[8], int lane, const int *pos_
 template <int D, int BITS, int G, int MODE, int SFMT, int AXIS, int NCENT, int STAGES, int ROT, int PSAC_R, int ROPE>
 __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const section_planes &p, int n_tokens,
                                        int n_heads, u16 *__restrict__ y_out, i64 token_stride, i64 head_stride,
-                                       const int *__restrict__ positions, rope_args rope) {
-    constexpr int LPR = D / 8, ROWS = BLOCK / LPR;
+                                       const int *__restrict__ positions, rope_args rope, i64 block_row) {
+    constexpr int LPR = D / 8;
     const int lane = threadIdx.x % LPR;
-    const i64 row = (i64)blockIdx.x * ROWS + threadIdx.x / LPR;
+    const i64 row = block_row + threadIdx.x / LPR;
     const bool live = row < (i64)n_tokens * n_heads;
     // Rows past the end still run (shuffles need every lane), on row 0.
     const i64 r = live ? row : 0, h = r / n_tokens, t = r % n_tokens;
@@ -134,12 +135,22 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
         if (cs) {
             const float csf = kvf_f16_to_f32(cs);
             const signed char *coef = (const signed char *)(packed + p.coef) + r * PSAC_R;
-            const u16 *basis = (const u16 *)(packed + p.basis) + h * D * PSAC_R;
+            // The lane's 8 channels x R basis entries are contiguous: 16-byte loads.
+            const uint4 *bv = (const uint4 *)((const u16 *)(packed + p.basis) + (h * D + lane * 8) * PSAC_R);
+            u16 ub[8 * (PSAC_R > 0 ? PSAC_R : 1)];
+#pragma unroll
+            for (int k = 0; k < PSAC_R; k++) {
+                const uint4 w = bv[k];
+                ub[8 * k + 0] = (u16)w.x; ub[8 * k + 1] = (u16)(w.x >> 16);
+                ub[8 * k + 2] = (u16)w.y; ub[8 * k + 3] = (u16)(w.y >> 16);
+                ub[8 * k + 4] = (u16)w.z; ub[8 * k + 5] = (u16)(w.z >> 16);
+                ub[8 * k + 6] = (u16)w.w; ub[8 * k + 7] = (u16)(w.w >> 16);
+            }
 #pragma unroll
             for (int j = 0; j < PSAC_R; j++) {
                 const float c = __fmul_rn(csf, (float)coef[j]);
 #pragma unroll
-                for (int i = 0; i < 8; i++) y[i] = __fmaf_rn(c, kvf_bf16_to_f32(basis[(lane * 8 + i) * PSAC_R + j]), y[i]);
+                for (int i = 0; i < 8; i++) y[i] = __fmaf_rn(c, kvf_bf16_to_f32(ub[i * PSAC_R + j]), y[i]);
             }
         }
     }
@@ -159,6 +170,9 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
     NAME(const u8 *__restrict__ packed, kvf_decode::section_planes planes, int n_tokens, int n_heads,     \
          u16 *__restrict__ y, i64 token_stride, i64 head_stride, const int *__restrict__ positions,       \
          kvf_decode::rope_args rope) {                                                                    \
-        kvf_decode::decode<D, BITS, G, MODE, SFMT, AXIS, NCENT, STAGES, ROT, PSAC_R, ROPE>(               \
-            packed, planes, n_tokens, n_heads, y, token_stride, head_stride, positions, rope);            \
+        constexpr int ROWS = kvf_decode::BLOCK / (D / 8);                                                 \
+        _Pragma("unroll") for (int u = 0; u < kvf_decode::RPT; u++)                                       \
+            kvf_decode::decode<D, BITS, G, MODE, SFMT, AXIS, NCENT, STAGES, ROT, PSAC_R, ROPE>(           \
+                packed, planes, n_tokens, n_heads, y, token_stride, head_stride, positions, rope,         \
+                ((i64)blockIdx.x * kvf_decode::RPT + u) * ROWS);                                          \
     }
