@@ -33,3 +33,8 @@ $(WM_DATA)/vtest.avi:
 $(WM_DATA)/vtest_frames.npz: $(WM_DATA)/vtest.avi eval/worldmodel/frames.py
 	$(WM_PYTHON) eval/worldmodel/frames.py $< $@.tmp.npz
 	mv $@.tmp.npz $@
+
+# The world-model tests (eval/worldmodel/tests): those needing torch skip without it.
+.PHONY: wm-test
+wm-test:
+	$(WM_PYTHON) -m pytest -q eval/worldmodel/tests

@@ -9,6 +9,11 @@ bottom), resizes to 416x240 with INTER_AREA and writes uint8 RGB frames
 same decoded pixels give the same bytes. The last 20% of the frames
 (636..794) are held out: training never reads them.
 
+The decoded pixels depend (slightly) on the FFmpeg inside OpenCV's wheel:
+OpenCV 4.10.0 and 5.0.0 differ by at most 2 levels on 0.002% of the pixels, so
+the frames' sha256 is recorded (with the OpenCV version) in the file, and
+train.py, dump_kv.py and rollout.py carry it into their outputs.
+
 At 8x8 pixels per patch a frame is 30 x 52 = 1560 tokens, a chunk of 3 frames
 4680 tokens: the token geometry of a 480p video model.
 """
@@ -112,6 +117,7 @@ def main(argv):
     if vsha != VTEST_SHA256:
         print(f"warning: {src} sha256 {vsha} is not the vtest.avi of opencv-doc 4.6.0+dfsg-12 "
               f"({VTEST_SHA256})", file=sys.stderr)
+    import cv2
     frames = decode_video(src)
     n = len(frames)
     meta = {
@@ -120,6 +126,7 @@ def main(argv):
         "crop_rows": [CROP_Y0, CROP_Y1],
         "size": [WIDTH, HEIGHT],
         "resize": "cv2.INTER_AREA",
+        "opencv": cv2.__version__,
         "channels": "RGB",
         "n_frames": n,
         "heldout_start": int(round(n * (1 - HELDOUT_FRACTION))),
@@ -127,7 +134,7 @@ def main(argv):
     }
     save_frames(dst, frames, meta)
     print(f"{dst}: {n} frames {HEIGHT}x{WIDTH} RGB uint8, held out from frame {meta['heldout_start']}, "
-          f"frames sha256 {meta['frames_sha256'][:16]}")
+          f"frames sha256 {meta['frames_sha256'][:16]} (OpenCV {cv2.__version__})")
     return 0
 
 
