@@ -105,11 +105,11 @@ class ProbeCache:
         past = self.last_kv.pop(layer, None)
         sh = self.shadow.keys_values(layer)
         if past is not None and sh is not None and q is not None and self.stride > 0:
-            self._probe(layer, q, k, past[0], sh[0], positions)
+            self._probe(layer, q, k, past[0], sh[0])
         self.inner.append(layer, k, v, q=q, k_pre=k_pre, q_pre=q_pre, positions=positions)
         self.shadow.append(layer, k, v)
 
-    def _probe(self, layer, q, k, k_dec, k_exact, positions):
+    def _probe(self, layer, q, k, k_dec, k_exact):
         cfg = self.cfg
         qs = q[:, ::self.stride].float()                      # [Hq, nq, d]
         hk = k.shape[0]
@@ -123,7 +123,6 @@ class ProbeCache:
         td, te = ld.argmax(-1), le.argmax(-1)
         moved = td != te
         nc = cfg.tokens_per_chunk
-        chunk_now = n_past // nc
 
         def pos_of(idx):  # token index in the cached sequence -> (frame, row, column)
             c, r = idx // nc, idx % nc
@@ -138,7 +137,6 @@ class ProbeCache:
         st["dist_sum"] += float(((pd - pe) ** 2).sum(-1).sqrt()[moved].sum()) if moved.any() else 0.0
         st["dl2"] += float(((ld[..., :n_past] - le[..., :n_past]) ** 2).sum())
         st["l2"] += float((le[..., :n_past] ** 2).sum())
-        del chunk_now
 
     def summary(self):
         per = []

@@ -137,7 +137,8 @@ def parse_args(argv=None):
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--grad-clip", type=float, default=1.0)
     ap.add_argument("--time-limit", type=float, default=0,
-                    help="stop early after this many seconds of training (0: none); the report says so")
+                    help="seconds of training to fit (0: none): after 25 steps the step count is lowered "
+                         "if needed (the schedule follows); the report says so")
     ap.add_argument("--log-every", type=int, default=50)
     ap.add_argument("--layers", type=int, default=None, help="override the model's layer count")
     ap.add_argument("--eval-windows", type=int, default=0, help="at most this many held-out windows (0: all)")
@@ -204,9 +205,13 @@ def main(argv=None):
     losses = []
     steps_done = 0
     stopped_early = False
-    for step in range(a.steps):
+    steps = a.steps
+    steps_requested = a.steps
+    t_probe = None
+    step = 0
+    while step < steps:
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, a.steps, a.lr, a.warmup)
+            g["lr"] = lr_at(step, steps, a.lr, a.warmup)
         starts = rng.integers(0, split - L + 1, size=a.batch)
         flips = rng.random(a.batch) < 0.5
         clip = torch.stack([train_t[s:s + L] for s in starts])           # [B, L, H, W, 3]
@@ -227,23 +232,35 @@ def main(argv=None):
         if not math.isfinite(lv):
             raise SystemExit(f"step {step}: loss is {lv}")
         el = time.time() - t0
-        if step == 9 and a.steps > 10:
-            print(f"  {el / 10:.3f} s/step over the first 10 steps: about {el / 10 * a.steps:.0f} s in all",
+        if step == 4:
+            t_probe = el
+        if step == 24 and steps > 25:
+            per = (el - t_probe) / 20
+            print(f"  {per:.3f} s/step (steps 5-24): about {t_probe + per * (steps - 5):.0f} s for {steps} steps",
                   flush=True)
-        if step % a.log_every == 0 or step == a.steps - 1:
+            # Fit the time limit by planning fewer steps now (the schedule is still in its warm-up
+            # or just past it, so the run equals one started with --steps N).
+            if a.time_limit and t_probe + per * (steps - 5) > 0.95 * a.time_limit:
+                n = max(steps_done + 1, int((0.95 * a.time_limit - t_probe) / per) + 5)
+                print(f"  planning {n} steps instead of {steps} to fit --time-limit {a.time_limit:.0f} s",
+                      flush=True)
+                steps = n
+        if step % a.log_every == 0 or step == steps - 1:
             print(f"  step {step:5d}  loss {lv:.5f}  (pixel MSE {lv * PIX:.2f})  grad {float(gn):.3f}  "
                   f"lr {opt.param_groups[0]['lr']:.2e}  {el:.0f} s", flush=True)
-        if a.time_limit and el > a.time_limit:
-            print(f"  time limit {a.time_limit:.0f} s reached after {steps_done} steps", flush=True)
+        if a.time_limit and el > 1.1 * a.time_limit:
+            print(f"  time limit {a.time_limit:.0f} s overrun after {steps_done} steps: stopping", flush=True)
             stopped_early = True
             break
+        step += 1
     if device.type == "cuda":
         torch.cuda.synchronize()
     train_s = time.time() - t0
 
     os.makedirs(a.out_dir, exist_ok=True)
     wpath = os.path.join(a.out_dir, a.weights_name)
-    recipe = {"seed": a.seed, "steps": steps_done, "steps_planned": a.steps, "stopped_early": stopped_early,
+    recipe = {"seed": a.seed, "steps": steps_done, "steps_planned": steps, "steps_requested": steps_requested,
+              "stopped_early": stopped_early,
               "batch": a.batch, "window_chunks": W, "lr": a.lr, "weight_decay": a.weight_decay,
               "warmup": a.warmup, "grad_clip": a.grad_clip, "optimizer": "AdamW(0.9, 0.95)",
               "schedule": "linear warm-up, cosine to 0.1 lr", "loss": "MSE, next chunk, pixels in [-1, 1]",
