@@ -4,22 +4,25 @@ The model runs chunk by chunk over held-out frames with a BF16 KV cache, either
 teacher forced (every chunk fed is real footage: the default) or autoregressive
 (one real chunk, then its own predictions fed back). Tensors, all BF16:
 
-  l{layer}.c{chunk}.q      [Hq,  Nq, d]  queries after RoPE (what the model attends with)
-  l{layer}.c{chunk}.q_pre  [Hq,  Nq, d]  queries before RoPE
-  l{layer}.c{chunk}.k      [Hkv, N,  d]  keys after RoPE (what a "post" scheme caches)
-  l{layer}.c{chunk}.k_pre  [Hkv, N,  d]  keys before RoPE (what a "pre" scheme caches)
-  l{layer}.c{chunk}.v      [Hkv, N,  d]
-  pos                      int32 [n_chunks * N, 3]: (frame, row, column) of every token,
-                           frame counted from the dump's first frame (chunk c: frames 3c..3c+2)
+  l{l}.c{c}.q      [Hq,  Nq, d]  queries after RoPE (what the model attends with)
+  l{l}.c{c}.q_pre  [Hq,  Nq, d]  queries before RoPE
+  l{l}.c{c}.k      [Hkv, N,  d]  keys after RoPE (what a "post" scheme caches)
+  l{l}.c{c}.k_pre  [Hkv, N,  d]  keys before RoPE (what a "pre" scheme caches)
+  l{l}.c{c}.v      [Hkv, N,  d]
+  pos              int32 [chunks * N, 3]: (frame, row, column) of every token, frame
+                   counted from the dump's first frame (chunk c: frames 3c..3c+2)
 
-N = 4680 tokens per chunk, token order frame-major then row then column. Queries
-may be subsampled: Nq = ceil(N / q_subsample), the query tokens kept being
-0, s, 2s, ... of each chunk (their positions are pos rows c*N + i*s). Chunks are
-numbered from 0 in every layer; chunk c's queries attend to keys of chunks <= c.
-`__metadata__` (strings): layers and chunks (comma-separated indices present),
-n_layers_model, q_heads, kv_heads, head_dim, tokens_per_chunk, frames_per_chunk,
-grid ("30,52"), rope_theta, rope_sections ("16,24,24"), rope_layout ("half"),
-q_subsample, q_tokens_per_chunk, mode, source (frames, weights sha256).
+for l < layers and c < chunks (the format of docs/QUALITY.md that `kvforge eval`
+reads): l numbers the dumped layers, model layer `model_layers[l]`. N = 4680
+tokens per chunk, token order frame-major then row then column. Queries may be
+subsampled: Nq = ceil(N / q_subsample), the query tokens kept being 0, s, 2s,
+... of each chunk (their positions are pos rows c*N + i*s). Chunk c's queries
+attend to keys of chunks <= c. `__metadata__` (strings): layers, chunks (counts),
+model_layers (comma-separated model layer of each dumped layer),
+n_layers_model, q_heads, kv_heads, head_dim, tokens_per_chunk,
+frames_per_chunk, grid ("30,52"), rope_theta, rope_sections ("16,24,24"),
+rope_layout ("half"), q_subsample, q_tokens_per_chunk, q_pre, mode, source
+(frames, weights sha256), weights_sha256.
 
 Presets:
   --preset small  the committed test dump: the middle layer, chunks 0-1, q_subsample 8
@@ -113,7 +116,9 @@ def run(a):
             generate(model, p[:, :nc], a.chunks, cache)
     tensors = {}
     s = a.q_stride
-    for (l, c), r in sorted(cache.records.items()):
+    index = {ml: i for i, ml in enumerate(layers)}   # model layer -> dump layer
+    for (ml, c), r in sorted(cache.records.items()):
+        l = index[ml]
         tensors[f"l{l}.c{c}.q"] = r["q"][:, ::s].contiguous()
         if not a.no_q_pre:
             tensors[f"l{l}.c{c}.q_pre"] = r["q_pre"][:, ::s].contiguous()
@@ -125,8 +130,9 @@ def run(a):
     mode = ("teacher forced: every chunk fed is a source chunk" if a.mode == "teacher"
             else "autoregressive from one source chunk")
     md = {
-        "layers": ",".join(str(l) for l in layers),
-        "chunks": ",".join(str(c) for c in range(a.chunks)),
+        "layers": str(len(layers)),
+        "chunks": str(a.chunks),
+        "model_layers": ",".join(str(l) for l in layers),
         "n_layers_model": str(cfg.layers),
         "q_heads": str(cfg.heads), "kv_heads": str(cfg.kv_heads), "head_dim": str(cfg.head_dim),
         "tokens_per_chunk": str(nc), "frames_per_chunk": str(fpc), "grid": f"{cfg.grid_h},{cfg.grid_w}",
@@ -143,7 +149,8 @@ def run(a):
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     save_file(tensors, a.out, metadata=md)
     size = os.path.getsize(a.out)
-    print(f"{a.out}: {size} bytes ({size / 2**20:.2f} MiB), layers {md['layers']}, chunks {md['chunks']}, "
+    print(f"{a.out}: {size} bytes ({size / 2**20:.2f} MiB), model layers {md['model_layers']}, "
+          f"{md['chunks']} chunks, "
           f"{len(tensors)} tensors, q_subsample {s}, mode {a.mode}, frames {start}..{start + need - 1}")
     return a.out, md
 

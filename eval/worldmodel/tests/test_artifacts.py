@@ -11,7 +11,7 @@ from safetensors_header import DTYPE_SIZE, read_header, read_raw
 WM = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DUMP = os.path.join(WM, "kv_small.safetensors")
 WEIGHTS = os.path.join(WM, "weights.safetensors")
-REQUIRED_META = ("layers", "chunks", "n_layers_model", "q_heads", "kv_heads", "head_dim", "tokens_per_chunk",
+REQUIRED_META = ("layers", "chunks", "model_layers", "n_layers_model", "q_heads", "kv_heads", "head_dim", "tokens_per_chunk",
                  "frames_per_chunk", "grid", "rope_theta", "rope_sections", "rope_layout", "q_subsample",
                  "q_tokens_per_chunk", "q_pre", "mode", "source")
 
@@ -21,9 +21,10 @@ def check_dump(path):
     meta, hdr, base = read_header(path)
     for k in REQUIRED_META:
         assert k in meta and isinstance(meta[k], str), f"metadata {k} missing"
-    layers = [int(x) for x in meta["layers"].split(",")]
-    chunks = [int(x) for x in meta["chunks"].split(",")]
-    assert chunks == list(range(len(chunks))), "chunks are numbered from 0"
+    layers = list(range(int(meta["layers"])))      # docs/QUALITY.md: counts, names from 0
+    chunks = list(range(int(meta["chunks"])))
+    model_layers = [int(x) for x in meta["model_layers"].split(",")]
+    assert len(model_layers) == len(layers) and model_layers == sorted(set(model_layers))
     hq, hk, d = int(meta["q_heads"]), int(meta["kv_heads"]), int(meta["head_dim"])
     n, fpc = int(meta["tokens_per_chunk"]), int(meta["frames_per_chunk"])
     gh, gw = (int(x) for x in meta["grid"].split(","))
@@ -33,7 +34,7 @@ def check_dump(path):
     secs = [int(x) for x in meta["rope_sections"].split(",")]
     assert len(secs) == 3 and 2 * sum(secs) == d
     assert float(meta["rope_theta"]) > 0 and meta["rope_layout"] == "half"
-    assert all(0 <= l < int(meta["n_layers_model"]) for l in layers)
+    assert all(0 <= l < int(meta["n_layers_model"]) for l in model_layers)
     assert "sha256" in meta["source"]
 
     want = {"pos": ("I32", [len(chunks) * n, 3])}
@@ -75,7 +76,7 @@ def test_committed_dump():
     meta = check_dump(DUMP)
     assert meta["tokens_per_chunk"] == "4680" and meta["head_dim"] == "128"
     assert meta["grid"] == "30,52" and meta["rope_sections"] == "16,24,24"
-    assert len(meta["chunks"].split(",")) >= 2
+    assert int(meta["chunks"]) >= 2
     if os.path.exists(WEIGHTS):
         from hashlib import sha256
         with open(WEIGHTS, "rb") as f:

@@ -185,7 +185,8 @@ def test_smoke_dump(smoke):
     dump_kv.main(["--weights", str(d / "weights.safetensors"), "--synthetic", "45", "--out", str(out),
                   "--layers", "all", "--chunks", "3", "--q-stride", "4", "--device", "cpu"])
     meta = check_dump(str(out))
-    assert meta["layers"] == "0,1" and meta["chunks"] == "0,1,2" and meta["q_tokens_per_chunk"] == "36"
+    assert (meta["layers"], meta["model_layers"], meta["chunks"]) == ("2", "0,1", "3")
+    assert meta["q_tokens_per_chunk"] == "36"
     from safetensors.torch import load_file
     t = load_file(str(out))
     cfg = WMConfig(**train.SMOKE_CONFIG)
@@ -199,9 +200,11 @@ def test_smoke_dump(smoke):
     dump_kv.main(["--weights", str(d / "weights.safetensors"), "--synthetic", "45", "--out", str(d / "small.st"),
                   "--device", "cpu"])
     t2 = load_file(str(d / "small.st"))
-    assert sorted(k for k in t2 if k != "pos") == sorted(f"l1.c{c}.{n}" for c in (0, 1)
+    # the small preset: model layer 1 (the middle of 2) as dump layer 0, chunks 0-1, q stride 8
+    assert sorted(k for k in t2 if k != "pos") == sorted(f"l0.c{c}.{n}" for c in (0, 1)
                                                           for n in ("q", "q_pre", "k", "k_pre", "v"))
-    assert torch.equal(t2["l1.c1.k"], t["l1.c1.k"]) and t2["l1.c0.q"].shape[1] == 18
+    assert check_dump(str(d / "small.st"))["model_layers"] == "1"
+    assert torch.equal(t2["l0.c1.k"], t["l1.c1.k"]) and t2["l0.c0.q"].shape[1] == 18
 
 
 def test_smoke_rollout(smoke, tmp_path):
