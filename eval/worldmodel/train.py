@@ -267,7 +267,8 @@ def main(argv=None):
               "augmentation": "random left-right flip", "autocast": "bf16" if device.type == "cuda" else "none",
               "objective": "deterministic regression (no flow matching)"}
     data = {"source": meta.get("source"), "frames_sha256": meta.get("frames_sha256"),
-            "video_sha256": meta.get("video_sha256"), "n_frames": F_all, "train_frames": [0, split],
+            "video_sha256": meta.get("video_sha256"), "opencv": meta.get("opencv"), "n_frames": F_all,
+            "train_frames": [0, split],
             "heldout_frames": [split, F_all]}
     save_weights(model, wpath, {"recipe": recipe, "data": data})
 
