@@ -4,6 +4,8 @@ CUDA_HOME ?= /usr/local/cuda
 O ?= out
 CC ?= cc
 PYTHON ?= python3
+WM_PYTHON ?= .venv/bin/python
+include eval/data.mk
 
 LUA_CFLAGS := -I/usr/include/lua5.4
 WARN := -Wall -Wextra -Werror
@@ -80,6 +82,7 @@ lib: $(O)/lib/libkvforge.a $(O)/lib/libkvforge.so
 test: all
 	@KVF_SRC=$(CURDIR) O=$(O) sh tests/run_all.sh $(TEST_BIN)
 	@$(MAKE) --no-print-directory py-test
+	@$(MAKE) --no-print-directory wm-test
 
 test-gpu: all
 	@KVF_SRC=$(CURDIR) O=$(O) sh tests/run_all.sh $(O)/bin/test_gpu

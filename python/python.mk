@@ -7,7 +7,7 @@
 PY_VENV ?= .venv
 PY_HOST ?= python3
 PY := $(PY_VENV)/bin/python
-PY_PACKAGES ?= numpy pytest setuptools wheel
+PY_PACKAGES ?= numpy pytest setuptools wheel opencv-python-headless==5.0.0.93
 PY_RUN ?= $(PY)
 
 .PHONY: py-setup py-test py-install py-example
