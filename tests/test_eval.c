@@ -1,7 +1,7 @@
 /* Quality evaluation (eval/): the metrics on hand-computed cases, the
  * safetensors reader and the dump validation on good and malformed files,
  * and whole runs on synthetic dumps written here (and on the committed dump
- * eval/worldmodel/dump_small.safetensors when it exists). */
+ * eval/worldmodel/kv_small.safetensors when it exists). */
 #include "testutil.h"
 
 #include "dump.h"
@@ -781,7 +781,7 @@ static void test_cli_json(void **state) {
 /* The committed world-model dump, when it exists. */
 static void test_committed_dump(void **state) {
     (void)state;
-    const char *path = tu_path("eval/worldmodel/dump_small.safetensors");
+    const char *path = tu_path("eval/worldmodel/kv_small.safetensors");
     FILE *f = fopen(path, "rb");
     if (!f) {
         printf("skipped: %s does not exist yet\n", path);

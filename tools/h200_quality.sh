@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Issue 5 on the GPU machine (out/ carried, with out/data/vtest.avi from `make data`):
+# rollouts through the Python binding, a multi-layer KV dump, `kvforge eval --gpu`
+# for every shipped scheme, and the decode benchmark. Files come back under $OUT.
+set -u
+export PYTHONUNBUFFERED=1 LD_LIBRARY_PATH=$PWD/out/lib KVF_SRC=$PWD KVFORGE_CACHE_DIR=/tmp/kc
+export KVFORGE_LIB=$PWD/out/lib/libkvforge.so PYTHONPATH=$PWD/python
+O=${OUT:-/tmp/out}; mkdir -p "$O"
+schemes="rtn_int2 kivi_int2 quarot_int2 qvg_int2 qvg_pro_int2 quantwm_int2 rtn_int4 qvg_int4 quantwm_int4"
+python3 eval/worldmodel/frames.py out/data/vtest.avi /tmp/f.npz || exit 1
+echo "== rollouts"
+python3 eval/worldmodel/rollout.py --weights eval/worldmodel/weights.safetensors --frames /tmp/f.npz \
+  --json "$O/rollouts.json" --img-dir /tmp/img --tar "$O/rollout_img.tar" > "$O/rollout.log" 2>&1
+echo "rollout exit $?"; tail -25 "$O/rollout.log"
+echo "== dump: every layer, 5 chunks, every 16th query"
+python3 eval/worldmodel/dump_kv.py --weights eval/worldmodel/weights.safetensors --frames /tmp/f.npz \
+  --layers all --chunks 5 --q-stride 16 --out /tmp/kv_full.safetensors 2>&1 | tail -2
+echo "== kvforge eval --gpu"
+: > "$O/eval_all.jsonl"
+for s in $schemes; do
+  out/bin/kvforge eval --scheme schemes/$s.lua --data /tmp/kv_full.safetensors --gpu --threads 16 --json > /tmp/e.json \
+    && { printf '{"scheme":"%s","report":' "$s"; tr -d '\n' < /tmp/e.json; echo '}'; } >> "$O/eval_all.jsonl"
+  out/bin/kvforge eval --scheme schemes/$s.lua --data /tmp/kv_full.safetensors --gpu --threads 16 | grep -E "^overall" | sed "s/^overall/$s/"
+done | tee "$O/eval_tables.txt"
+echo "== bench (decode)"
+{ out/bin/kvf_bench rtn_int2 kivi_int2 qvg_int2 quantwm_int2; python3 bench/sdpa.py rtn_int2 kivi_int2 qvg_int2 quantwm_int2; } 2>&1 | tee "$O/bench.log" | tail -22
