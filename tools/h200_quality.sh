@@ -20,7 +20,14 @@ echo "== kvforge eval --gpu"
 for s in $schemes; do
   out/bin/kvforge eval --scheme schemes/$s.lua --data /tmp/kv_full.safetensors --gpu --threads 16 --json > /tmp/e.json \
     && { printf '{"scheme":"%s","report":' "$s"; tr -d '\n' < /tmp/e.json; echo '}'; } >> "$O/eval_all.jsonl"
-  out/bin/kvforge eval --scheme schemes/$s.lua --data /tmp/kv_full.safetensors --gpu --threads 16 | grep -E "^overall" | sed "s/^overall/$s/"
-done | tee "$O/eval_tables.txt"
+done
+python3 - "$O/eval_all.jsonl" <<'PY' | tee "$O/eval_tables.txt"
+import json, sys
+keys = ["top1_shift", "top5_overlap", "attn_out_rel_err", "key_mse", "value_mse", "qk_err", "compression"]
+print("%-14s" % "scheme" + "".join("%15s" % k for k in keys))
+for line in open(sys.argv[1]):
+    r = json.loads(line); o = r["report"]["overall"]
+    print("%-14s" % r["scheme"] + "".join("%15.5g" % (o[k] if o[k] is not None else float("nan")) for k in keys))
+PY
 echo "== bench (decode)"
 { out/bin/kvf_bench rtn_int2 kivi_int2 qvg_int2 quantwm_int2; python3 bench/sdpa.py rtn_int2 kivi_int2 qvg_int2 quantwm_int2; } 2>&1 | tee "$O/bench.log" | tail -22
