@@ -87,8 +87,9 @@ test: all
 test-gpu: all
 	@KVF_SRC=$(CURDIR) O=$(O) sh tests/run_all.sh $(O)/bin/test_gpu
 
+SCHEME ?= schemes/rtn_int2.lua
 demo: $(O)/bin/kvforge
-	$(O)/bin/kvforge demo
+	$(O)/bin/kvforge demo $(SCHEME)
 
 # Copy what the binaries need at run time on a machine with none of the
 # Debian packages (the GPU machine) into $(O)/lib.
