@@ -87,7 +87,7 @@ test: all
 test-gpu: all
 	@KVF_SRC=$(CURDIR) O=$(O) sh tests/run_all.sh $(O)/bin/test_gpu
 
-SCHEME ?= schemes/rtn_int2.lua
+SCHEME ?= schemes/quantwm_int2.lua
 demo: $(O)/bin/kvforge
 	$(O)/bin/kvforge demo $(SCHEME)
 

@@ -167,8 +167,14 @@ static double now_ms(void) {
 }
 
 /* Round trip through a device: copies in, encode, decode, copies out. */
-static int demo_gpu(kvf_context *ctx, const uint16_t *k, const uint16_t *v, const kvf_shape *sh, size_t packed_bytes,
-                    uint16_t *k2, uint16_t *v2, double *ms) {
+/* Does the scheme read query statistics (QSAC or PSAC)? */
+static int wants_qstats(const kvf_scheme *s) {
+    kvf_scheme_info in;
+    return kvf_scheme_get_info(s, &in) == KVF_OK && (in.psac_rank > 0 || in.key_qsac_candidates > 1);
+}
+
+static int demo_gpu(kvf_context *ctx, const uint16_t *k, const uint16_t *v, const uint16_t *q, const kvf_shape *sh,
+                    size_t packed_bytes, uint16_t *k2, uint16_t *v2, double *ms) {
     const kvf_cuda_api *cu;
     int rc = kvf_cuda_load(&cu);
     if (rc) return rc;
@@ -186,8 +192,19 @@ static int demo_gpu(kvf_context *ctx, const uint16_t *k, const uint16_t *v, cons
     KVF_CU(cu, 0, cuMemAlloc(&dp, packed_bytes));
     KVF_CU(cu, 0, cuMemcpyHtoD(dk, k, n));
     KVF_CU(cu, 0, cuMemcpyHtoD(dv, v, n));
+    CUdeviceptr dq = 0, dqs = 0;
+    size_t qbytes = 0;
+    if (q) { /* statistics of the previous chunk's queries */
+        if ((rc = kvf_qstats_size(kvf_context_scheme(ctx), sh->n_heads, &qbytes))) return rc;
+        KVF_CU(cu, 0, cuMemAlloc(&dq, n));
+        KVF_CU(cu, 0, cuMemAlloc(&dqs, qbytes));
+        KVF_CU(cu, 0, cuMemcpyHtoD(dq, q, n));
+        if ((rc = kvf_qstats_init(ctx, (void *)dqs, qbytes, sh->n_heads, NULL)) ||
+            (rc = kvf_qstats_update(ctx, (void *)dqs, qbytes, (void *)dq, sh, NULL)))
+            return rc;
+    }
     double t0 = now_ms();
-    if (!(rc = kvf_encode(ctx, (void *)dk, (void *)dv, sh, NULL, (void *)dp, packed_bytes, NULL)))
+    if (!(rc = kvf_encode(ctx, (void *)dk, (void *)dv, sh, q ? (void *)dqs : NULL, (void *)dp, packed_bytes, NULL)))
         rc = kvf_decode(ctx, (void *)dp, packed_bytes, sh, NULL, (void *)dk2, (void *)dv2, NULL);
     if (rc) return rc;
     KVF_CU(cu, 0, cuCtxSynchronize());
@@ -195,13 +212,14 @@ static int demo_gpu(kvf_context *ctx, const uint16_t *k, const uint16_t *v, cons
     KVF_CU(cu, 0, cuMemcpyDtoH(k2, dk2, n));
     KVF_CU(cu, 0, cuMemcpyDtoH(v2, dv2, n));
     cu->cuMemFree(dk); cu->cuMemFree(dv); cu->cuMemFree(dk2); cu->cuMemFree(dv2); cu->cuMemFree(dp);
+    if (dq) { cu->cuMemFree(dq); cu->cuMemFree(dqs); }
     cu->cuCtxPopCurrent(&popped);
     cu->cuDevicePrimaryCtxRelease(dev);
     return KVF_OK;
 }
 
 static int cmd_demo(int argc, char **argv) {
-    const char *path = argc > 0 && argv[0][0] != '-' ? argv[0] : "schemes/rtn_int2.lua";
+    const char *path = argc > 0 && argv[0][0] != '-' ? argv[0] : "schemes/quantwm_int2.lua";
     kvf_scheme *s;
     int rc = access(path, F_OK) == 0 ? kvf_scheme_load(path, &s) : load_scheme(path, &s);
     if (rc) return fail(rc);
@@ -215,6 +233,12 @@ static int cmd_demo(int argc, char **argv) {
     if (!k || !v || !k2 || !v2 || !packed) return fail(kvf_set_error(KVF_ENOMEM, "demo buffers"));
     kvf_synth_kv(k, tokens, heads, d, 1);
     kvf_synth_kv(v, tokens, heads, d, 2);
+    uint16_t *q = NULL;
+    if (wants_qstats(s)) {
+        q = malloc(n * 2);
+        if (!q) return fail(kvf_set_error(KVF_ENOMEM, "demo buffers"));
+        kvf_synth_kv(q, tokens, heads, d, 3);
+    }
 
     int count = 0, want_cpu = has_flag(argc, argv, "--cpu");
     kvf_context *ctx = NULL;
@@ -227,16 +251,26 @@ static int cmd_demo(int argc, char **argv) {
     double ms = 0;
     if (ctx) {
         printf("backend: GPU %s (kernels from %s)\n", kvf_context_backend(ctx), kvf_context_origin(ctx));
-        if ((rc = demo_gpu(ctx, k, v, &sh, packed_bytes, k2, v2, &ms))) return fail(rc);
+        if ((rc = demo_gpu(ctx, k, v, q, &sh, packed_bytes, k2, v2, &ms))) return fail(rc);
     } else {
         printf("backend: CPU reference (no GPU: %s)\n", why);
         if ((rc = kvf_context_create(s, KVF_DEVICE_CPU, &ctx))) return fail(rc);
+        void *qs = NULL;
+        size_t qbytes = 0;
+        if (q && (!(rc = kvf_qstats_size(s, heads, &qbytes)) && !(qs = aligned_alloc(256, (qbytes + 255) & ~(size_t)255))))
+            rc = kvf_set_error(KVF_ENOMEM, "demo query statistics");
+        if (rc || (q && ((rc = kvf_qstats_init(ctx, qs, qbytes, heads, NULL)) ||
+                         (rc = kvf_qstats_update(ctx, qs, qbytes, q, &sh, NULL)))))
+            return fail(rc);
         double t0 = now_ms();
-        if ((rc = kvf_encode(ctx, k, v, &sh, NULL, packed, packed_bytes, NULL)) ||
+        if ((rc = kvf_encode(ctx, k, v, &sh, qs, packed, packed_bytes, NULL)) ||
             (rc = kvf_decode(ctx, packed, packed_bytes, &sh, NULL, k2, v2, NULL)))
             return fail(rc);
         ms = now_ms() - t0;
+        free(qs);
     }
+    if (q) printf("query statistics: from one earlier synthetic chunk of queries (QSAC weights, PSAC basis)\n");
+    free(q);
     kvf_footprint f;
     kvf_footprint_of(s, tokens, heads, &f);
     demo_err ek = compare(k, k2, n), ev = compare(v, v2, n);
