@@ -10,11 +10,13 @@ shift 5
 args=""
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do args="$args $1"; shift; done
 [ $# -gt 0 ] && shift
+seeds=""
+for d in "$@"; do [ -d "$d" ] && seeds="$seeds $d"; done
 mkdir -p "$work" "$art" "$(dirname "$log")"
 name=$(basename "$bin")
 before=$(ls "$art" | wc -l)
 # shellcheck disable=SC2086
-"$bin" -max_total_time="$secs" -print_final_stats=1 -artifact_prefix="$art/" $args "$work" "$@" >"$log" 2>&1
+"$bin" -max_total_time="$secs" -print_final_stats=1 -artifact_prefix="$art/" $args "$work" $seeds >"$log" 2>&1
 rc=$?
 after=$(ls "$art" | wc -l)
 runs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -1)
