@@ -564,6 +564,7 @@ static const bad_case bad_cases[] = {
     {"len_insert.lua", 3, "table.insert: a table with a metatable is not allowed in a scheme", NULL},
     {"vararg_copy.lua", 4, "time limit exceeded", NULL},
     {"sort_loop.lua", 4, "time limit exceeded|instruction limit exceeded", NULL},
+    {"xpcall_error_loop.lua", 4, "time limit exceeded|instruction limit exceeded", NULL},
 };
 #define N_BAD (sizeof bad_cases / sizeof bad_cases[0])
 
