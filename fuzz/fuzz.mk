@@ -73,6 +73,9 @@ fuzz-seeds: $(FUZZ_O)/mkseeds
 	$(FUZZ_O)/mkseeds fuzz/corpus
 	@du -sh fuzz/corpus/packed fuzz/corpus/roundtrip
 
+# tests/test_fuzz_replay.c includes the targets: rebuild it when they change.
+$(O)/obj/tests/test_fuzz_replay.o: $(wildcard fuzz/*.c fuzz/*.h)
+
 # ---------------------------------------------------------------- sanitizers
 
 SAN_CC ?= clang
@@ -81,7 +84,9 @@ SAN_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-fr
 SAN_TEST_BIN := $(patsubst tests/%.c,$(SAN_O)/bin/%,$(TEST_SRC))
 # LSan suppressions for libraries we do not own (fuzz/lsan.supp); UBSan stops at
 # the first report (-fno-sanitize-recover) and prints its stack.
-SAN_ENV := ASAN_OPTIONS=detect_leaks=1:abort_on_error=0:strict_string_checks=1:detect_stack_use_after_return=1 \
+# protect_shadow_gap=0: the CUDA driver maps memory where ASan would otherwise
+# reserve its shadow gap (needed only where test_gpu finds a GPU).
+SAN_ENV := ASAN_OPTIONS=detect_leaks=1:strict_string_checks=1:detect_stack_use_after_return=1:protect_shadow_gap=0 \
 	LSAN_OPTIONS=suppressions=$(CURDIR)/fuzz/lsan.supp:print_suppressions=0 \
 	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 
