@@ -37,7 +37,8 @@ all: $(O)/lib/libkvforge.a $(O)/lib/libkvforge.so $(O)/bin/kvforge $(O)/bin/kvf_
 setup:
 	apt-get update
 	DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
-		make gcc liblua5.4-dev libcmocka-dev libxxhash-dev libjansson-dev python3 python3-venv
+		make gcc liblua5.4-dev libcmocka-dev libxxhash-dev libjansson-dev python3 python3-venv \
+		clang libclang-rt-14-dev
 	$(MAKE) py-setup
 
 $(O)/bin/embed: gen/embed.c
@@ -119,3 +120,4 @@ bench: $(O)/bin/kvf_bench
 	$(PYTHON) bench/sdpa.py
 
 include python/python.mk
+include fuzz/fuzz.mk

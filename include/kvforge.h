@@ -155,7 +155,8 @@ const char *kvf_context_origin(const kvf_context *ctx);
  * `qstats` (may be NULL: cold start) is the layer's query statistics (see
  * below), read only. On a device, all pointers are device pointers, work is
  * queued on `stream` and the call returns before it finishes.
- * Alignment: k, v and packed 16-byte aligned; strides multiples of 8.
+ * Alignment: on a device, k, v and packed 16-byte aligned and strides multiples
+ * of 8; on the CPU, k and v 2-byte aligned (packed and strides: any).
  */
 int kvf_encode(kvf_context *ctx, const void *k, const void *v, const kvf_shape *shape,
                const void *qstats, void *packed, size_t packed_bytes, void *stream);

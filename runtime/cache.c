@@ -31,7 +31,9 @@
  *
  * Security: the root and arch directories must be directories owned by the
  * effective user and not writable by group or others; the arch directory and
- * entries are opened with O_NOFOLLOW. A directory that cannot be created or is
+ * entries are opened with O_NOFOLLOW; an entry must be a regular file owned by
+ * the effective user and not writable by group or others (else a miss, and the
+ * next put replaces it). A directory that cannot be created or is
  * refused disables the cache with one warning per directory (kvf_warn_once)
  * naming the path, the failing call and the errno text; everything else keeps
  * working.
@@ -400,6 +402,14 @@ static int read_entry_fd(int fd, const char *dir, const char *name, entry *e) {
     uint64_t sum;
     if (fstat(fd, &st) != 0) return entry_miss(e, dir, name, "fstat", errno);
     if (!S_ISREG(st.st_mode)) return entry_miss(e, dir, name, "not a regular file", 0);
+    if (st.st_uid != geteuid()) {
+        char what[80];
+        snprintf(what, sizeof what, "refused: owned by uid %u, not by the current user",
+                 (unsigned)st.st_uid);
+        return entry_miss(e, dir, name, what, 0);
+    }
+    if (st.st_mode & (S_IWGRP | S_IWOTH))
+        return entry_miss(e, dir, name, "refused: writable by group or others", 0);
     e->mtime = st.st_mtime;
     if (st.st_size < (off_t)ENTRY_HEADER_BYTES)
         return entry_miss(e, dir, name, "corrupt: shorter than the header", 0);
@@ -651,9 +661,10 @@ static void list_entry(FILE *out, int archfd, const char *dir, const char *arch,
     entry e;
     char when[32] = "?";
     if (read_entry(archfd, dir, name, &e) != KVF_OK) {
-        const char *why = e.why[0] ? e.why : kvf_last_error();
+        const char *why = e.why[0] ? e.why : kvf_last_error(), *state = "corrupt";
         if (!strncmp(why, "corrupt: ", 9)) why += 9;
-        fprintf(out, "%s %.32s corrupt (%s)\n", arch, name, why);
+        else if (!strncmp(why, "refused: ", 9)) why += 9, state = "refused";
+        fprintf(out, "%s %.32s %s (%s)\n", arch, name, state, why);
         return;
     }
     struct tm tm;

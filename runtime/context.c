@@ -192,6 +192,10 @@ static int prepare(const kvf_context *ctx, const void *a, const void *b, const v
         return kvf_set_error(KVF_ERANGE, "%s: packed buffer has %zu bytes, %lld tokens x %d heads need %zu", fn,
                              packed_bytes, (long long)sh->n_tokens, sh->n_heads, l->total_bytes);
     if (ctx->device != KVF_DEVICE_CPU) return check_device_args(a, b, packed, sh, fn);
+    /* The CPU reads and writes BF16 elements as uint16_t: they must be 2-byte
+     * aligned (any other alignment, and any stride, is fine; packed is bytes). */
+    if (((uintptr_t)a | (uintptr_t)b) & 1u)
+        return kvf_set_error(KVF_EINVAL, "%s: K and V pointers must be 2-byte aligned (BF16 elements)", fn);
     return KVF_OK;
 }
 

@@ -20,11 +20,13 @@
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <xxhash.h>
 
 #define SB_MEM_CAP (32u << 20)        /* bytes one scheme's Lua state may hold */
 #define SB_INSN_LIMIT 20000000LL      /* VM instructions one scheme may run */
-#define SB_INSN_STEP 1000             /* count hook period */
+#define SB_INSN_STEP 100              /* count hook period */
+#define SB_TIME_LIMIT 1.0             /* CPU seconds a load (a scheme and its bases) may take */
 #define SB_MAX_FILE (1u << 20)        /* largest scheme file */
 #define MAX_BASES 8                   /* `base` links in one chain */
 #define MAX_CHAIN (MAX_BASES + 1)
@@ -524,11 +526,12 @@ static int li_line(const lineidx *li, const char *path) {
 
 /* ================================================================ sandbox */
 
-enum { FATAL_NONE, FATAL_MEM, FATAL_INSN };
+enum { FATAL_NONE, FATAL_MEM, FATAL_INSN, FATAL_TIME };
 
 typedef struct sandbox {
     size_t used;     /* bytes held by the Lua state */
     long long insns; /* instructions run (in steps of SB_INSN_STEP) */
+    double deadline; /* sb_now() seconds: the load's time limit */
     int line;        /* last line the chunk ran (line hook) */
     int mem_line;    /* line when the allocator last refused */
     int fatal, fatal_line;
@@ -558,22 +561,113 @@ static sandbox *sb_of(lua_State *L) {
     return ud;
 }
 
+/* CPU time of the calling thread (the one the Lua state runs on): unlike the
+ * wall clock, a loaded machine does not make a scheme fail. */
+static double sb_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* Whether a limit is hit (the first one hit is recorded, with its line). */
+static bool sb_over(sandbox *sb) {
+    if (!sb->fatal) {
+        if (sb->insns > SB_INSN_LIMIT) sb->fatal = FATAL_INSN;
+        else if (sb_now() > sb->deadline) sb->fatal = FATAL_TIME;
+        if (sb->fatal) sb->fatal_line = sb->line;
+    }
+    return sb->fatal != FATAL_NONE;
+}
+
+static int sb_raise(lua_State *L, const sandbox *sb) {
+    lua_pushstring(L, sb->fatal == FATAL_MEM    ? "memory limit exceeded"
+                      : sb->fatal == FATAL_TIME ? "time limit exceeded"
+                                                : "instruction limit exceeded");
+    return lua_error(L);
+}
+
 /*
- * Line events track the current line; count events the instruction budget.
- * Once a limit is hit every later hook raises again, so nothing more runs.
+ * Line events track the current line; count events the instruction budget and
+ * the clock. The clock catches what instructions do not measure: single
+ * instructions and library calls whose work grows with a string or a table
+ * (comparing or concatenating long strings, table.insert into a long array),
+ * up to the 32 MiB a scheme may hold. Once a limit is hit every later hook
+ * raises again, so nothing more runs.
  */
 static void sb_hook(lua_State *L, lua_Debug *ar) {
     sandbox *sb = sb_of(L);
     if (ar->event == LUA_HOOKLINE) {
         sb->line = ar->currentline;
-    } else if ((sb->insns += SB_INSN_STEP) > SB_INSN_LIMIT && !sb->fatal) {
-        sb->fatal = FATAL_INSN;
-        sb->fatal_line = sb->line;
+        if (sb->fatal) sb_raise(L, sb);
+        return;
     }
-    if (sb->fatal) {
-        lua_pushstring(L, sb->fatal == FATAL_MEM ? "memory limit exceeded"
-                                                 : "instruction limit exceeded");
-        lua_error(L);
+    sb->insns += SB_INSN_STEP;
+    if (sb_over(sb)) sb_raise(L, sb);
+}
+
+/*
+ * Every library function is called through a guard that checks the limits
+ * first: a loop of calls that each work long inside C (where no hook fires)
+ * stops at the next call. The original function runs in the guard's own frame
+ * (called directly, not through lua_call), so its messages are unchanged.
+ */
+static int sb_guard(lua_State *L) {
+    sandbox *sb = sb_of(L);
+    if (sb_over(sb)) return sb_raise(L, sb);
+    return lua_tocfunction(L, lua_upvalueindex(1))(L);
+}
+
+/* string.rep of empty pieces loops n times in C without allocating anything:
+ * string.rep("", math.maxinteger) would never return. The result is "". */
+static int sb_rep(lua_State *L) {
+    size_t len, seplen;
+    luaL_checklstring(L, 1, &len);
+    lua_Integer n = luaL_checkinteger(L, 2);
+    luaL_optlstring(L, 3, "", &seplen);
+    if (n > 0 && len == 0 && seplen == 0) {
+        lua_pushliteral(L, "");
+        return 1;
+    }
+    return sb_guard(L);
+}
+
+/* The table functions read the length with __len and the elements with
+ * lua_geti/lua_seti: with a __len of math.maxinteger, table.insert(t, 1, x)
+ * loops for ever inside C. They take plain tables only. */
+static int sb_table_guard(lua_State *L) {
+    if (lua_type(L, 1) == LUA_TTABLE && lua_getmetatable(L, 1))
+        return luaL_error(L,
+                          "%s: a table with a metatable is not allowed in a scheme (its __len "
+                          "would run the loop inside C, beyond the sandbox's limits)",
+                          lua_tostring(L, lua_upvalueindex(2)));
+    return sb_guard(L);
+}
+
+/* Put the guard in front of every C function of the table at idx, except
+ * those with upvalues (the sandbox's own setmetatable). */
+static void guard_library(lua_State *L, int idx, const char *lib) {
+    idx = lua_absindex(L, idx);
+    lua_pushnil(L);
+    while (lua_next(L, idx)) {
+        const char *name = lua_type(L, -2) == LUA_TSTRING ? lua_tostring(L, -2) : NULL;
+        if (name && lua_tocfunction(L, -1)) {
+            if (lua_getupvalue(L, -1, 1)) {
+                lua_pop(L, 1); /* a closure: left as it is */
+            } else {
+                bool table_fn = lib && !strcmp(lib, LUA_TABLIBNAME) && strcmp(name, "pack");
+                lua_pushvalue(L, -2); /* key */
+                lua_pushvalue(L, -2); /* the original function: upvalue 1 */
+                if (table_fn) {
+                    lua_pushfstring(L, "%s.%s", lib, name);
+                    lua_pushcclosure(L, sb_table_guard, 2);
+                } else {
+                    bool rep = lib && !strcmp(lib, LUA_STRLIBNAME) && !strcmp(name, "rep");
+                    lua_pushcclosure(L, rep ? sb_rep : sb_guard, 1);
+                }
+                lua_rawset(L, idx); /* an existing field: allowed during lua_next */
+            }
+        }
+        lua_pop(L, 1);
     }
 }
 
@@ -663,6 +757,13 @@ static int sb_setup(lua_State *L) {
     lua_getfield(L, -1, "setmetatable");
     lua_pushcclosure(L, sb_setmetatable, 1);
     lua_setfield(L, -2, "setmetatable");
+    guard_library(L, -1, NULL);
+    static const char *const guarded[] = {LUA_STRLIBNAME, LUA_TABLIBNAME, LUA_MATHLIBNAME};
+    for (int i = 0; i < 3; i++) {
+        lua_getfield(L, -1, guarded[i]);
+        guard_library(L, -1, guarded[i]);
+        lua_pop(L, 1);
+    }
     return 0;
 }
 
@@ -923,6 +1024,11 @@ static int lua_failure(lua_State *L, sandbox *sb, const unit *u, int status) {
                              "%s:%d: instruction limit exceeded (a scheme may run %lld Lua "
                              "instructions; an endless loop?)",
                              u->display, line, SB_INSN_LIMIT);
+    if (sb->fatal == FATAL_TIME)
+        return kvf_set_error(KVF_ESCHEME,
+                             "%s:%d: time limit exceeded (a scheme and its bases may take %g s "
+                             "of CPU time; a loop over long strings or tables?)",
+                             u->display, line, SB_TIME_LIMIT);
     return lua_message(L, sb, u);
 }
 
@@ -943,8 +1049,9 @@ static int run_in(lua_State *L, sandbox *sb, unit *u) {
 }
 
 /* Run one scheme file in a fresh sandbox and read the fields it sets. */
-static int run_unit(unit *u) {
+static int run_unit(unit *u, double deadline) {
     sandbox sb = {0};
+    sb.deadline = deadline;
     lua_State *L = lua_newstate(sb_alloc, &sb);
     if (!L) return kvf_set_error(KVF_ENOMEM, "%s: cannot create a Lua state", u->display);
     int rc = run_in(L, &sb, u);
@@ -980,6 +1087,7 @@ typedef struct loader {
     char ident[MAX_CHAIN][PATH_LEN];
     int return_line[MAX_CHAIN];
     origin org[NF];
+    double deadline; /* of the whole chain (sb_now() clock) */
 } loader;
 
 static int read_file(const char *path, source *src) {
@@ -1126,7 +1234,7 @@ static int load_chain(loader *ld, const source *src, int depth) {
     u->display = src->display;
     build_lineidx(src->text, src->len, &u->li);
     ld->return_line[file] = u->li.return_line > 0 ? u->li.return_line : 1;
-    int rc = run_unit(u);
+    int rc = run_unit(u, ld->deadline);
     if (!rc && u->v[TOP_BASE].set) rc = load_base(ld, src, &u->v[TOP_BASE], depth);
     else if (!rc) kvf_scheme_defaults(ld->s);
     if (!rc) apply(ld, u, file, depth);
@@ -1422,6 +1530,7 @@ static int load_top(const source *src, kvf_scheme **out) {
     for (int i = 0; !rc && i < NF; i++) ld->org[i].file = -1;
     if (!rc) {
         ld->s = s;
+        ld->deadline = sb_now() + SB_TIME_LIMIT;
         rc = load_chain(ld, src, 0);
     }
     if (!rc) rc = finish_top(ld, src);

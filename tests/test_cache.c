@@ -5,6 +5,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -393,6 +394,60 @@ static void test_world_writable_refused(void **state) {
     assert_int_equal(count_names(arch_dir, ""), 0);
 }
 
+/* An entry owned by another user is not served (tests run as root: chown works);
+ * `cache list` shows it refused; the next put replaces it with one of ours. */
+static void test_foreign_entry_refused(void **state) {
+    fixture *fx = *state;
+    static uint8_t payload[3000];
+    char owned_by[80], *text;
+    size_t len;
+    struct stat st;
+    kvf_cache_key k;
+    fill_payload(payload, sizeof payload, 14);
+    base_key(&k);
+    put_ok(ARCH, &k, payload, sizeof payload);
+    const char *path = entry_path(fx, ARCH, &k, ".bin");
+    uid_t other = geteuid() == 65534 ? 65533 : 65534;
+    if (chown(path, other, other) != 0) skip(); /* not root: cannot give it away */
+    snprintf(owned_by, sizeof owned_by, "refused: owned by uid %u", (unsigned)other);
+    assert_miss(ARCH, &k);
+    if (!strstr(kvf_last_error(), owned_by)) fail_msg("miss reason: %s", kvf_last_error());
+    FILE *out = open_memstream(&text, &len);
+    assert_int_equal(kvf_cache_list(out), KVF_OK);
+    fclose(out);
+    snprintf(owned_by, sizeof owned_by, "%s refused (owned by uid %u", k.hex, (unsigned)other);
+    if (!strstr(text, owned_by)) fail_msg("cache list: %s", text);
+    free(text);
+    put_ok(ARCH, &k, payload, sizeof payload);
+    assert_hit(ARCH, &k, payload, sizeof payload);
+    assert_int_equal(lstat(path, &st), 0);
+    assert_int_equal(st.st_uid, geteuid());
+}
+
+/* An entry others could have written is not served either. */
+static void test_writable_entry_refused(void **state) {
+    fixture *fx = *state;
+    static uint8_t payload[3000];
+    static const mode_t modes[] = {0666, 0620, 0602};
+    struct stat st;
+    kvf_cache_key k;
+    fill_payload(payload, sizeof payload, 15);
+    base_key(&k);
+    const char *path = entry_path(fx, ARCH, &k, ".bin");
+    for (size_t i = 0; i < sizeof modes / sizeof modes[0]; i++) {
+        put_ok(ARCH, &k, payload, sizeof payload);
+        assert_hit(ARCH, &k, payload, sizeof payload);
+        assert_int_equal(chmod(path, modes[i]), 0);
+        assert_miss(ARCH, &k);
+        if (!strstr(kvf_last_error(), "refused: writable by group or others"))
+            fail_msg("mode %o: miss reason: %s", (unsigned)modes[i], kvf_last_error());
+    }
+    put_ok(ARCH, &k, payload, sizeof payload);
+    assert_hit(ARCH, &k, payload, sizeof payload);
+    assert_int_equal(stat(path, &st), 0);
+    assert_int_equal(st.st_mode & 077, 0);
+}
+
 static void test_cache_off(void **state) {
     fixture *fx = *state;
     static uint8_t payload[1000];
@@ -637,6 +692,57 @@ static void test_processes_race(void **state) {
     free(want);
 }
 
+/* ---- threads of one process racing on one key (flock is per open file, so
+ * each thread's kvf_cache_lock excludes the others) */
+
+typedef struct race_arg {
+    int index;
+    const kvf_cache_key *k;
+    const uint8_t *want;
+    pthread_barrier_t *go;
+    int code;
+} race_arg;
+
+static void *race_thread(void *p) {
+    race_arg *a = p;
+    pthread_barrier_wait(a->go);
+    if (a->index < RACE_LOCKED) a->code = race_locked(a->k, a->want);
+    else if (a->index < RACE_LOCKED + RACE_UNLOCKED) a->code = race_unlocked(a->k, a->want);
+    else a->code = race_reader(a->k, a->want);
+    return NULL;
+}
+
+static void test_threads_race(void **state) {
+    fixture *fx = *state;
+    enum { N = RACE_LOCKED + RACE_UNLOCKED + 2 };
+    uint8_t *want = malloc(RACE_BYTES);
+    pthread_t th[N];
+    race_arg args[N];
+    pthread_barrier_t go;
+    kvf_cache_key k;
+    fill_payload(want, RACE_BYTES, 16);
+    base_key(&k);
+    assert_int_equal(pthread_barrier_init(&go, NULL, N), 0);
+    for (int i = 0; i < N; i++) {
+        args[i] = (race_arg){i, &k, want, &go, -1};
+        assert_int_equal(pthread_create(&th[i], NULL, race_thread, &args[i]), 0);
+    }
+    int compiled = 0;
+    for (int i = 0; i < N; i++) {
+        pthread_join(th[i], NULL);
+        if (i < RACE_LOCKED && args[i].code == 1) { compiled++; continue; }
+        if (args[i].code) fail_msg("thread %d returned %d", i, args[i].code);
+    }
+    pthread_barrier_destroy(&go);
+    assert_true(compiled <= 1);
+    assert_hit(ARCH, &k, want, RACE_BYTES);
+    char arch_dir[PATH_MAX + 16];
+    snprintf(arch_dir, sizeof arch_dir, "%s/%s", fx->cache, ARCH);
+    assert_int_equal(count_names(arch_dir, ".tmp."), 0);
+    assert_int_equal(count_names(arch_dir, ".bin"), 1);
+    free(want);
+}
+
 /* A writer killed mid-way leaves at most a temp file, never a half entry. */
 static void test_killed_writer(void **state) {
     fixture *fx = *state;
@@ -769,12 +875,15 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_uncreatable_dir, setup, teardown),
         cmocka_unit_test_setup_teardown(test_foreign_owner_refused, setup, teardown),
         cmocka_unit_test_setup_teardown(test_world_writable_refused, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_foreign_entry_refused, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_writable_entry_refused, setup, teardown),
         cmocka_unit_test_setup_teardown(test_cache_off, setup, teardown),
         cmocka_unit_test_setup_teardown(test_symlinks_not_followed, setup, teardown),
         cmocka_unit_test_setup_teardown(test_bad_arguments, setup, teardown),
         cmocka_unit_test_setup_teardown(test_cache_dir_from_environment, setup, teardown),
         cmocka_unit_test_setup_teardown(test_lock, setup, teardown),
         cmocka_unit_test_setup_teardown(test_processes_race, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_threads_race, setup, teardown),
         cmocka_unit_test_setup_teardown(test_killed_writer, setup, teardown),
         cmocka_unit_test_setup_teardown(test_list, setup, teardown),
         cmocka_unit_test_setup_teardown(test_clear, setup, teardown),

@@ -4,8 +4,12 @@
 #include "cuda_api.h"
 #include "jit.h"
 
+#include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 static char *cache_dir;
 
@@ -85,6 +89,100 @@ static void ptx_fallback_compiles(void **state) {
     kvf_scheme_free(s);
 }
 
+/* ---- racing on one key: every racer gets the same, correct image, and the
+ * flock in kvf_jit_image lets only one of them compile. */
+
+typedef struct jit_result {
+    char origin[16];
+    size_t size;
+    uint8_t *image;
+} jit_result;
+
+static void jit_once(const char *arch, jit_result *r) {
+    kvf_scheme *s = NULL;
+    const char *origin = "";
+    void *image = NULL;
+    memset(r, 0, sizeof *r);
+    if (kvf_scheme_load_builtin("rtn_int4", &s) == KVF_OK &&
+        kvf_jit_image(s, arch, 0, &image, &r->size, &origin) == KVF_OK) {
+        snprintf(r->origin, sizeof r->origin, "%s", origin);
+        r->image = image;
+    }
+    kvf_scheme_free(s);
+}
+
+/* The racers' results against a reference image compiled with the cache off. */
+static void check_race(const jit_result *r, int n, const char *arch) {
+    jit_result ref;
+    setenv("KVFORGE_CACHE", "0", 1);
+    jit_once(arch, &ref);
+    unsetenv("KVFORGE_CACHE");
+    assert_non_null(ref.image);
+    int compiled = 0;
+    for (int i = 0; i < n; i++) {
+        if (!r[i].image) fail_msg("racer %d got no image", i);
+        assert_int_equal(r[i].size, ref.size);
+        assert_memory_equal(r[i].image, ref.image, ref.size);
+        compiled += !strcmp(r[i].origin, "nvrtc");
+        if (strcmp(r[i].origin, "nvrtc") && strcmp(r[i].origin, "disk-cache"))
+            fail_msg("racer %d: origin %s", i, r[i].origin);
+    }
+    assert_int_equal(compiled, 1);
+    free(ref.image);
+}
+
+static void *jit_thread(void *p) {
+    jit_result *r = p;
+    jit_once("sm_80", r);
+    return NULL;
+}
+
+static void jit_race(void **state) {
+    (void)state;
+    enum { N = 2 };
+    char *dir = tu_mkdtemp();
+    setenv("KVFORGE_CACHE_DIR", dir, 1);
+    /* two processes: each sends its origin and image through a pipe */
+    jit_result r[N];
+    int fds[N][2];
+    pid_t pid[N];
+    for (int i = 0; i < N; i++) {
+        assert_int_equal(pipe(fds[i]), 0);
+        pid[i] = fork();
+        assert_true(pid[i] >= 0);
+        if (pid[i] == 0) {
+            jit_result mine;
+            jit_once("sm_90", &mine);
+            int ok = write(fds[i][1], &mine, sizeof mine) == (ssize_t)sizeof mine &&
+                     (!mine.size || write(fds[i][1], mine.image, mine.size) == (ssize_t)mine.size);
+            _exit(ok ? 0 : 1);
+        }
+        close(fds[i][1]);
+    }
+    for (int i = 0; i < N; i++) {
+        FILE *f = fdopen(fds[i][0], "rb");
+        assert_non_null(f);
+        assert_int_equal(fread(&r[i], sizeof r[i], 1, f), 1);
+        r[i].image = malloc(r[i].size ? r[i].size : 1);
+        assert_int_equal(fread(r[i].image, 1, r[i].size, f), r[i].size);
+        fclose(f);
+        int status;
+        assert_int_equal(waitpid(pid[i], &status, 0), pid[i]);
+        assert_true(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    }
+    check_race(r, N, "sm_90");
+    for (int i = 0; i < N; i++) free(r[i].image);
+    /* two threads, another arch (another key) */
+    pthread_t th[N];
+    for (int i = 0; i < N; i++) assert_int_equal(pthread_create(&th[i], NULL, jit_thread, &r[i]), 0);
+    for (int i = 0; i < N; i++) pthread_join(th[i], NULL);
+    check_race(r, N, "sm_80");
+    for (int i = 0; i < N; i++) free(r[i].image);
+    setenv("KVFORGE_CACHE_DIR", cache_dir, 1);
+    tu_rmtree(dir);
+    free(dir);
+}
+
 static void compile_error_reports_log(void **state) {
     (void)state;
     void *img = NULL;
@@ -107,6 +205,7 @@ int main(void) {
         cmocka_unit_test(every_scheme_compiles),
         cmocka_unit_test(jit_uses_disk_cache),
         cmocka_unit_test(ptx_fallback_compiles),
+        cmocka_unit_test(jit_race),
         cmocka_unit_test(compile_error_reports_log),
     };
     return cmocka_run_group_tests_name("nvrtc", tests, setup, teardown);

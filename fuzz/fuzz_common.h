@@ -1,0 +1,52 @@
+/*
+ * Shared by the libFuzzer targets (fuzz/fuzz_*.c) and by tests/test_fuzz_replay.c,
+ * which includes the targets to run the corpus and every saved crash in the
+ * ordinary test suite. A failed check aborts under libFuzzer (a finding); the
+ * replay test defines FUZZ_FAIL to fail the cmocka test instead.
+ */
+#ifndef KVF_FUZZ_COMMON_H
+#define KVF_FUZZ_COMMON_H
+
+#include "internal.h"
+
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifndef FUZZ_FAIL
+#define FUZZ_FAIL(what) (fprintf(stderr, "fuzz check failed: %s\n", what), abort())
+#endif
+
+#define FUZZ_STR2(x) #x
+#define FUZZ_STR(x) FUZZ_STR2(x)
+/* Oracle: a property every input must keep (not an assert: always compiled in). */
+#define FUZZ_CHECK(cond)                                                              \
+    do {                                                                              \
+        if (!(cond)) FUZZ_FAIL(__FILE__ ":" FUZZ_STR(__LINE__) ": " #cond);           \
+    } while (0)
+
+/* Little-endian reads of the packed header (the targets never cast the input). */
+static inline uint32_t fuzz_le32(const uint8_t *p) {
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+static inline uint64_t fuzz_le64(const uint8_t *p) {
+    return (uint64_t)fuzz_le32(p) | (uint64_t)fuzz_le32(p + 4) << 32;
+}
+
+/* A buffer of n bytes filled with a pattern, to see afterwards what a call wrote. */
+static inline uint8_t *fuzz_patterned(size_t n, uint8_t pattern) {
+    uint8_t *p = malloc(n ? n : 1);
+    if (!p) abort();
+    memset(p, pattern, n);
+    return p;
+}
+
+static inline int fuzz_all_equal(const uint8_t *p, size_t n, uint8_t pattern) {
+    for (size_t i = 0; i < n; i++)
+        if (p[i] != pattern) return 0;
+    return 1;
+}
+
+#endif

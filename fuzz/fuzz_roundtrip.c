@@ -1,0 +1,90 @@
+/*
+ * libFuzzer target: the CPU encoder on arbitrary BF16 values (NaN, Inf,
+ * subnormals, signed zeros: docs/FORMAT.md "Special values"), then the
+ * decoder. Bytes 0-2 pick the scheme (as fuzz_packed.c's), the tokens (1..8)
+ * and heads (1..4); the rest are the K then V values, repeated as needed.
+ *
+ * Oracles: encode succeeds and writes a header kvf_packed_check accepts and
+ * nothing past the packed size; encoding twice gives the same bytes; decode
+ * succeeds; 16-bit sections come back bit for bit; a group of finite values
+ * of magnitude <= 60000 decodes to finite values.
+ */
+#include "fuzz_common.h"
+
+#include <math.h>
+
+#define FR_SCHEMES 4
+
+static kvf_context *fr_contexts(int i) {
+    static const char *const text[FR_SCHEMES] = {
+        NULL,
+        NULL,
+        "return { name = 'fz_sym_d64', head_dim = 64,\n"
+        "  key = { bits = 4, mode = 'symmetric', group_size = 32 },\n"
+        "  value = { bits = 8, group_size = 16 } }\n",
+        "return { name = 'fz_bf16_d256', head_dim = 256, key = { bits = 16 },\n"
+        "  value = { bits = 2, mode = 'symmetric', group_size = 256 } }\n",
+    };
+    static kvf_context *ctx[FR_SCHEMES];
+    if (!ctx[0]) {
+        for (int j = 0; j < FR_SCHEMES; j++) {
+            kvf_scheme *s = NULL;
+            int rc = text[j] ? kvf_scheme_load_string(text[j], strlen(text[j]), "=fuzz", &s)
+                             : kvf_scheme_load_builtin(j ? "rtn_int4" : "rtn_int2", &s);
+            FUZZ_CHECK(rc == KVF_OK);
+            FUZZ_CHECK(kvf_context_create(s, KVF_DEVICE_CPU, &ctx[j]) == KVF_OK);
+            kvf_scheme_free(s);
+        }
+    }
+    return ctx[i];
+}
+
+/* Finite in, finite out, for each group of a quantized section. */
+static void fr_check_section(const kvf_tensor_cfg *c, int d, const uint16_t *x, const uint16_t *y,
+                             size_t rows) {
+    if (c->bits == 16) {
+        FUZZ_CHECK(!memcmp(x, y, rows * (size_t)d * 2));
+        return;
+    }
+    for (size_t r = 0; r < rows; r++)
+        for (int g0 = 0; g0 < d; g0 += c->group_size) {
+            const uint16_t *xg = x + r * (size_t)d + g0, *yg = y + r * (size_t)d + g0;
+            int tame = 1;
+            for (int i = 0; i < c->group_size && tame; i++) {
+                float f = kvf_bf16_to_f32(xg[i]);
+                tame = isfinite(f) && fabsf(f) <= 60000.0f;
+            }
+            for (int i = 0; tame && i < c->group_size; i++)
+                FUZZ_CHECK(isfinite(kvf_bf16_to_f32(yg[i])));
+        }
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
+    if (size < 3) return 0;
+    kvf_context *ctx = fr_contexts(data[0] % FR_SCHEMES);
+    const struct kvf_scheme *s = kvf_context_scheme(ctx);
+    int d = s->head_dim;
+    kvf_shape sh = {1 + data[1] % 8, 1 + data[2] % 4, 0, 0};
+    size_t elems = (size_t)sh.n_tokens * (size_t)sh.n_heads * (size_t)d, bytes = 0;
+    const uint8_t *src = data + 3;
+    size_t src_n = size - 3;
+    uint16_t *kv = malloc(2 * elems * 2), *ko = malloc(elems * 2), *vo = malloc(elems * 2);
+    FUZZ_CHECK(kv && ko && vo);
+    for (size_t i = 0; i < 2 * elems; i++)
+        kv[i] = src_n >= 2 ? (uint16_t)(src[(2 * i) % (src_n - src_n % 2)] |
+                                        src[(2 * i) % (src_n - src_n % 2) + 1] << 8)
+                           : 0;
+    FUZZ_CHECK(kvf_packed_size(s, sh.n_tokens, sh.n_heads, &bytes) == KVF_OK);
+    uint8_t *p1 = fuzz_patterned(bytes + 64, 0x5A), *p2 = fuzz_patterned(bytes, 0xC3);
+    FUZZ_CHECK(kvf_encode(ctx, kv, kv + elems, &sh, NULL, p1, bytes + 64, NULL) == KVF_OK);
+    FUZZ_CHECK(fuzz_all_equal(p1 + bytes, 64, 0x5A));
+    FUZZ_CHECK(kvf_packed_check(s, p1, bytes, sh.n_tokens, sh.n_heads) == KVF_OK);
+    FUZZ_CHECK(kvf_encode(ctx, kv, kv + elems, &sh, NULL, p2, bytes, NULL) == KVF_OK);
+    FUZZ_CHECK(!memcmp(p1, p2, bytes));
+    FUZZ_CHECK(kvf_decode(ctx, p1, bytes, &sh, NULL, ko, vo, NULL) == KVF_OK);
+    size_t rows = (size_t)sh.n_tokens * (size_t)sh.n_heads;
+    fr_check_section(&s->key, d, kv, ko, rows);
+    fr_check_section(&s->value, d, kv + elems, vo, rows);
+    free(kv), free(ko), free(vo), free(p1), free(p2);
+    return 0;
+}
