@@ -52,7 +52,13 @@ static void fs_exercise(const kvf_scheme *s) {
     kvf_synth_kv(v, sh.n_tokens, sh.n_heads, d, 2);
     FUZZ_CHECK(kvf_encode(ctx, k, v, &sh, NULL, packed, bytes, NULL) == KVF_OK);
     FUZZ_CHECK(kvf_packed_check(s, packed, bytes, sh.n_tokens, sh.n_heads) == KVF_OK);
-    FUZZ_CHECK(kvf_decode(ctx, packed, bytes, &sh, NULL, ko, vo, NULL) == KVF_OK);
+    /* Keys cached before RoPE are decoded with positions (3 tokens x the scheme's axes). */
+    kvf_scheme_info info;
+    FUZZ_CHECK(kvf_scheme_get_info(s, &info) == KVF_OK);
+    int32_t pos[3 * 4] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11};
+    const int32_t *p = info.rope_placement == 1 ? pos : NULL;
+    FUZZ_CHECK(info.rope_axes >= 1 && info.rope_axes <= 4);
+    FUZZ_CHECK(kvf_decode(ctx, packed, bytes, &sh, p, ko, vo, NULL) == KVF_OK);
     free(k), free(v), free(ko), free(vo), free(packed);
     kvf_context_destroy(ctx);
 }
