@@ -11,12 +11,7 @@
 
 /* ------------------------------------------------------------ helpers */
 
-static uint64_t rng_next(uint64_t *st) {
-    uint64_t z = (*st += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
+static uint64_t rng_next(uint64_t *st) { return tu_rng_next(st); }
 
 /* Uniform in [-1, 1). */
 static double rng_sym(uint64_t *st) { return (double)(rng_next(st) >> 11) * 0x1.0p-52 - 1.0; }

@@ -35,12 +35,7 @@ static void make_scheme(struct kvf_scheme *s, int d, int r) {
     strcpy(s->id, "t_89abcdef");
 }
 
-static uint64_t rng_next(uint64_t *st) {
-    uint64_t z = (*st += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
+static uint64_t rng_next(uint64_t *st) { return tu_rng_next(st); }
 
 static double rng_unit(uint64_t *st) { return ((double)(rng_next(st) >> 11) + 0.5) * 0x1.0p-53; }
 

@@ -17,6 +17,8 @@ char *tu_mkdtemp(void);
 void tu_rmtree(const char *dir);
 /* Deterministic synthetic BF16 K/V with video-like statistics. */
 void tu_synth_kv(uint16_t *x, int64_t n_tokens, int n_heads, int head_dim, uint64_t seed);
+/* splitmix64: the tests' deterministic generator (one step). */
+uint64_t tu_rng_next(uint64_t *state);
 /* Load a shipped scheme by name, failing the test on error. */
 kvf_scheme *tu_scheme(const char *name);
 #endif

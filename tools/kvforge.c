@@ -70,15 +70,25 @@ static int cmd_gen(int argc, char **argv) {
     return rc ? fail(rc) : 0;
 }
 
+/* The scheme named by argv[0] and the --arch list (default sm_80,sm_90). */
+typedef struct arch_job { kvf_scheme *s; char list[256]; const char *archs[16]; int n; } arch_job;
+
+static int arch_job_open(int argc, char **argv, arch_job *j) {
+    int rc = load_scheme(argv[0], &j->s);
+    if (rc) return rc;
+    snprintf(j->list, sizeof j->list, "%s", opt_value(argc, argv, "--arch", "sm_80,sm_90"));
+    j->n = split_archs(j->list, j->archs, 16);
+    return KVF_OK;
+}
+
 static int cmd_compile(int argc, char **argv) {
     if (argc < 1) return usage();
-    kvf_scheme *s;
-    int rc = load_scheme(argv[0], &s);
+    arch_job j;
+    int rc = arch_job_open(argc, argv, &j);
     if (rc) return fail(rc);
-    char list[256];
-    snprintf(list, sizeof list, "%s", opt_value(argc, argv, "--arch", "sm_80,sm_90"));
-    const char *archs[16];
-    int n = split_archs(list, archs, 16);
+    kvf_scheme *s = j.s;
+    const char **archs = j.archs;
+    int n = j.n;
     for (int i = 0; i < n && !rc; i++) {
         void *image;
         size_t size;
@@ -99,15 +109,12 @@ static int cmd_compile(int argc, char **argv) {
 
 static int cmd_export(int argc, char **argv) {
     if (argc < 1) return usage();
-    kvf_scheme *s;
-    int rc = load_scheme(argv[0], &s);
+    arch_job j;
+    int rc = arch_job_open(argc, argv, &j);
     if (rc) return fail(rc);
-    char list[256];
-    snprintf(list, sizeof list, "%s", opt_value(argc, argv, "--arch", "sm_80,sm_90"));
-    const char *archs[16];
-    int n = split_archs(list, archs, 16);
+    kvf_scheme *s = j.s;
     const char *dir = opt_value(argc, argv, "-o", "out/export");
-    rc = kvf_export(s, archs, n, dir);
+    rc = kvf_export(s, j.archs, j.n, dir);
     if (!rc) printf("exported %s for %s to %s (%s.fatbin, %s_aot.c/.h, %s.c/.h)\n", kvf_scheme_id(s),
                     opt_value(argc, argv, "--arch", "sm_80,sm_90"), dir, kvf_scheme_id(s), kvf_scheme_id(s),
                     kvf_scheme_id(s));
