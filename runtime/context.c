@@ -376,11 +376,11 @@ static int encode_workspace(kvf_context *ctx, int t, const void *x, const kvf_sh
     return launch(ctx, KVF_R_PSAC_ENCODE, blocks_for((int64_t)n * nh * r, BLOCK), a_p, stream);
 }
 
-static int check_qstats_arg(kvf_context *ctx, const void *qstats, int32_t n_heads) {
+/* A device buffer's header is not read here (that would synchronize): only its alignment. */
+static int check_qstats_arg(const kvf_context *ctx, const void *qstats) {
     const kvf_tensor_cfg *k = &ctx->scheme->key;
     if (!qstats || !(k->psac_rank > 0 || k->qsac_candidates > 1)) return KVF_OK;
     if ((uintptr_t)qstats & 15u) return kvf_set_error(KVF_EINVAL, "kvf_encode: qstats must be 16-byte aligned");
-    (void)n_heads;
     return KVF_OK;
 }
 
@@ -391,7 +391,7 @@ int kvf_encode(kvf_context *ctx, const void *k, const void *v, const kvf_shape *
     int rc = prepare(ctx, k, v, packed, packed_bytes, shape, &sh, &l, "kvf_encode");
     if (rc) return rc;
     if (ctx->device == KVF_DEVICE_CPU) return kvf_ref_encode(ctx->scheme, k, v, &sh, qstats, packed, packed_bytes);
-    if ((rc = check_qstats_arg(ctx, qstats, sh.n_heads))) return rc;
+    if ((rc = check_qstats_arg(ctx, qstats))) return rc;
     kvf_packed_header hdr;
     kvf_header_fill(ctx->scheme, &l, &hdr);
     int n_tokens = (int)sh.n_tokens, n_heads = sh.n_heads, header_written = 0;
