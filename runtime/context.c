@@ -18,6 +18,7 @@ struct kvf_context {
     CUcontext cuctx;
     CUmodule module;
     CUfunction fn[KVF_ROLE_COUNT]; /* NULL where the scheme has no such kernel */
+    int assign_cfg[2][4];          /* per section: kvf_kmeans assign_cfg (smem plain, QSAC, threads, tokens) */
     CUdeviceptr ws;                /* workspace of the k-means/PSAC path, grown on demand */
     size_t ws_bytes;
 };
@@ -68,9 +69,6 @@ static int open_device(kvf_context *ctx, int *cc_major, int *cc_minor) {
     return KVF_OK;
 }
 
-/* Dynamic shared memory of kvf_kmeans::assign (templates/kvf_kmeans.cuh). */
-static size_t assign_smem(int d) { return (size_t)d * 256 * 2 + (size_t)d * 8 + 8 * 8 + 8 * 4 + 256 * 8 + 256 * 4; }
-
 static int load_module(kvf_context *ctx, const void *image) {
     const kvf_cuda_api *cu = ctx->cu;
     KVF_CU(cu, ctx->device, cuCtxPushCurrent(ctx->cuctx));
@@ -91,15 +89,30 @@ static int load_module(kvf_context *ctx, const void *image) {
             rc = kvf_wrap_error(kvf_cuda_fail(r, "cuModuleGetFunction", __FILE__, __LINE__, ctx->device),
                                 "kernel %s not in the image (made for another scheme?)", name);
     }
-    /* The assignment kernels stage up to 256 centroids in shared memory. */
-    for (int t = 0; t < 2 && rc == KVF_OK; t++)
-        for (int k = KVF_R_K_ASSIGN; k <= KVF_R_K_ASSIGN_QSAC; k++) {
-            CUfunction f = ctx->fn[k + t * KVF_R_SECTION_STRIDE];
+    /* The assignment kernels' launch shape and shared memory come from the
+     * module itself (kvf_kmeans assign_cfg), so they cannot disagree. */
+    for (int t = 0; t < 2 && rc == KVF_OK; t++) {
+        CUfunction f = ctx->fn[KVF_R_K_ASSIGN + t * KVF_R_SECTION_STRIDE];
+        if (!f) continue;
+        char name[160];
+        CUdeviceptr p;
+        size_t bytes;
+        snprintf(name, sizeof name, "kvf_%s_%c_assign_cfg", ctx->scheme->id, t ? 'v' : 'k');
+        if ((r = cu->cuModuleGetGlobal(&p, &bytes, ctx->module, name)) != CUDA_SUCCESS ||
+            (r = bytes == sizeof ctx->assign_cfg[t] ? cu->cuMemcpyDtoH(ctx->assign_cfg[t], p, bytes)
+                                                    : CUDA_ERROR_INVALID_IMAGE) != CUDA_SUCCESS) {
+            rc = kvf_wrap_error(kvf_cuda_fail(r, "cuModuleGetGlobal/cuMemcpyDtoH", __FILE__, __LINE__, ctx->device),
+                                "reading %s", name);
+            break;
+        }
+        for (int k = 0; k < 2 && rc == KVF_OK; k++) {
+            f = ctx->fn[KVF_R_K_ASSIGN + k + t * KVF_R_SECTION_STRIDE];
             if (f && (r = cu->cuFuncSetAttribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                                 (int)assign_smem(ctx->scheme->head_dim))) != CUDA_SUCCESS)
+                                                 ctx->assign_cfg[t][k])) != CUDA_SUCCESS)
                 rc = kvf_cuda_fail(r, "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)", __FILE__, __LINE__,
                                    ctx->device);
         }
+    }
     CUcontext popped;
     cu->cuCtxPopCurrent(&popped);
     return rc;
@@ -299,27 +312,28 @@ static int kmeans_stage(kvf_context *ctx, int t, int stage, const kvf_shape *sh,
     int n = (int)sh->n_tokens, c_alloc = c->centroids, c_eff = n < c_alloc ? n : c_alloc, rc;
     long long seed = (long long)c->seed;
     CUdeviceptr cent = packed + sl->centroids_off, idx_plane = packed + sl->index_off, nul = 0;
-    unsigned g_cd = blocks_for((int64_t)nh * c_eff * d, BLOCK), g_tok = blocks_for(n, 16);
-    unsigned smem = (unsigned)assign_smem(d);
+    const int *ac = ctx->assign_cfg[t]; /* smem plain, smem QSAC, threads, tokens per block */
+    unsigned g_cd = blocks_for((int64_t)nh * c_eff * d, BLOCK), g_tok = blocks_for(n, ac[3]);
     void *a_init[] = {(void *)&ws->e, &n, &nh, &c_eff, &seed, &stage, &cent, &c_alloc};
     if ((rc = launch(ctx, KVF_R_K_INIT + base, g_cd, a_init, stream))) return rc;
     for (int it = 0; it < c->kmeans_iters; it++) {
         void *a_as[] = {(void *)&ws->e, &n, &c_eff, &cent, &c_alloc, (void *)&ws->idx, &nul};
-        void *a_rs[] = {&nh, &c_eff, (void *)&ws->acc, (void *)&ws->cnt};
-        void *a_ac[] = {(void *)&ws->e, (void *)&ws->idx, &n, &nh, &c_eff, (void *)&ws->acc, (void *)&ws->cnt};
+        void *a_ac[] = {(void *)&ws->e, (void *)&ws->idx, &n, &c_eff, (void *)&ws->acc, (void *)&ws->cnt};
         void *a_fi[] = {&nh, &c_eff, (void *)&ws->acc, (void *)&ws->cnt, &cent, &c_alloc};
-        if ((rc = launch3(ctx, KVF_R_K_ASSIGN + base, g_tok, (unsigned)nh, 1, BLOCK, smem, a_as, stream)) ||
-            (rc = launch(ctx, KVF_R_K_RESET + base, g_cd, a_rs, stream)) ||
-            (rc = launch(ctx, KVF_R_K_ACCUMULATE + base, blocks_for((int64_t)nh * n * d, BLOCK), a_ac, stream)) ||
+        /* accumulate: one block per (16 channels, head), kvf_kmeans ACC_CH. */
+        if ((rc = launch3(ctx, KVF_R_K_ASSIGN + base, g_tok, (unsigned)nh, 1, (unsigned)ac[2], (unsigned)ac[0], a_as,
+                          stream)) ||
+            (rc = launch3(ctx, KVF_R_K_ACCUMULATE + base, (unsigned)d / 16, (unsigned)nh, 1, BLOCK, 0, a_ac, stream)) ||
             (rc = launch(ctx, KVF_R_K_FINALIZE + base, g_cd, a_fi, stream)))
             return rc;
     }
     if (t == 0 && stage == 0 && c->qsac_candidates > 1) {
         void *a_q[] = {(void *)&ws->e, &n, &c_eff, &cent, &c_alloc, &idx_plane, &weights};
-        rc = launch3(ctx, KVF_R_K_ASSIGN_QSAC, g_tok, (unsigned)nh, 1, BLOCK, smem, a_q, stream);
+        rc = launch3(ctx, KVF_R_K_ASSIGN_QSAC, g_tok, (unsigned)nh, 1, (unsigned)ac[2], (unsigned)ac[1], a_q, stream);
     } else {
         void *a_as[] = {(void *)&ws->e, &n, &c_eff, &cent, &c_alloc, &nul, &idx_plane};
-        rc = launch3(ctx, KVF_R_K_ASSIGN + base, g_tok, (unsigned)nh, 1, BLOCK, smem, a_as, stream);
+        rc = launch3(ctx, KVF_R_K_ASSIGN + base, g_tok, (unsigned)nh, 1, (unsigned)ac[2], (unsigned)ac[0], a_as,
+                     stream);
     }
     if (rc || c_eff == c_alloc) return rc;
     void *a_pad[] = {&nh, &c_eff, &c_alloc, &cent};

@@ -47,6 +47,7 @@ static int load_cuda_locked(void) {
     SYM(lib, a, cuModuleUnload, "cuModuleUnload");
     SYM(lib, a, cuModuleGetFunction, "cuModuleGetFunction");
     SYM(lib, a, cuFuncSetAttribute, "cuFuncSetAttribute");
+    SYM(lib, a, cuModuleGetGlobal, "cuModuleGetGlobal_v2");
     SYM(lib, a, cuLaunchKernel, "cuLaunchKernel");
     SYM(lib, a, cuGetErrorName, "cuGetErrorName");
     SYM(lib, a, cuGetErrorString, "cuGetErrorString");

@@ -59,141 +59,452 @@ __device__ __forceinline__ void init(const float *e, int n_tokens, int n_heads, 
     cent[((i64)h * c_alloc + j) * D + c] = kvf_f32_to_bf16(e[((i64)h * n_tokens + t) * D + c]);
 }
 
-// f64 distance pieces, channel order (the CPU reference does the same).
+// ------------------------------------------------------------ assignment
+//
+// Nearest centroid (and QSAC's M nearest by the query-weighted distance) for
+// every token, the same index as the CPU reference bit for bit, with the
+// distance GEMM on the tensor cores (METHODS.md 3, "exact assignment through
+// a tensor-core filter"):
+//  1. filter: s_j = N_j - 2 <a, mu_j> for all j with BF16 mma (a = e, or w*e
+//     for QSAC, split a = hi + lo into two BF16 parts; mu_j is BF16 already),
+//     f32 accumulation. |s_j - exact| <= B = KAPPA (|a| max|mu| + max|N|)
+//     (the split leaves 2^-17 |a|, the accumulation of 2 x D/16 chained mma
+//     at most 2^-16 |a||mu|, roundings of N and s 2^-23: KAPPA = 2^-12 keeps
+//     a factor 4 to spare);
+//  2. every j with s_j <= (M-th smallest s) + 2B is a candidate: the exact
+//     M nearest are among them;
+//  3. the candidates' f64 distances in channel order, as ref_kmeans.c, pick
+//     the result by the CPU's rule.
+// Tokens whose bound is not finite (NaN/Inf inputs or centroids), or whose
+// candidates overflow the per-thread lists, take a full f64 scan with the
+// CPU's sequential rule (NaN handling included).
+constexpr int TPW = 16;         // tokens per warp (one m16 tile)
+constexpr int CAP = 8;          // candidates per token before the full scan
+constexpr float KAPPA = 2.44140625e-4f; // 2^-12
+
+template <int D> struct assign_geom {
+    static constexpr int WARPS = D >= 256 ? 4 : 8;
+    static constexpr int DP = D + 8;  // centroid row pitch (bf16): conflict-free B-fragment loads
+};
+template <int M> struct assign_lists {
+    static constexpr int MF = M <= 8 ? M : 1; // the filter runs for M <= 8; larger M scans fully
+    static constexpr int K = MF + 2;          // per-thread best kept per token
+};
+
+// Per-warp shared scratch. runtime/context.c (assign_smem) mirrors the size.
+template <int M> struct assign_warp {
+    double cd[TPW][CAP];        // candidates' exact distances
+    double scr[256];            // full scan: every centroid's exact distance
+    double fd[M], fs[M];        // full scan: the M nearest, their sensitivity scores
+    double sv[TPW][8];          // sensitivity scores of the M nearest (filtered path)
+    float ls[TPW][4][assign_lists<M>::K];
+    int lj[TPW][4][assign_lists<M>::K];
+    float an[TPW];              // |a| of the token
+    int nc[TPW];                // candidates, -1 = full scan
+    int cj[TPW][CAP];
+    int pk[TPW][8];             // the M nearest (filtered path)
+    int fj[M];
+};
+
+template <int D, int M> __host__ __device__ constexpr int assign_smem_bytes() {
+    return 256 * assign_geom<D>::DP * 2 + 256 * 8 + 256 * 4 + D * 4 + 16 +
+           assign_geom<D>::WARPS * (int)((sizeof(assign_warp<M>) + 15) / 16 * 16);
+}
+
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) { // lo -> bits 0..15
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// a = hi + lo + O(2^-17 |a|): both halves as packed BF16 pairs.
+__device__ __forceinline__ void split_pair(float x0, float x1, u32 &hi, u32 &lo) {
+    hi = pack_bf16x2(x0, x1);
+    const float h0 = __uint_as_float(hi << 16), h1 = __uint_as_float(hi & 0xffff0000u);
+    lo = pack_bf16x2(__fsub_rn(x0, h0), __fsub_rn(x1, h1));
+}
+
+__device__ __forceinline__ void mma_bf16(float c[4], const u32 a[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Keep the K smallest (s, j), ascending; an equal s keeps the earlier j first.
+template <int K>
+__device__ __forceinline__ void keep_k(float (&bs)[K], int (&bj)[K], float s, int j) {
+#pragma unroll
+    for (int i = K - 1; i > 0; i--) {
+        const bool shift = s < bs[i - 1], place = !shift && s < bs[i];
+        bs[i] = shift ? bs[i - 1] : place ? s : bs[i];
+        bj[i] = shift ? bj[i - 1] : place ? j : bj[i];
+    }
+    if (s < bs[0]) { bs[0] = s; bj[0] = j; }
+}
+
+// The CPU's distances (ref_kmeans.c), f64 in channel order. Products of an
+// f32 and a bf16 are exact in f64, so the fma is the CPU's multiply-add.
 template <int D>
-__device__ __forceinline__ double plain_dist(const float *es, const u16 *ct, int j, int c_eff, double norm) {
+__device__ __forceinline__ double plain_dist(const float *x, const u16 *mu, double norm) {
     double dot = 0.0;
 #pragma unroll 8
-    for (int c = 0; c < D; c++) dot = __dadd_rn(dot, __dmul_rn((double)es[c], (double)kvf_bf16_to_f32(ct[c * c_eff + j])));
+    for (int c = 0; c < D; c++) dot = __fma_rn((double)x[c], (double)kvf_bf16_to_f32(mu[c]), dot);
     return __dsub_rn(norm, __dmul_rn(2.0, dot));
 }
 
 template <int D>
-__device__ __forceinline__ double weighted_dist(const float *es, const u16 *ct, int j, int c_eff, const float *w) {
+__device__ __forceinline__ double weighted_dist(const float *x, const u16 *mu, const float *w) {
     double acc = 0.0;
 #pragma unroll 8
     for (int c = 0; c < D; c++) {
-        const double d = __dsub_rn((double)es[c], (double)kvf_bf16_to_f32(ct[c * c_eff + j]));
+        const double d = __dsub_rn((double)x[c], (double)kvf_bf16_to_f32(mu[c]));
         acc = __dadd_rn(acc, __dmul_rn((double)w[c], __dmul_rn(d, d)));
     }
     return acc;
 }
 
-// Block-wide argmin of (dist, j), ties to the lowest j. Uses red[] scratch.
-__device__ __forceinline__ int block_argmin(double d, int j, double *red_d, int *red_j) {
-    for (int off = 16; off > 0; off >>= 1) {
-        double od = __shfl_down_sync(0xffffffffu, d, off);
-        int oj = __shfl_down_sync(0xffffffffu, j, off);
-        if (od < d || (od == d && oj < j)) { d = od; j = oj; }
+// QSAC's score S of one candidate (ref_kmeans.c sensitivity_score).
+template <int D, int G>
+__device__ __forceinline__ double sensitivity(const float *x, const u16 *mu, const float *w) {
+    double score = 0.0;
+    for (int g = 0; g < D / G; g++) {
+        float lo = 0.0f, hi = 0.0f;
+        double wsum = 0.0;
+        for (int c = g * G; c < (g + 1) * G; c++) {
+            const float r = __fsub_rn(x[c], kvf_bf16_to_f32(mu[c]));
+            lo = c == g * G ? r : fminf(lo, r);
+            hi = c == g * G ? r : fmaxf(hi, r);
+            wsum = __dadd_rn(wsum, (double)w[c]);
+        }
+        const double range = (double)__fsub_rn(hi, lo);
+        score = __dadd_rn(score, __dmul_rn(wsum, __dmul_rn(range, range)));
     }
-    const int warp = threadIdx.x / 32;
-    if ((threadIdx.x & 31) == 0) { red_d[warp] = d; red_j[warp] = j; }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        for (int w = 1; w < BLOCK / 32; w++)
-            if (red_d[w] < red_d[0] || (red_d[w] == red_d[0] && red_j[w] < red_j[0])) { red_d[0] = red_d[w]; red_j[0] = red_j[w]; }
-    }
-    __syncthreads();
-    const int best = red_j[0];
-    __syncthreads();
-    return best;
+    return score;
 }
 
-// Assignment: one block per (head, tile of TOK tokens); thread j owns centroid j
-// (C <= 256). Centroids are staged channel-major in shared memory. QSAC > 1
-// scores the M nearest by weighted distance with the residual ranges.
-template <int D, int G, int QSAC>
-__device__ __forceinline__ void assign(const float *e, int n_tokens, int c_eff, const u16 *cent, int c_alloc,
-                                       int *idx_ws, u8 *idx_plane, const float *weights) {
-    constexpr int TOK = 16;
+// The warp's filtered scores: per thread, rows g and g+8 of its 16 tokens, the
+// K smallest over the centroid columns 2q, 2q+1 of every n-tile.
+template <int D, int K, bool LO>
+__device__ __forceinline__ void filter_pass(const u32 (&ah)[D / 16][4], const u32 (&al)[D / 16][4], const u16 *cs,
+                                            const float *nf, int cp, int g, int q, float (&bs0)[K], int (&bj0)[K],
+                                            float (&bs1)[K], int (&bj1)[K]) {
+    constexpr int DP = assign_geom<D>::DP;
+    for (int nt = 0; nt < cp / 8; nt += 4) {
+        float acc[4][4], acl[4][4];
+#pragma unroll
+        for (int u = 0; u < 4; u++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) acc[u][i] = acl[u][i] = 0.0f;
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ks++)
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                const u16 *bp = cs + ((nt + u) * 8 + g) * DP + ks * 16 + q * 2;
+                const u32 b0 = *(const u32 *)bp, b1 = *(const u32 *)(bp + 8);
+                mma_bf16(acc[u], ah[ks], b0, b1);
+                if (LO) mma_bf16(acl[u], al[ks], b0, b1);
+            }
+#pragma unroll
+        for (int u = 0; u < 4; u++)
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                const int j = (nt + u) * 8 + q * 2 + i;
+                const float n = nf[j];
+                const float d0 = LO ? __fadd_rn(acc[u][i], acl[u][i]) : acc[u][i];
+                const float d1 = LO ? __fadd_rn(acc[u][2 + i], acl[u][2 + i]) : acc[u][2 + i];
+                keep_k<K>(bs0, bj0, __fsub_rn(n, __fmul_rn(2.0f, d0)), j);
+                keep_k<K>(bs1, bj1, __fsub_rn(n, __fmul_rn(2.0f, d1)), j);
+            }
+    }
+}
+
+// One block per (head, WARPS x 16 tokens). M = 1: nearest centroid; M > 1:
+// QSAC over the M nearest by the weighted distance (weights[h][D], or ones).
+template <int D, int G, int M>
+__device__ __forceinline__ void assign(const float *__restrict__ e, int n_tokens, int c_eff,
+                                       const u16 *__restrict__ cent, int c_alloc, int *idx_ws, u8 *idx_plane,
+                                       const float *__restrict__ weights) {
+    constexpr int W = assign_geom<D>::WARPS, DP = assign_geom<D>::DP, KS = D / 16;
+    constexpr int MF = assign_lists<M>::MF, K = assign_lists<M>::K;
+    constexpr int WB = (int)((sizeof(assign_warp<M>) + 15) / 16 * 16);
     extern __shared__ __align__(16) unsigned char smem[];
-    u16 *ct = (u16 *)smem;                                   // [D][c_eff]
-    float *es = (float *)(smem + (size_t)D * 256 * 2);       // [D]
-    float *w = es + D;                                       // [D]
-    double *red_d = (double *)(w + D);                       // [8]
-    int *red_j = (int *)(red_d + 8);                         // [8]
-    double *cand_d = (double *)(red_j + 8);                  // [QSAC] scores
-    int *cand_j = (int *)(cand_d + 256);                     // [QSAC]
-    const int h = blockIdx.y, j = threadIdx.x;
+    u32 have;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(have));
+    if (have < (u32)assign_smem_bytes<D, M>()) __trap(); // the launch's size disagrees with this file
+    u16 *cs = (u16 *)smem;                      // [256][DP]
+    double *nrm = (double *)(cs + 256 * DP);    // [256] exact |mu|^2 (plain) or sum w mu^2 (QSAC)
+    float *nf = (float *)(nrm + 256);           // [256] f32 of nrm, +inf past c_eff
+    float *wv = nf + 256;                       // [D]
+    u32 *lim = (u32 *)(wv + D);                 // [0] max |mu|, [1] max |N| (f32 bits)
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, q = lane & 3;
+    assign_warp<M> &wa = *(assign_warp<M> *)(smem + (assign_smem_bytes<D, M>() - (W - warp) * WB));
+    const int h = blockIdx.y, cp = (c_eff + 31) & ~31;
     const u16 *ch = cent + (i64)h * c_alloc * D;
-    for (int i = threadIdx.x; i < c_eff * D; i += BLOCK) ct[(i % D) * c_eff + i / D] = ch[i];
-    if (QSAC > 1)
-        for (int c = threadIdx.x; c < D; c += BLOCK) w[c] = weights ? weights[(i64)h * D + c] : 1.0f;
+    for (int i = threadIdx.x; i < cp * (D / 8); i += W * 32) {
+        const int j = i / (D / 8), c8 = (i % (D / 8)) * 8;
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (j < c_eff) v = *(const uint4 *)(ch + (i64)j * D + c8);
+        *(uint4 *)(cs + j * DP + c8) = v;
+    }
+    for (int c = threadIdx.x; c < D; c += W * 32) wv[c] = (M > 1 && weights) ? weights[(i64)h * D + c] : 1.0f;
+    if (threadIdx.x < 2) lim[threadIdx.x] = 0u;
     __syncthreads();
-    double norm = 0.0;
-    if (j < c_eff)
-        for (int c = 0; c < D; c++) {
-            const double m = (double)kvf_bf16_to_f32(ct[c * c_eff + j]);
-            norm = __dadd_rn(norm, __dmul_rn(m, m));
-        }
-    const int t0 = blockIdx.x * TOK;
-    for (int t = t0; t < min(t0 + TOK, n_tokens); t++) {
-        const float *er = e + ((i64)h * n_tokens + t) * D;
-        for (int c = threadIdx.x; c < D; c += BLOCK) es[c] = er[c];
-        __syncthreads();
-        int best;
-        if (QSAC <= 1) {
-            const double d = j < c_eff ? plain_dist<D>(es, ct, j, c_eff, norm) : KVF_INF64;
-            best = block_argmin(d, j < c_eff ? j : 0x7fffffff, red_d, red_j);
-        } else {
-            double d = j < c_eff ? weighted_dist<D>(es, ct, j, c_eff, w) : KVF_INF64;
-            const int m = min(QSAC, c_eff);
-            for (int k = 0; k < m; k++) { // the m nearest, in (d_Q, j) order
-                const int pick = block_argmin(d, j < c_eff ? j : 0x7fffffff, red_d, red_j);
-                if (j == pick) d = KVF_INF64;
-                if (threadIdx.x == 0) cand_j[k] = pick;
-                __syncthreads();
+    for (int j = threadIdx.x; j < cp; j += W * 32) {
+        double nn = 0.0, nw = 0.0;
+        if (j < c_eff)
+            for (int c = 0; c < D; c++) {
+                const double m = (double)kvf_bf16_to_f32(cs[j * DP + c]);
+                nn = __fma_rn(m, m, nn);
+                if (M > 1) nw = __fma_rn((double)wv[c], __dmul_rn(m, m), nw);
             }
-            if (threadIdx.x < m) { // score S of candidate k (METHODS.md 3)
-                const int cj = cand_j[threadIdx.x];
-                double score = 0.0;
-                for (int g = 0; g < D / G; g++) {
-                    float lo = 0.0f, hi = 0.0f;
-                    double wsum = 0.0;
-                    for (int c = g * G; c < (g + 1) * G; c++) {
-                        const float r = __fsub_rn(es[c], kvf_bf16_to_f32(ct[c * c_eff + cj]));
-                        lo = c == g * G ? r : fminf(lo, r);
-                        hi = c == g * G ? r : fmaxf(hi, r);
-                        wsum = __dadd_rn(wsum, (double)w[c]);
-                    }
-                    const double range = (double)__fsub_rn(hi, lo);
-                    score = __dadd_rn(score, __dmul_rn(wsum, __dmul_rn(range, range)));
+        const double nj = M > 1 ? nw : nn;
+        nrm[j] = nj;
+        nf[j] = j < c_eff ? (float)nj : __int_as_float(0x7f800000);
+        if (j < c_eff) {
+            atomicMax(&lim[0], __float_as_uint(fabsf((float)sqrt(nn))));
+            atomicMax(&lim[1], __float_as_uint(fabsf((float)nj)));
+        }
+    }
+    __syncthreads();
+    // Round the limits up a little: the bound must not be below the truth.
+    const float cmax = __fmul_rn(__uint_as_float(lim[0]), 1.0001f), nmax = __fmul_rn(__uint_as_float(lim[1]), 1.0001f);
+
+    const int tw0 = (blockIdx.x * W + warp) * TPW;
+    if (tw0 >= n_tokens) return; // no __syncthreads below
+    // A fragments (m16n8k16, row-major): rows g and g+8, columns 2q.. of each half of each k-step.
+    u32 ah[KS][4], al[KS][4];
+    float ss0 = 0.0f, ss1 = 0.0f;
+    bool any_lo = false;
+    {
+        const float *r0 = e + ((i64)h * n_tokens + min(tw0 + g, n_tokens - 1)) * D;
+        const float *r1 = e + ((i64)h * n_tokens + min(tw0 + g + 8, n_tokens - 1)) * D;
+#pragma unroll
+        for (int ks = 0; ks < KS; ks++)
+#pragma unroll
+            for (int half = 0; half < 2; half++) {
+                const int c = ks * 16 + half * 8 + q * 2;
+                float2 x0 = *(const float2 *)(r0 + c), x1 = *(const float2 *)(r1 + c);
+                if (M > 1) {
+                    x0.x = __fmul_rn(x0.x, wv[c]); x0.y = __fmul_rn(x0.y, wv[c + 1]);
+                    x1.x = __fmul_rn(x1.x, wv[c]); x1.y = __fmul_rn(x1.y, wv[c + 1]);
                 }
-                cand_d[threadIdx.x] = score;
+                ss0 = __fmaf_rn(x0.x, x0.x, __fmaf_rn(x0.y, x0.y, ss0));
+                ss1 = __fmaf_rn(x1.x, x1.x, __fmaf_rn(x1.y, x1.y, ss1));
+                split_pair(x0.x, x0.y, ah[ks][half * 2], al[ks][half * 2]);
+                split_pair(x1.x, x1.y, ah[ks][half * 2 + 1], al[ks][half * 2 + 1]);
+                any_lo |= (al[ks][half * 2] | al[ks][half * 2 + 1]) != 0u;
             }
-            __syncthreads();
-            if (threadIdx.x == 0) {
-                int b = 0;
+    }
+    ss0 = __fadd_rn(ss0, __shfl_xor_sync(0xffffffffu, ss0, 1));
+    ss0 = __fadd_rn(ss0, __shfl_xor_sync(0xffffffffu, ss0, 2));
+    ss1 = __fadd_rn(ss1, __shfl_xor_sync(0xffffffffu, ss1, 1));
+    ss1 = __fadd_rn(ss1, __shfl_xor_sync(0xffffffffu, ss1, 2));
+    if (q == 0) { wa.an[g] = sqrtf(ss0); wa.an[g + 8] = sqrtf(ss1); }
+    if (M <= 8) {
+        float bs0[K], bs1[K];
+        int bj0[K], bj1[K];
+#pragma unroll
+        for (int i = 0; i < K; i++) { bs0[i] = bs1[i] = __int_as_float(0x7f800000); bj0[i] = bj1[i] = 0; }
+        if (__any_sync(0xffffffffu, any_lo)) filter_pass<D, K, true>(ah, al, cs, nf, cp, g, q, bs0, bj0, bs1, bj1);
+        else filter_pass<D, K, false>(ah, al, cs, nf, cp, g, q, bs0, bj0, bs1, bj1);
+#pragma unroll
+        for (int i = 0; i < K; i++) {
+            wa.ls[g][q][i] = bs0[i]; wa.lj[g][q][i] = bj0[i];
+            wa.ls[g + 8][q][i] = bs1[i]; wa.lj[g + 8][q][i] = bj1[i];
+        }
+    }
+    __syncwarp();
+    // Candidates of token `lane`: within 2B of the M-th smallest filtered score.
+    if (lane < TPW) {
+        const int t = tw0 + lane;
+        int n = -1;
+        if (M <= 8) {
+            float top[MF];
+#pragma unroll
+            for (int i = 0; i < MF; i++) top[i] = __int_as_float(0x7f800000);
+            int topj[MF];
+            for (int qq = 0; qq < 4; qq++)
+                for (int i = 0; i < K; i++) keep_k<MF>(top, topj, wa.ls[lane][qq][i], 0);
+            // + an absolute term for BF16/f32 subnormals the tensor cores may flush.
+            const float b = __fadd_rn(__fmul_rn(KAPPA, __fmaf_rn(wa.an[lane], cmax, nmax)),
+                                      __fmul_rn(2e-36f, __fadd_rn(__fadd_rn(wa.an[lane], cmax), 1.0f)));
+            const float thr = __fadd_rn(top[MF - 1], __fmul_rn(2.0f, b));
+            if (thr - thr == 0.0f && b - b == 0.0f && c_eff >= MF) { // finite
+                n = 0;
+                for (int qq = 0; qq < 4 && n >= 0; qq++) {
+                    if (wa.ls[lane][qq][K - 1] <= thr) n = -1; // this thread's list may have dropped one
+                    for (int i = 0; i < K && n >= 0; i++)
+                        if (wa.ls[lane][qq][i] <= thr) {
+                            if (n == CAP) n = -1;
+                            else wa.cj[lane][n++] = wa.lj[lane][qq][i];
+                        }
+                }
+            }
+        }
+        wa.nc[lane] = t < n_tokens ? n : 0;
+    }
+    __syncwarp();
+    for (int i = lane; i < TPW * CAP; i += 32) {
+        const int tl = i / CAP, k = i % CAP;
+        if (k >= wa.nc[tl]) continue;
+        const float *x = e + ((i64)h * n_tokens + tw0 + tl) * D;
+        const int j = wa.cj[tl][k];
+        wa.cd[tl][k] = M > 1 ? weighted_dist<D>(x, cs + j * DP, wv) : plain_dist<D>(x, cs + j * DP, nrm[j]);
+    }
+    __syncwarp();
+    // The CPU's rule over the candidates: the smallest (distance, j); for QSAC
+    // the M smallest (distance, j), then the first smallest sensitivity score.
+    if (lane < TPW && wa.nc[lane] > 0) {
+        const int n = wa.nc[lane];
+        if (M == 1) {
+            int bj = wa.cj[lane][0];
+            double bd = wa.cd[lane][0];
+            for (int k = 1; k < n; k++) {
+                const double d = wa.cd[lane][k];
+                const int j = wa.cj[lane][k];
+                if (d < bd || (d == bd && j < bj)) { bd = d; bj = j; }
+            }
+            wa.pk[lane][0] = bj;
+        } else {
+            double td[MF];
+            int tj[MF];
+#pragma unroll
+            for (int i = 0; i < MF; i++) { td[i] = KVF_INF64; tj[i] = 0x7fffffff; }
+            for (int k = 0; k < n; k++) {
+                double d = wa.cd[lane][k];
+                int j = wa.cj[lane][k];
+#pragma unroll
+                for (int i = 0; i < MF; i++)
+                    if (d < td[i] || (d == td[i] && j < tj[i])) {
+                        const double od = td[i];
+                        const int oj = tj[i];
+                        td[i] = d; tj[i] = j; d = od; j = oj;
+                    }
+            }
+#pragma unroll
+            for (int i = 0; i < MF; i++) wa.pk[lane][i] = tj[i];
+        }
+    }
+    __syncwarp();
+    if (M > 1 && M <= 8) {
+        for (int i = lane; i < TPW * MF; i += 32) {
+            const int tl = i / MF, k = i % MF;
+            if (wa.nc[tl] <= 0) continue;
+            const float *x = e + ((i64)h * n_tokens + tw0 + tl) * D;
+            wa.sv[tl][k] = sensitivity<D, G>(x, cs + wa.pk[tl][k] * DP, wv);
+        }
+        __syncwarp();
+        if (lane < TPW && wa.nc[lane] > 0) {
+            int b = 0;
+            for (int k = 1; k < MF; k++)
+                if (wa.sv[lane][k] < wa.sv[lane][b]) b = k;
+            wa.pk[lane][0] = wa.pk[lane][b];
+        }
+        __syncwarp();
+    }
+    if (lane < TPW && wa.nc[lane] > 0) {
+        const i64 o = (i64)h * n_tokens + tw0 + lane;
+        if (idx_ws) idx_ws[o] = wa.pk[lane][0];
+        if (idx_plane) idx_plane[o] = (u8)wa.pk[lane][0];
+    }
+    // Full scans, one token at a time: every distance, then ref_kmeans.c's
+    // sequential rules verbatim (a NaN distance never wins, except at j = 0).
+    for (int tl = 0; tl < TPW; tl++) {
+        if (wa.nc[tl] != -1) continue; // same value in every lane
+        const float *x = e + ((i64)h * n_tokens + tw0 + tl) * D;
+        for (int j = lane; j < c_eff; j += 32)
+            wa.scr[j] = M > 1 ? weighted_dist<D>(x, cs + j * DP, wv) : plain_dist<D>(x, cs + j * DP, nrm[j]);
+        __syncwarp();
+        int best = 0;
+        if (M == 1) {
+            if (lane == 0) {
+                double bd = wa.scr[0];
+                for (int j = 1; j < c_eff; j++)
+                    if (wa.scr[j] < bd) { bd = wa.scr[j]; best = j; }
+            }
+        } else {
+            const int m = min(M, c_eff);
+            if (lane == 0) { // keep_best
+                int nb = 0;
+                for (int j = 0; j < c_eff; j++) {
+                    const double d = wa.scr[j];
+                    int pos = nb;
+                    while (pos > 0 && d < wa.fd[pos - 1]) pos--;
+                    if (pos >= m) continue;
+                    for (int i = (nb < m ? nb : m - 1); i > pos; i--) { wa.fd[i] = wa.fd[i - 1]; wa.fj[i] = wa.fj[i - 1]; }
+                    wa.fd[pos] = d;
+                    wa.fj[pos] = j;
+                    if (nb < m) nb++;
+                }
+            }
+            __syncwarp();
+            for (int k = lane; k < m; k += 32) wa.fs[k] = sensitivity<D, G>(x, cs + wa.fj[k] * DP, wv);
+            __syncwarp();
+            if (lane == 0) {
+                best = wa.fj[0];
+                double bs = wa.fs[0];
                 for (int k = 1; k < m; k++)
-                    if (cand_d[k] < cand_d[b]) b = k;
-                red_j[0] = cand_j[b];
+                    if (wa.fs[k] < bs) { bs = wa.fs[k]; best = wa.fj[k]; }
             }
-            __syncthreads();
-            best = red_j[0];
         }
-        if (threadIdx.x == 0) {
-            if (idx_ws) idx_ws[(i64)h * n_tokens + t] = best;
-            if (idx_plane) idx_plane[(i64)h * n_tokens + t] = (u8)best;
+        if (lane == 0) {
+            const i64 o = (i64)h * n_tokens + tw0 + tl;
+            if (idx_ws) idx_ws[o] = best;
+            if (idx_plane) idx_plane[o] = (u8)best;
         }
-        __syncthreads();
+        __syncwarp();
     }
 }
 
-// Lloyd update, step 1: fixed-point sums of each cluster's members.
-template <int D>
-__device__ __forceinline__ void accumulate(const float *e, const int *idx, int n_tokens, int n_heads, int c_eff,
-                                           long long *acc, int *cnt) {
-    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; // one (h, t, c)
-    if (i >= (i64)n_heads * n_tokens * D) return;
-    const int c = (int)(i % D);
-    const i64 ht = i / D, h = ht / n_tokens;
-    const int z = idx[ht];
-    const long long v = __double2ll_rn(__dmul_rn((double)e[i], FIX));
-    atomicAdd((unsigned long long *)&acc[(h * c_eff + z) * D + c], (unsigned long long)v);
-    if (c == 0) atomicAdd(&cnt[h * c_eff + z], 1);
+// Lloyd update, step 1: each cluster's fixed-point sum and count. One block
+// per (head, 16 channels): the sums stay in shared memory (integer adds, so
+// any order gives the same bytes) and are stored once, no global atomics.
+constexpr int ACC_CH = 16;
+__device__ __forceinline__ long long fixed_point(float v) { // ref_kmeans.c fixed_point
+    double x = __dmul_rn((double)v, FIX);
+    if (x != x) return 0;
+    x = fmin(fmax(x, -68719476736.0), 68719476736.0);
+    return __double2ll_rn(x);
 }
 
-// Step 2: means to bf16 (empty clusters keep theirs); sums reset for the next step.
+template <int D>
+__device__ __forceinline__ void accumulate(const float *__restrict__ e, const int *__restrict__ idx, int n_tokens,
+                                           int c_eff, long long *acc, int *cnt) {
+    __shared__ long long sa[256 * ACC_CH];
+    __shared__ int sc[256];
+    const int h = blockIdx.y, c0 = blockIdx.x * ACC_CH;
+    for (int i = threadIdx.x; i < c_eff * ACC_CH; i += blockDim.x) sa[i] = 0;
+    for (int i = threadIdx.x; i < c_eff; i += blockDim.x) sc[i] = 0;
+    __syncthreads();
+    const int c = threadIdx.x % ACC_CH, rows = blockDim.x / ACC_CH;
+    const float *eh = e + (i64)h * n_tokens * D + c0 + c;
+    const int *ih = idx + (i64)h * n_tokens;
+    constexpr int U = 4; // loads in flight per thread
+    for (int t0 = threadIdx.x / ACC_CH; t0 < n_tokens; t0 += rows * U) {
+        float v[U];
+        int z[U];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int t = t0 + u * rows;
+            z[u] = t < n_tokens ? ih[t] : -1;
+            v[u] = t < n_tokens ? eh[(i64)t * D] : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++)
+            if (z[u] >= 0) {
+                atomicAdd((unsigned long long *)&sa[z[u] * ACC_CH + c], (unsigned long long)fixed_point(v[u]));
+                if (c0 == 0 && c == 0) atomicAdd(&sc[z[u]], 1);
+            }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < c_eff * ACC_CH; i += blockDim.x)
+        acc[((i64)h * c_eff + i / ACC_CH) * D + c0 + i % ACC_CH] = sa[i];
+    if (c0 == 0)
+        for (int i = threadIdx.x; i < c_eff; i += blockDim.x) cnt[h * c_eff + i] = sc[i];
+}
+
+// Step 2: means to bf16 (empty clusters keep theirs).
 template <int D>
 __device__ __forceinline__ void finalize(int n_heads, int c_eff, long long *acc, int *cnt, u16 *cent, int c_alloc) {
     const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; // one (h, j, c)
@@ -203,15 +514,6 @@ __device__ __forceinline__ void finalize(int n_heads, int c_eff, long long *acc,
     const int n = cnt[hj];
     if (n > 0)
         cent[(h * c_alloc + j) * D + c] = kvf_f32_to_bf16((float)__ddiv_rn(__ddiv_rn((double)acc[i], FIX), (double)n));
-}
-
-// Zero the sums and counts before a Lloyd update.
-template <int D>
-__device__ __forceinline__ void reset(int n_heads, int c_eff, long long *acc, int *cnt) {
-    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; // one (h, j, c)
-    if (i >= (i64)n_heads * c_eff * D) return;
-    acc[i] = 0;
-    if (i % D == 0) cnt[i / D] = 0;
 }
 
 // Rows c_eff..C-1 (span shorter than the centroid count) repeat row 0.
@@ -279,25 +581,27 @@ __device__ __forceinline__ void residual(float *e, int n_tokens, int n_heads, u8
                                              int stage, u16 *cent, int c_alloc) {                              \
         kvf_kmeans::init<D>(e, n, nh, c_eff, seed, stage, cent, c_alloc);                                      \
     }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(kvf_kmeans::BLOCK)                                            \
+    /* What runtime/context.c launches the assignment with: dynamic shared bytes   */                      \
+    /* (plain, QSAC), threads per block, tokens per block.                         */                      \
+    extern "C" __device__ const int PREFIX##_assign_cfg[4] = {                                                \
+        kvf_kmeans::assign_smem_bytes<D, 1>(), kvf_kmeans::assign_smem_bytes<D, QSAC>(),                       \
+        kvf_kmeans::assign_geom<D>::WARPS * 32, kvf_kmeans::assign_geom<D>::WARPS * kvf_kmeans::TPW};          \
+    extern "C" __global__ void __launch_bounds__(kvf_kmeans::assign_geom<D>::WARPS * 32)                       \
     PREFIX##_assign(const float *e, int n, int c_eff, const u16 *cent, int c_alloc, int *idx_ws, u8 *idx_plane) { \
         kvf_kmeans::assign<D, G, 1>(e, n, c_eff, cent, c_alloc, idx_ws, idx_plane, 0);                         \
     }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(kvf_kmeans::BLOCK)                                            \
+    extern "C" __global__ void __launch_bounds__(kvf_kmeans::assign_geom<D>::WARPS * 32)                       \
     PREFIX##_assign_qsac(const float *e, int n, int c_eff, const u16 *cent, int c_alloc, u8 *idx_plane,       \
                          const float *weights) {                                                               \
         kvf_kmeans::assign<D, G, QSAC>(e, n, c_eff, cent, c_alloc, 0, idx_plane, weights);                     \
     }                                                                                                          \
-    extern "C" __global__ void PREFIX##_accumulate(const float *e, const int *idx, int n, int nh, int c_eff,   \
-                                                   long long *acc, int *cnt) {                                 \
-        kvf_kmeans::accumulate<D>(e, idx, n, nh, c_eff, acc, cnt);                                             \
+    extern "C" __global__ void __launch_bounds__(kvf_kmeans::BLOCK)                                            \
+    PREFIX##_accumulate(const float *e, const int *idx, int n, int c_eff, long long *acc, int *cnt) {          \
+        kvf_kmeans::accumulate<D>(e, idx, n, c_eff, acc, cnt);                                                 \
     }                                                                                                          \
     extern "C" __global__ void PREFIX##_finalize(int nh, int c_eff, long long *acc, int *cnt, u16 *cent,       \
                                                  int c_alloc) {                                                \
         kvf_kmeans::finalize<D>(nh, c_eff, acc, cnt, cent, c_alloc);                                           \
-    }                                                                                                          \
-    extern "C" __global__ void PREFIX##_reset(int nh, int c_eff, long long *acc, int *cnt) {                   \
-        kvf_kmeans::reset<D>(nh, c_eff, acc, cnt);                                                             \
     }                                                                                                          \
     extern "C" __global__ void PREFIX##_pad(int nh, int c_eff, int c_alloc, u16 *cent) {                       \
         kvf_kmeans::pad<D>(nh, c_eff, c_alloc, cent);                                                          \

@@ -2,7 +2,8 @@
 # Run on the GPU machine over a copy of the work tree with out/ carried
 # (built here by `make all aot-demo carry`). Prints what docs/VALIDATION.md
 # and docs/BENCHMARKS.md record. Parts: tests, demo, jit, aot, sanitizer, bench
-# (default: all), e.g. `bash tools/h200_validate.sh tests bench`.
+# profile (ncu per-kernel times of one layer's encode + decode, not in the
+# default set), (default: all), e.g. `bash tools/h200_validate.sh tests bench`.
 set -u
 export LD_LIBRARY_PATH=$PWD/out/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export KVF_SRC=$PWD KVFORGE_CACHE_DIR=$(mktemp -d) KVFORGE_LIB=$PWD/out/lib/libkvforge.so
@@ -43,6 +44,23 @@ if has python; then
   PYTHONPATH=python python3 -m pytest -q -s -rs python/tests 2>&1 | tail -25
   PYTHONPATH=python python3 examples/attention_layer.py --scheme schemes/rtn_int2.lua --chunks 4
   PYTHONPATH=python python3 examples/attention_layer.py --scheme schemes/quantwm_int2.lua --chunks 4
+fi
+if has profile && command -v ncu >/dev/null; then
+  echo "== ncu: per-kernel time of one encode + decode of the layer (qvg_int2, quantwm_int2)"
+  for s in qvg_int2 quantwm_int2; do
+    ncu --clock-control none --metrics gpu__time_duration.sum --csv out/bin/kvf_bench --reps 1 $s >ncu_$s.csv 2>&1
+    python3 - ncu_$s.csv <<'PY'
+import csv, sys, collections
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
+hdr = rows[0]; k = hdr.index("Kernel Name"); v = hdr.index("Metric Value"); u = hdr.index("Metric Unit")
+scale = {"nsecond": 1e-6, "usecond": 1e-3, "msecond": 1.0, "second": 1e3}
+tot = collections.OrderedDict()
+for r in rows[1:]:
+    name = r[k].split("_", 3)[-1] if r[k].startswith("kvf_") else r[k]
+    t, n = tot.get(name, (0.0, 0)); tot[name] = (t + float(r[v].replace(",", "")) * scale.get(r[u], float("nan")), n + 1)
+for name, (t, n) in tot.items(): print(f"  {name:28s} {n:4d} launches {t:9.3f} ms total {t/n:8.3f} ms each")
+PY
+  done
 fi
 if has bench; then
   echo "== bench"
