@@ -180,6 +180,15 @@ int main(int argc, char **argv) {
         }
         c.pos = s->rope.placement == KVF_ROPE_PRE ? dpos : 0;
         float enc = time_median(do_encode, &c, reps < 5 ? reps : 5);
+        unsigned long long st[2][8];
+        if (!kvf_context_assign_stats(c.ctx, 1, st) && !do_encode(&c) && !kvf_context_assign_stats(c.ctx, 0, st))
+            for (int t = 0; t < 2; t++)
+                for (int k = 0; k < 2; k++)
+                    if (st[t][4 * k])
+                        fprintf(stderr, "  %s %s assign%s: %llu tokens, %.2f f64 candidates/token, %.3f%% full scans, "
+                                "%.3f%% filtered twice\n", names[i], t ? "V" : "K", k ? " (QSAC)" : "",
+                                st[t][4 * k], (double)st[t][4 * k + 1] / st[t][4 * k],
+                                100.0 * st[t][4 * k + 2] / st[t][4 * k], 100.0 * st[t][4 * k + 3] / st[t][4 * k]);
         float dec = time_median(do_decode, &c, reps);
         double moved = (double)c.packed_bytes + 2.0 * n * 2;
         double bw = moved / (dec * 1e-3) / 1e9;

@@ -178,6 +178,35 @@ void kvf_context_destroy(kvf_context *ctx) {
     free(ctx);
 }
 
+int kvf_context_assign_stats(kvf_context *ctx, int enable, unsigned long long out[2][8]) {
+    memset(out, 0, sizeof(unsigned long long) * 16);
+    if (!ctx || ctx->device == KVF_DEVICE_CPU) return kvf_set_error(KVF_EINVAL, "assign stats: no GPU context");
+    const kvf_cuda_api *cu = ctx->cu;
+    KVF_CU(cu, ctx->device, cuCtxPushCurrent(ctx->cuctx));
+    CUresult r = CUDA_SUCCESS;
+    for (int t = 0; t < 2 && r == CUDA_SUCCESS; t++) {
+        if (!ctx->fn[KVF_R_K_ASSIGN + t * KVF_R_SECTION_STRIDE]) continue;
+        char name[160];
+        CUdeviceptr p;
+        size_t bytes;
+        unsigned long long v[9] = {(unsigned long long)(enable > 0)};
+        snprintf(name, sizeof name, "kvf_%s_%c_assign_stats", ctx->scheme->id, t ? 'v' : 'k');
+        if ((r = cu->cuModuleGetGlobal(&p, &bytes, ctx->module, name)) != CUDA_SUCCESS) break;
+        if (bytes != sizeof v) { r = CUDA_ERROR_INVALID_IMAGE; break; }
+        if ((r = cu->cuCtxSynchronize()) != CUDA_SUCCESS) break;
+        if ((r = cu->cuMemcpyDtoH(v, p, sizeof v)) != CUDA_SUCCESS) break;
+        memcpy(out[t], v + 1, sizeof out[t]);
+        if (enable >= 0) {
+            unsigned long long z[9] = {(unsigned long long)(enable > 0)};
+            r = cu->cuMemcpyHtoD(p, z, sizeof z);
+        }
+    }
+    CUcontext popped;
+    cu->cuCtxPopCurrent(&popped);
+    if (r != CUDA_SUCCESS) return kvf_cuda_fail(r, "assign stats (cuModuleGetGlobal/cuMemcpy)", __FILE__, __LINE__, ctx->device);
+    return KVF_OK;
+}
+
 /* ------------------------------------------------------------- launches */
 
 enum { BLOCK = 256, VEC = 8 }; /* the templates' block size and channels per lane */

@@ -216,4 +216,10 @@ void kvf_cache_unlock(int fd);
 /* Print the entries (kvforge cache list). */
 int kvf_cache_list(FILE *out);
 
+/* The k-means assignment's filter statistics (templates/kvf_kmeans.cuh
+ * assign_stats), for bench/: enable = 1 zeroes and starts counting, 0 stops,
+ * -1 only reads. out[t] for K (t = 0) and V: per kernel (plain, QSAC) tokens,
+ * f64 candidates, full scans, second filters. */
+int kvf_context_assign_stats(struct kvf_context *ctx, int enable, unsigned long long out[2][8]);
+
 #endif

@@ -66,21 +66,25 @@ __device__ __forceinline__ void init(const float *e, int n_tokens, int n_heads, 
 // distance GEMM on the tensor cores (METHODS.md 3, "exact assignment through
 // a tensor-core filter"):
 //  1. filter: s_j = N_j - 2 <a, mu_j> for all j with BF16 mma (a = e, or w*e
-//     for QSAC, split a = hi + lo into two BF16 parts; mu_j is BF16 already),
-//     f32 accumulation. |s_j - exact| <= B = KAPPA (|a| max|mu| + max|N|)
-//     (the split leaves 2^-17 |a|, the accumulation of 2 x D/16 chained mma
-//     at most 2^-16 |a||mu|, roundings of N and s 2^-23: KAPPA = 2^-12 keeps
-//     a factor 4 to spare);
+//     for QSAC, split a = hi + lo into two BF16 parts; mu_j is BF16 already).
+//     Each k-step's two mma start from zero and are added in f32, so the
+//     tensor cores' own accumulation (products exact, the sum of 32 within
+//     2^-18 of their magnitudes) never sees the running sum. With
+//     S = |a| max|mu| >= sum |a_k mu_k|: split 2^-18 S, k-steps 2^-18 S, the
+//     f32 adds 2^-21 S, so |s_j - exact| < 2^-15.8 (S + max|N|) and
+//     B = KAPPA (S + max|N|), KAPPA = 2^-14, keeps a factor 3.5 to spare;
 //  2. every j with s_j <= (M-th smallest s) + 2B is a candidate: the exact
-//     M nearest are among them;
+//     M nearest are among them. Per thread the K best s are kept; a token
+//     whose lists may have dropped a candidate is filtered again, collecting
+//     every j under its threshold;
 //  3. the candidates' f64 distances in channel order, as ref_kmeans.c, pick
 //     the result by the CPU's rule.
-// Tokens whose bound is not finite (NaN/Inf inputs or centroids), or whose
-// candidates overflow the per-thread lists, take a full f64 scan with the
-// CPU's sequential rule (NaN handling included).
+// Tokens whose bound is not finite (NaN/Inf inputs or centroids) or with more
+// than CAP candidates take a full f64 scan with the CPU's sequential rule
+// (NaN handling included).
 constexpr int TPW = 16;         // tokens per warp (one m16 tile)
-constexpr int CAP = 8;          // candidates per token before the full scan
-constexpr float KAPPA = 2.44140625e-4f; // 2^-12
+constexpr int CAP = 32;         // candidates per token before the full scan
+constexpr float KAPPA = 6.103515625e-05f; // 2^-14
 
 template <int D> struct assign_geom {
     static constexpr int WARPS = D >= 256 ? 4 : 8;
@@ -91,7 +95,7 @@ template <int M> struct assign_lists {
     static constexpr int K = MF + 2;          // per-thread best kept per token
 };
 
-// Per-warp shared scratch. runtime/context.c (assign_smem) mirrors the size.
+// Per-warp shared scratch (its size reaches runtime/context.c through assign_cfg).
 template <int M> struct assign_warp {
     double cd[TPW][CAP];        // candidates' exact distances
     double scr[256];            // full scan: every centroid's exact distance
@@ -100,7 +104,9 @@ template <int M> struct assign_warp {
     float ls[TPW][4][assign_lists<M>::K];
     int lj[TPW][4][assign_lists<M>::K];
     float an[TPW];              // |a| of the token
-    int nc[TPW];                // candidates, -1 = full scan
+    float thr[TPW];             // candidate threshold
+    int nc[TPW];                // candidates; -1 full scan, -2 filter again
+    int again[TPW];             // filtered again
     int cj[TPW][CAP];
     int pk[TPW][8];             // the M nearest (filtered path)
     int fj[M];
@@ -117,7 +123,7 @@ __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) { // lo -> bits 0
     return r;
 }
 
-// a = hi + lo + O(2^-17 |a|): both halves as packed BF16 pairs.
+// a = hi + lo + O(2^-18 |a|): both halves as packed BF16 pairs.
 __device__ __forceinline__ void split_pair(float x0, float x1, u32 &hi, u32 &lo) {
     hi = pack_bf16x2(x0, x1);
     const float h0 = __uint_as_float(hi << 16), h1 = __uint_as_float(hi & 0xffff0000u);
@@ -183,27 +189,34 @@ __device__ __forceinline__ double sensitivity(const float *x, const u16 *mu, con
     return score;
 }
 
-// The warp's filtered scores: per thread, rows g and g+8 of its 16 tokens, the
-// K smallest over the centroid columns 2q, 2q+1 of every n-tile.
-template <int D, int K, bool LO>
-__device__ __forceinline__ void filter_pass(const u32 (&ah)[D / 16][4], const u32 (&al)[D / 16][4], const u16 *cs,
-                                            const float *nf, int cp, int g, int q, float (&bs0)[K], int (&bj0)[K],
-                                            float (&bs1)[K], int (&bj1)[K]) {
+// One pass of the filter over all centroids for the warp's 16 tokens (rows g
+// and g+8 of the thread). COLLECT = 0: keep each row's K smallest over the
+// thread's columns. COLLECT = 1: append every j with s_j <= thr of a row
+// marked `again` to that row's candidates.
+template <int D, int K, int M, bool COLLECT>
+__device__ __forceinline__ void filter(bool lo, const u32 (&ah)[D / 16][4], const u32 (&al)[D / 16][4],
+                                       const u16 *cs, const float *nf, int cp, int g, int q, float (&bs0)[K],
+                                       int (&bj0)[K], float (&bs1)[K], int (&bj1)[K], assign_warp<M> &wa) {
     constexpr int DP = assign_geom<D>::DP;
+    const float neg = __int_as_float(0xff800000);
+    const float thr0 = COLLECT && wa.again[g] ? wa.thr[g] : neg, thr1 = COLLECT && wa.again[g + 8] ? wa.thr[g + 8] : neg;
     for (int nt = 0; nt < cp / 8; nt += 4) {
-        float acc[4][4], acl[4][4];
+        float acc[4][4];
 #pragma unroll
         for (int u = 0; u < 4; u++)
 #pragma unroll
-            for (int i = 0; i < 4; i++) acc[u][i] = acl[u][i] = 0.0f;
+            for (int i = 0; i < 4; i++) acc[u][i] = 0.0f;
 #pragma unroll
         for (int ks = 0; ks < D / 16; ks++)
 #pragma unroll
             for (int u = 0; u < 4; u++) {
                 const u16 *bp = cs + ((nt + u) * 8 + g) * DP + ks * 16 + q * 2;
                 const u32 b0 = *(const u32 *)bp, b1 = *(const u32 *)(bp + 8);
-                mma_bf16(acc[u], ah[ks], b0, b1);
-                if (LO) mma_bf16(acl[u], al[ks], b0, b1);
+                float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                mma_bf16(t, ah[ks], b0, b1);
+                if (lo) mma_bf16(t, al[ks], b0, b1); // warp-uniform: some e is not BF16
+#pragma unroll
+                for (int i = 0; i < 4; i++) acc[u][i] = __fadd_rn(acc[u][i], t[i]);
             }
 #pragma unroll
         for (int u = 0; u < 4; u++)
@@ -211,20 +224,26 @@ __device__ __forceinline__ void filter_pass(const u32 (&ah)[D / 16][4], const u3
             for (int i = 0; i < 2; i++) {
                 const int j = (nt + u) * 8 + q * 2 + i;
                 const float n = nf[j];
-                const float d0 = LO ? __fadd_rn(acc[u][i], acl[u][i]) : acc[u][i];
-                const float d1 = LO ? __fadd_rn(acc[u][2 + i], acl[u][2 + i]) : acc[u][2 + i];
-                keep_k<K>(bs0, bj0, __fsub_rn(n, __fmul_rn(2.0f, d0)), j);
-                keep_k<K>(bs1, bj1, __fsub_rn(n, __fmul_rn(2.0f, d1)), j);
+                const float s0 = __fsub_rn(n, __fmul_rn(2.0f, acc[u][i]));
+                const float s1 = __fsub_rn(n, __fmul_rn(2.0f, acc[u][2 + i]));
+                if (COLLECT) {
+                    if (s0 <= thr0) { const int k = atomicAdd(&wa.nc[g], 1); if (k < CAP) wa.cj[g][k] = j; }
+                    if (s1 <= thr1) { const int k = atomicAdd(&wa.nc[g + 8], 1); if (k < CAP) wa.cj[g + 8][k] = j; }
+                } else {
+                    keep_k<K>(bs0, bj0, s0, j);
+                    keep_k<K>(bs1, bj1, s1, j);
+                }
             }
     }
 }
 
 // One block per (head, WARPS x 16 tokens). M = 1: nearest centroid; M > 1:
 // QSAC over the M nearest by the weighted distance (weights[h][D], or ones).
+// stats (optional, [3]): tokens, candidates scored in f64, full scans.
 template <int D, int G, int M>
 __device__ __forceinline__ void assign(const float *__restrict__ e, int n_tokens, int c_eff,
                                        const u16 *__restrict__ cent, int c_alloc, int *idx_ws, u8 *idx_plane,
-                                       const float *__restrict__ weights) {
+                                       const float *__restrict__ weights, unsigned long long *stats) {
     constexpr int W = assign_geom<D>::WARPS, DP = assign_geom<D>::DP, KS = D / 16;
     constexpr int MF = assign_lists<M>::MF, K = assign_lists<M>::K;
     constexpr int WB = (int)((sizeof(assign_warp<M>) + 15) / 16 * 16);
@@ -296,18 +315,18 @@ __device__ __forceinline__ void assign(const float *__restrict__ e, int n_tokens
                 any_lo |= (al[ks][half * 2] | al[ks][half * 2 + 1]) != 0u;
             }
     }
+    const bool lo = __any_sync(0xffffffffu, any_lo);
     ss0 = __fadd_rn(ss0, __shfl_xor_sync(0xffffffffu, ss0, 1));
     ss0 = __fadd_rn(ss0, __shfl_xor_sync(0xffffffffu, ss0, 2));
     ss1 = __fadd_rn(ss1, __shfl_xor_sync(0xffffffffu, ss1, 1));
     ss1 = __fadd_rn(ss1, __shfl_xor_sync(0xffffffffu, ss1, 2));
     if (q == 0) { wa.an[g] = sqrtf(ss0); wa.an[g + 8] = sqrtf(ss1); }
-    if (M <= 8) {
-        float bs0[K], bs1[K];
-        int bj0[K], bj1[K];
+    float bs0[K], bs1[K];
+    int bj0[K], bj1[K];
 #pragma unroll
-        for (int i = 0; i < K; i++) { bs0[i] = bs1[i] = __int_as_float(0x7f800000); bj0[i] = bj1[i] = 0; }
-        if (__any_sync(0xffffffffu, any_lo)) filter_pass<D, K, true>(ah, al, cs, nf, cp, g, q, bs0, bj0, bs1, bj1);
-        else filter_pass<D, K, false>(ah, al, cs, nf, cp, g, q, bs0, bj0, bs1, bj1);
+    for (int i = 0; i < K; i++) { bs0[i] = bs1[i] = __int_as_float(0x7f800000); bj0[i] = bj1[i] = 0; }
+    if (M <= 8) {
+        filter<D, K, M, false>(lo, ah, al, cs, nf, cp, g, q, bs0, bj0, bs1, bj1, wa);
 #pragma unroll
         for (int i = 0; i < K; i++) {
             wa.ls[g][q][i] = bs0[i]; wa.lj[g][q][i] = bj0[i];
@@ -319,32 +338,38 @@ __device__ __forceinline__ void assign(const float *__restrict__ e, int n_tokens
     if (lane < TPW) {
         const int t = tw0 + lane;
         int n = -1;
+        wa.again[lane] = 0;
         if (M <= 8) {
             float top[MF];
-#pragma unroll
-            for (int i = 0; i < MF; i++) top[i] = __int_as_float(0x7f800000);
             int topj[MF];
+#pragma unroll
+            for (int i = 0; i < MF; i++) { top[i] = __int_as_float(0x7f800000); topj[i] = 0; }
             for (int qq = 0; qq < 4; qq++)
                 for (int i = 0; i < K; i++) keep_k<MF>(top, topj, wa.ls[lane][qq][i], 0);
             // + an absolute term for BF16/f32 subnormals the tensor cores may flush.
             const float b = __fadd_rn(__fmul_rn(KAPPA, __fmaf_rn(wa.an[lane], cmax, nmax)),
                                       __fmul_rn(2e-36f, __fadd_rn(__fadd_rn(wa.an[lane], cmax), 1.0f)));
             const float thr = __fadd_rn(top[MF - 1], __fmul_rn(2.0f, b));
+            wa.thr[lane] = thr;
             if (thr - thr == 0.0f && b - b == 0.0f && c_eff >= MF) { // finite
                 n = 0;
                 for (int qq = 0; qq < 4 && n >= 0; qq++) {
-                    if (wa.ls[lane][qq][K - 1] <= thr) n = -1; // this thread's list may have dropped one
+                    if (wa.ls[lane][qq][K - 1] <= thr) n = -2; // this thread's list may have dropped one
                     for (int i = 0; i < K && n >= 0; i++)
-                        if (wa.ls[lane][qq][i] <= thr) {
-                            if (n == CAP) n = -1;
-                            else wa.cj[lane][n++] = wa.lj[lane][qq][i];
-                        }
+                        if (wa.ls[lane][qq][i] <= thr) wa.cj[lane][n++] = wa.lj[lane][qq][i];
                 }
+                if (n == -2 && t < n_tokens) { wa.again[lane] = 1; n = 0; }
             }
         }
         wa.nc[lane] = t < n_tokens ? n : 0;
     }
     __syncwarp();
+    if (M <= 8 && __any_sync(0xffffffffu, lane < TPW && wa.again[lane])) {
+        filter<D, K, M, true>(lo, ah, al, cs, nf, cp, g, q, bs0, bj0, bs1, bj1, wa);
+        __syncwarp();
+        if (lane < TPW && wa.nc[lane] > CAP) wa.nc[lane] = -1;
+        __syncwarp();
+    }
     for (int i = lane; i < TPW * CAP; i += 32) {
         const int tl = i / CAP, k = i % CAP;
         if (k >= wa.nc[tl]) continue;
@@ -355,6 +380,7 @@ __device__ __forceinline__ void assign(const float *__restrict__ e, int n_tokens
     __syncwarp();
     // The CPU's rule over the candidates: the smallest (distance, j); for QSAC
     // the M smallest (distance, j), then the first smallest sensitivity score.
+    // Both are independent of the candidates' order.
     if (lane < TPW && wa.nc[lane] > 0) {
         const int n = wa.nc[lane];
         if (M == 1) {
@@ -407,6 +433,11 @@ __device__ __forceinline__ void assign(const float *__restrict__ e, int n_tokens
         const i64 o = (i64)h * n_tokens + tw0 + lane;
         if (idx_ws) idx_ws[o] = wa.pk[lane][0];
         if (idx_plane) idx_plane[o] = (u8)wa.pk[lane][0];
+    }
+    if (stats && lane < TPW && tw0 + lane < n_tokens) {
+        atomicAdd(&stats[0], 1ull);
+        atomicAdd(&stats[wa.nc[lane] >= 0 ? 1 : 2], (unsigned long long)(wa.nc[lane] >= 0 ? wa.nc[lane] : 1));
+        if (wa.again[lane]) atomicAdd(&stats[3], 1ull);
     }
     // Full scans, one token at a time: every distance, then ref_kmeans.c's
     // sequential rules verbatim (a NaN distance never wins, except at j = 0).
@@ -480,7 +511,7 @@ __device__ __forceinline__ void accumulate(const float *__restrict__ e, const in
     const int c = threadIdx.x % ACC_CH, rows = blockDim.x / ACC_CH;
     const float *eh = e + (i64)h * n_tokens * D + c0 + c;
     const int *ih = idx + (i64)h * n_tokens;
-    constexpr int U = 4; // loads in flight per thread
+    constexpr int U = 16; // loads in flight per thread
     for (int t0 = threadIdx.x / ACC_CH; t0 < n_tokens; t0 += rows * U) {
         float v[U];
         int z[U];
@@ -586,14 +617,19 @@ __device__ __forceinline__ void residual(float *e, int n_tokens, int n_heads, u8
     extern "C" __device__ const int PREFIX##_assign_cfg[4] = {                                                \
         kvf_kmeans::assign_smem_bytes<D, 1>(), kvf_kmeans::assign_smem_bytes<D, QSAC>(),                       \
         kvf_kmeans::assign_geom<D>::WARPS * 32, kvf_kmeans::assign_geom<D>::WARPS * kvf_kmeans::TPW};          \
+    /* Filter statistics, counted while [0] != 0 (bench/bench.c sets it): per   */                      \
+    /* kernel (plain, QSAC) tokens, f64 candidates, full scans, second filters.  */                      \
+    extern "C" __device__ unsigned long long PREFIX##_assign_stats[9];                                       \
     extern "C" __global__ void __launch_bounds__(kvf_kmeans::assign_geom<D>::WARPS * 32)                       \
     PREFIX##_assign(const float *e, int n, int c_eff, const u16 *cent, int c_alloc, int *idx_ws, u8 *idx_plane) { \
-        kvf_kmeans::assign<D, G, 1>(e, n, c_eff, cent, c_alloc, idx_ws, idx_plane, 0);                         \
+        kvf_kmeans::assign<D, G, 1>(e, n, c_eff, cent, c_alloc, idx_ws, idx_plane, 0,                         \
+                                    PREFIX##_assign_stats[0] ? PREFIX##_assign_stats + 1 : 0);                \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(kvf_kmeans::assign_geom<D>::WARPS * 32)                       \
     PREFIX##_assign_qsac(const float *e, int n, int c_eff, const u16 *cent, int c_alloc, u8 *idx_plane,       \
                          const float *weights) {                                                               \
-        kvf_kmeans::assign<D, G, QSAC>(e, n, c_eff, cent, c_alloc, 0, idx_plane, weights);                     \
+        kvf_kmeans::assign<D, G, QSAC>(e, n, c_eff, cent, c_alloc, 0, idx_plane, weights,                     \
+                                       PREFIX##_assign_stats[0] ? PREFIX##_assign_stats + 5 : 0);             \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(kvf_kmeans::BLOCK)                                            \
     PREFIX##_accumulate(const float *e, const int *idx, int n, int c_eff, long long *acc, int *cnt) {          \

@@ -48,12 +48,12 @@ fi
 if has profile && command -v ncu >/dev/null; then
   echo "== ncu: per-kernel time of one encode + decode of the layer (qvg_int2, quantwm_int2)"
   for s in qvg_int2 quantwm_int2; do
-    ncu --clock-control none --metrics gpu__time_duration.sum --csv out/bin/kvf_bench --reps 1 $s >ncu_$s.csv 2>&1
-    python3 - ncu_$s.csv <<'PY'
+    ncu --clock-control none --metrics gpu__time_duration.sum --csv out/bin/kvf_bench --reps 1 $s >${OUT:-/tmp}/ncu_$s.csv 2>&1
+    python3 - ${OUT:-/tmp}/ncu_$s.csv <<'PY'
 import csv, sys, collections
 rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
 hdr = rows[0]; k = hdr.index("Kernel Name"); v = hdr.index("Metric Value"); u = hdr.index("Metric Unit")
-scale = {"nsecond": 1e-6, "usecond": 1e-3, "msecond": 1.0, "second": 1e3}
+scale = {"nsecond": 1e-6, "ns": 1e-6, "usecond": 1e-3, "us": 1e-3, "msecond": 1.0, "ms": 1.0, "second": 1e3, "s": 1e3}
 tot = collections.OrderedDict()
 for r in rows[1:]:
     name = r[k].split("_", 3)[-1] if r[k].startswith("kvf_") else r[k]
