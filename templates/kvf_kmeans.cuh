@@ -106,6 +106,7 @@ template <int M> struct assign_warp {
     float an[TPW];              // |a| of the token
     float thr[TPW];             // candidate threshold
     int nc[TPW];                // candidates; -1 full scan, -2 filter again
+    int off[TPW];               // first candidate of the token in the warp's flat order
     int again[TPW];             // filtered again
     int cj[TPW][CAP];
     int pk[TPW][8];             // the M nearest (filtered path)
@@ -151,21 +152,40 @@ __device__ __forceinline__ void keep_k(float (&bs)[K], int (&bj)[K], float s, in
 
 // The CPU's distances (ref_kmeans.c), f64 in channel order. Products of an
 // f32 and a bf16 are exact in f64, so the fma is the CPU's multiply-add.
+// Four channels of x (f32, global) and mu (bf16, shared) per load.
+__device__ __forceinline__ void load4(const float *x, const u16 *mu, int c, float (&xv)[4], float (&mv)[4]) {
+    const float4 a = *(const float4 *)(x + c);
+    const uint2 b = *(const uint2 *)(mu + c);
+    xv[0] = a.x; xv[1] = a.y; xv[2] = a.z; xv[3] = a.w;
+    mv[0] = __uint_as_float(b.x << 16); mv[1] = __uint_as_float(b.x & 0xffff0000u);
+    mv[2] = __uint_as_float(b.y << 16); mv[3] = __uint_as_float(b.y & 0xffff0000u);
+}
+
 template <int D>
 __device__ __forceinline__ double plain_dist(const float *x, const u16 *mu, double norm) {
     double dot = 0.0;
-#pragma unroll 8
-    for (int c = 0; c < D; c++) dot = __fma_rn((double)x[c], (double)kvf_bf16_to_f32(mu[c]), dot);
+#pragma unroll 4
+    for (int c = 0; c < D; c += 4) {
+        float xv[4], mv[4];
+        load4(x, mu, c, xv, mv);
+#pragma unroll
+        for (int i = 0; i < 4; i++) dot = __fma_rn((double)xv[i], (double)mv[i], dot);
+    }
     return __dsub_rn(norm, __dmul_rn(2.0, dot));
 }
 
 template <int D>
 __device__ __forceinline__ double weighted_dist(const float *x, const u16 *mu, const float *w) {
     double acc = 0.0;
-#pragma unroll 8
-    for (int c = 0; c < D; c++) {
-        const double d = __dsub_rn((double)x[c], (double)kvf_bf16_to_f32(mu[c]));
-        acc = __dadd_rn(acc, __dmul_rn((double)w[c], __dmul_rn(d, d)));
+#pragma unroll 4
+    for (int c = 0; c < D; c += 4) {
+        float xv[4], mv[4];
+        load4(x, mu, c, xv, mv);
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const double d = __dsub_rn((double)xv[i], (double)mv[i]);
+            acc = __dadd_rn(acc, __dmul_rn((double)w[c + i], __dmul_rn(d, d)));
+        }
     }
     return acc;
 }
@@ -272,10 +292,15 @@ __device__ __forceinline__ void assign(const float *__restrict__ e, int n_tokens
     for (int j = threadIdx.x; j < cp; j += W * 32) {
         double nn = 0.0, nw = 0.0;
         if (j < c_eff)
-            for (int c = 0; c < D; c++) {
-                const double m = (double)kvf_bf16_to_f32(cs[j * DP + c]);
-                nn = __fma_rn(m, m, nn);
-                if (M > 1) nw = __fma_rn((double)wv[c], __dmul_rn(m, m), nw);
+            for (int c8 = 0; c8 < D; c8 += 8) {
+                u16 m8[8];
+                kvf_load8(cs + j * DP + c8, m8);
+#pragma unroll
+                for (int i = 0; i < 8; i++) {
+                    const double m = (double)kvf_bf16_to_f32(m8[i]);
+                    nn = __fma_rn(m, m, nn);
+                    if (M > 1) nw = __fma_rn((double)wv[c8 + i], __dmul_rn(m, m), nw);
+                }
             }
         const double nj = M > 1 ? nw : nn;
         nrm[j] = nj;
@@ -370,9 +395,20 @@ __device__ __forceinline__ void assign(const float *__restrict__ e, int n_tokens
         if (lane < TPW && wa.nc[lane] > CAP) wa.nc[lane] = -1;
         __syncwarp();
     }
-    for (int i = lane; i < TPW * CAP; i += 32) {
-        const int tl = i / CAP, k = i % CAP;
-        if (k >= wa.nc[tl]) continue;
+    // The candidates of all 16 tokens, spread over the lanes (offsets by a scan).
+    int off = lane < TPW && wa.nc[lane] > 0 ? wa.nc[lane] : 0;
+#pragma unroll
+    for (int o = 1; o < TPW; o <<= 1) {
+        const int v = __shfl_up_sync(0xffffffffu, off, o);
+        if (lane >= o) off += v;
+    }
+    const int total = __shfl_sync(0xffffffffu, off, TPW - 1);
+    if (lane < TPW) wa.off[lane] = off - (wa.nc[lane] > 0 ? wa.nc[lane] : 0);
+    __syncwarp();
+    for (int f = lane; f < total; f += 32) {
+        int tl = 0;
+        while (tl + 1 < TPW && wa.off[tl + 1] <= f) tl++;
+        const int k = f - wa.off[tl];
         const float *x = e + ((i64)h * n_tokens + tw0 + tl) * D;
         const int j = wa.cj[tl][k];
         wa.cd[tl][k] = M > 1 ? weighted_dist<D>(x, cs + j * DP, wv) : plain_dist<D>(x, cs + j * DP, nrm[j]);
