@@ -1,6 +1,10 @@
 /* GPU against the CPU reference: packed bytes identical, decode bit-identical,
  * runs repeatable, strided tensors, precompiled images, query statistics with
- * NaN/Inf rows. Skipped (and says so) where there is no GPU. */
+ * NaN/Inf rows. Skipped (and says so) where there is no GPU.
+ *
+ * KVF_TEST_SMALL=1: the same tests on a few dozen tokens and 2 heads (every
+ * kernel still runs, shared-memory loops included), sized for compute-sanitizer
+ * racecheck; KVF_TEST_SCHEMES=a,b limits the shipped schemes. */
 #include "testutil.h"
 #include "cuda_api.h"
 #include "jit.h"
@@ -11,6 +15,7 @@
 #include <time.h>
 
 static const kvf_cuda_api *cu;
+static int small; /* KVF_TEST_SMALL=1: racecheck-sized shapes */
 static CUcontext pctx;
 static CUdevice dev;
 static char skip_reason[600];
@@ -21,6 +26,9 @@ static char *cache_dir;
 static int setup(void **state) {
     (void)state;
     int n = 0;
+    const char *sm = getenv("KVF_TEST_SMALL");
+    small = sm && *sm && strcmp(sm, "0") != 0;
+    if (small) printf("KVF_TEST_SMALL: a few dozen tokens, 2 heads\n");
     cache_dir = tu_mkdtemp();
     setenv("KVFORGE_CACHE_DIR", cache_dir, 1);
     if (kvf_device_count(&n) != KVF_OK) {
@@ -144,7 +152,7 @@ typedef struct qstats_pair { void *host; CUdeviceptr dev; size_t bytes; } qstats
 static void qstats_prepare(kvf_context *gpu, kvf_context *cpu, int heads, qstats_pair *q) {
     const kvf_scheme *s = kvf_context_scheme(gpu);
     int d = kvf_scheme_head_dim(s), hq = 2 * heads;
-    const int64_t nq = 777;
+    const int64_t nq = small ? 40 : 777;
     assert_int_equal(kvf_qstats_size(s, heads, &q->bytes), KVF_OK);
     q->host = malloc(q->bytes);
     q->dev = dalloc(q->bytes, 0xee);
@@ -301,11 +309,20 @@ static const run_case small_cases[] = {
     {1, 1, 1, 16},
 };
 
+/* KVF_TEST_SMALL: every scheme, a few dozen tokens (two tiles of the
+ * accumulation's 32 tokens, several of k-means' 16), 2 heads. */
+static const run_case tiny_cases[] = {
+    {48, 2, 0, 0},
+    {40, 2, 1, 0},
+    {37, 2, 0, 8},
+    {1, 1, 1, 16},
+};
+
 static void run_scheme(kvf_scheme *s) {
     kvf_context *gpu, *cpu;
     if (kvf_context_create(s, 0, &gpu)) fail_msg("%s: %s", kvf_scheme_id(s), kvf_last_error());
     assert_int_equal(kvf_context_create(s, KVF_DEVICE_CPU, &cpu), KVF_OK);
-    const run_case *cs = s->key.centroids || s->value.centroids ? small_cases : cases;
+    const run_case *cs = small ? tiny_cases : s->key.centroids || s->value.centroids ? small_cases : cases;
     printf("%s on %s:\n", kvf_scheme_id(s), kvf_context_backend(gpu));
     for (size_t i = 0; i < 4; i++)
         for (int data = 0; data < 2; data++) compare_case(gpu, cpu, &cs[i], data, i == 0 && data == 0);
@@ -421,7 +438,7 @@ static void gpu_qstats_nonfinite(void **state) {
     printf("  %llu NaN/Inf query rows skipped; statistics equal those without them (GPU), and the CPU's "
            "(projector max |diff| %.2e)\n", (unsigned long long)rows, worst);
     /* Encodes reading either: the same bytes. */
-    const int64_t nt = 300;
+    const int64_t nt = small ? 40 : 300;
     size_t pb, kvn = (size_t)nt * hk * d;
     assert_int_equal(kvf_packed_size(s, nt, hk, &pb), KVF_OK);
     uint16_t *k = malloc(kvn * 2), *v = malloc(kvn * 2);
@@ -477,7 +494,7 @@ static void context_from_cache_and_image(void **state) {
     assert_int_equal(kvf_context_create_from_image(kvf_scheme_canonical(s), image, size, 0, &img_ctx), KVF_OK);
     assert_string_equal(kvf_context_origin(img_ctx), "image");
     assert_int_equal(kvf_context_create(s, KVF_DEVICE_CPU, &cpu), KVF_OK);
-    run_case c = {300, 2, 0, 0};
+    run_case c = {small ? 40 : 300, 2, 0, 0};
     compare_case(img_ctx, cpu, &c, 1, 0);
     /* An image of another scheme is refused by name. */
     kvf_scheme *other = tu_scheme("rtn_int2");
