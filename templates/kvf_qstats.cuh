@@ -12,13 +12,16 @@ namespace kvf_qstats {
 
 struct layout { u64 count, msum, u, lambda; int n_heads, d, r; };
 
-// Header and zeros.
+// Header and zeros. Thread 0 alone writes the 64 header bytes: were another
+// thread to zero one of its words, nothing would order that store and thread
+// 0's (even lanes of one warp are not ordered).
 __device__ __forceinline__ void init(u8 *qs, u64 total_bytes, layout l) {
     const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    for (u64 k = i; k < total_bytes / 8; k += (u64)gridDim.x * blockDim.x) ((u64 *)qs)[k] = 0;
+    for (u64 k = 8 + i; k < total_bytes / 8; k += (u64)gridDim.x * blockDim.x) ((u64 *)qs)[k] = 0;
     if (i == 0) {
         u32 *w = (u32 *)qs;
-        w[0] = 0x5146564bu; w[1] = 2u; // version: KVF_QSTATS_VERSION w[2] = (u32)l.n_heads; w[3] = (u32)l.d; w[4] = (u32)l.r;
+        for (int k = 5; k < 16; k++) w[k] = 0; // reserved, skipped (bytes 24-31), reserved
+        w[0] = 0x5146564bu; w[1] = 2u; w[2] = (u32)l.n_heads; w[3] = (u32)l.d; w[4] = (u32)l.r; // w[1]: KVF_QSTATS_VERSION
     }
 }
 
