@@ -181,9 +181,20 @@ int kvf_decode(kvf_context *ctx, const void *packed, size_t packed_bytes,
 int kvf_qstats_size(const kvf_scheme *s, int32_t n_kv_heads, size_t *bytes);
 int kvf_qstats_init(kvf_context *ctx, void *qstats, size_t bytes, int32_t n_kv_heads, void *stream);
 /* q: BF16 queries of one chunk, shape->n_heads query heads (a multiple of the
- * statistics' KV heads: grouped-query attention), same stride rules as K. */
+ * statistics' KV heads: grouped-query attention), same stride rules as K.
+ * Non-finite queries: a query row (one query head's head_dim values of one
+ * token) holding any NaN or Inf is skipped: it adds nothing to the sums or the
+ * count, so the statistics are exactly those of the chunk without it and stay
+ * finite; the chunk's other rows count as usual. A KV head that gets no row
+ * from the chunk keeps its statistics and basis unchanged. The call still
+ * returns KVF_OK (on a device it cannot know without a synchronisation); the
+ * rows skipped so far are counted in the buffer's header: kvf_qstats_skipped. */
 int kvf_qstats_update(kvf_context *ctx, void *qstats, size_t bytes, const void *q,
                       const kvf_shape *q_shape, void *stream);
+/* Query rows skipped for NaN/Inf over the buffer's life (all KV heads), read
+ * from a host copy of its header (the first 64 bytes or more; for a device
+ * buffer, copy them after the update has finished). */
+int kvf_qstats_skipped(const void *header, size_t header_bytes, uint64_t *skipped);
 
 /* Host-side check of a packed cache's header (a host copy of its first 64 bytes
  * or more) against a scheme and shape: KVF_EFORMAT with the reason otherwise. */

@@ -543,6 +543,9 @@ int kvf_qstats_update(kvf_context *ctx, void *qstats, size_t bytes, const void *
     if (r != CUDA_SUCCESS) return kvf_cuda_fail(r, "cuMemcpyDtoH(qstats header)", __FILE__, __LINE__, ctx->device);
     if (hdr[0] != KVF_QSTATS_MAGIC)
         return kvf_set_error(KVF_EFORMAT, "kvf_qstats_update: buffer was not made by kvf_qstats_init");
+    if (hdr[1] != KVF_QSTATS_VERSION)
+        return kvf_set_error(KVF_EFORMAT, "kvf_qstats_update: buffer has version %u, this library writes %u", hdr[1],
+                             KVF_QSTATS_VERSION);
     int32_t n_kv = (int32_t)hdr[2];
     qstats_arg qa;
     size_t total;
@@ -557,9 +560,10 @@ int kvf_qstats_update(kvf_context *ctx, void *qstats, size_t bytes, const void *
                              sh.n_heads, n_kv);
     if ((rc = check_device_args(q, q, qstats, &sh, "kvf_qstats_update"))) return rc;
     int n = (int)sh.n_tokens, group = sh.n_heads / n_kv, d = ctx->scheme->head_dim;
-    double added = (double)sh.n_tokens * group;
+    /* Both kernels test each query row for NaN/Inf: accumulate leaves such rows
+     * out of the sums, eigen counts the others (the count is known only there). */
     void *a_acc[] = {(void *)&q, &sh.token_stride, &sh.head_stride, &n, &group, &qstats, &qa};
-    void *a_eig[] = {&qstats, &qa, &added};
+    void *a_eig[] = {&qstats, &qa, (void *)&q, &sh.token_stride, &sh.head_stride, &n, &group};
     if ((rc = launch3(ctx, KVF_R_QSTATS_ACCUMULATE, (unsigned)(d / 16), (unsigned)(d / 16), (unsigned)n_kv, BLOCK, 0,
                       a_acc, stream)))
         return rc;

@@ -168,6 +168,7 @@ int kvf_ref_decode(const struct kvf_scheme *s, const uint8_t *packed, size_t pac
 
 /* Query statistics on host memory (ref_qstats.c), layout in docs/METHODS.md. */
 #define KVF_QSTATS_MAGIC 0x5146564bu /* "KVFQ" */
+#define KVF_QSTATS_VERSION 2u         /* 2: u64 count of skipped non-finite query rows at byte 24 */
 typedef struct kvf_qstats_layout {
     int32_t n_heads;
     int head_dim, rank;

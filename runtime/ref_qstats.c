@@ -8,15 +8,19 @@
  * f32 sums with one rounding. M and U are f32; inside the orthogonal
  * iteration Z = M U, its Gram-Schmidt and the Rayleigh quotients are f64
  * (sums in channel order), each new column rounded to f32 once normalized.
+ *
+ * Non-finite queries (METHODS.md 4): a query row (one head's d values of one
+ * token) holding a NaN or an Inf is left out entirely, counted in the
+ * header's `skipped`; the statistics are those of the chunk without it.
  */
 #include "ref.h"
 
 #include <inttypes.h>
 #include <math.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define QSTATS_VERSION 1u
 #define QSTATS_HEADER_BYTES 64u
 #define QSTATS_ALIGN 256u
 #define QSTATS_MAX_DIM 1024 /* head_dim bound: the iteration's scratch lives on the stack */
@@ -31,8 +35,11 @@
 #define UNIT_RESIDUAL_MIN 0.5
 
 typedef struct qstats_header {
-    uint32_t magic, version, n_heads, head_dim, rank, reserved[11];
+    uint32_t magic, version, n_heads, head_dim, rank, reserved0;
+    uint64_t skipped; /* query rows left out because they held NaN or Inf (version 2) */
+    uint32_t reserved[8];
 } qstats_header;
+_Static_assert(offsetof(qstats_header, skipped) == 24, "skipped at byte 24 (the GPU template writes it there)");
 _Static_assert(sizeof(qstats_header) == QSTATS_HEADER_BYTES, "qstats header is 64 bytes");
 
 /* ------------------------------------------------------------------ layout */
@@ -113,23 +120,42 @@ int kvf_qstats_check(const struct kvf_scheme *s, const void *qstats, size_t byte
                              "not a kvforge query-statistics buffer: magic 0x%08" PRIx32 ", expected 0x%08" PRIx32
                              " (\"KVFQ\"; was kvf_qstats_init called?)",
                              h.magic, (uint32_t)KVF_QSTATS_MAGIC);
-    if (h.version != QSTATS_VERSION)
-        return kvf_set_error(KVF_EFORMAT, "query statistics have version %" PRIu32 ", this library reads %u",
-                             h.version, QSTATS_VERSION);
+    if (h.version != KVF_QSTATS_VERSION)
+        return kvf_set_error(KVF_EFORMAT,
+                             "query statistics have version %" PRIu32 ", this library reads %u (make them again "
+                             "with kvf_qstats_init)",
+                             h.version, KVF_QSTATS_VERSION);
     if (h.head_dim != (uint32_t)s->head_dim) return header_mismatch("head_dim", h.head_dim, (uint32_t)s->head_dim);
     if (h.rank != (uint32_t)s->key.psac_rank)
         return header_mismatch("rank (the scheme's key.psac_rank)", h.rank, (uint32_t)s->key.psac_rank);
     if (h.n_heads < 1 || h.n_heads > INT32_MAX)
         return kvf_set_error(KVF_EFORMAT, "query statistics header: n_heads is %" PRIu32, h.n_heads);
     if (n_heads != 0 && h.n_heads != (uint32_t)n_heads) return header_mismatch("n_heads", h.n_heads, (uint32_t)n_heads);
-    for (int i = 0; i < 11; i++)
-        if (h.reserved[i]) return kvf_set_error(KVF_EFORMAT, "query statistics header: reserved words are not zero");
+    for (int i = 0; i < 8; i++)
+        if (h.reserved0 || h.reserved[i])
+            return kvf_set_error(KVF_EFORMAT, "query statistics header: reserved words are not zero");
     kvf_qstats_layout l;
     int rc = kvf_qstats_layout_compute(s, (int32_t)h.n_heads, &l);
     if (rc) return rc;
     if (bytes < l.total_bytes)
         return kvf_set_error(KVF_ERANGE, "query statistics: buffer has %zu bytes, %" PRIu32 " heads need %zu", bytes,
                              h.n_heads, l.total_bytes);
+    return KVF_OK;
+}
+
+int kvf_qstats_skipped(const void *header, size_t header_bytes, uint64_t *skipped) {
+    if (!header || !skipped) return kvf_set_error(KVF_EINVAL, "kvf_qstats_skipped: NULL argument");
+    if (header_bytes < QSTATS_HEADER_BYTES)
+        return kvf_set_error(KVF_ERANGE, "kvf_qstats_skipped: %zu bytes given, the header is %u", header_bytes,
+                             QSTATS_HEADER_BYTES);
+    qstats_header h;
+    memcpy(&h, header, sizeof h);
+    if (h.magic != KVF_QSTATS_MAGIC)
+        return kvf_set_error(KVF_EFORMAT, "kvf_qstats_skipped: not a kvforge query-statistics header");
+    if (h.version != KVF_QSTATS_VERSION)
+        return kvf_set_error(KVF_EFORMAT, "kvf_qstats_skipped: version %" PRIu32 ", this library reads %u",
+                             h.version, KVF_QSTATS_VERSION);
+    *skipped = h.skipped;
     return KVF_OK;
 }
 
@@ -169,8 +195,8 @@ int kvf_ref_qstats_init(const struct kvf_scheme *s, void *qstats, size_t bytes, 
         return kvf_set_error(KVF_ERANGE, "kvf_qstats_init: buffer has %zu bytes, %" PRId32 " KV heads need %zu",
                              bytes, n_heads, l.total_bytes);
     memset(qstats, 0, l.total_bytes); /* counts, sums, U and lambda: 0 */
-    qstats_header h = {KVF_QSTATS_MAGIC, QSTATS_VERSION, (uint32_t)n_heads, (uint32_t)l.head_dim,
-                       (uint32_t)l.rank, {0}};
+    qstats_header h = {KVF_QSTATS_MAGIC, KVF_QSTATS_VERSION, (uint32_t)n_heads, (uint32_t)l.head_dim,
+                       (uint32_t)l.rank, 0, 0, {0}};
     memcpy(qstats, &h, sizeof h);
     return KVF_OK;
 }
@@ -328,15 +354,27 @@ static void cold_start(float *u, int d, int r) {
 
 /* ------------------------------------------------------------------ update */
 
-/* acc [d][d] = sum of q q^T (f64) over the tokens of query heads
- * h*group .. h*group+group-1, heads then tokens in order; exact for bf16. */
-static void accumulate_head(const uint16_t *q, const kvf_shape *sh, int32_t h, int group, int d, double *acc) {
+/* Whether every value of a query row is finite (a bf16 NaN or Inf has all
+ * exponent bits set). */
+static int row_finite(const uint16_t *row, int d) {
+    for (int c = 0; c < d; c++)
+        if ((row[c] & 0x7f80u) == 0x7f80u) return 0;
+    return 1;
+}
+
+/* acc [d][d] = sum of q q^T (f64) over the finite rows of query heads
+ * h*group .. h*group+group-1, heads then tokens in order; exact for bf16.
+ * Returns how many rows it summed. */
+static int64_t accumulate_head(const uint16_t *q, const kvf_shape *sh, int32_t h, int group, int d, double *acc) {
     double x[QSTATS_MAX_DIM];
+    int64_t used = 0;
     memset(acc, 0, sizeof(double) * (size_t)d * d);
     for (int g = 0; g < group; g++) {
         const uint16_t *head = q + (int64_t)(h * group + g) * sh->head_stride;
         for (int64_t t = 0; t < sh->n_tokens; t++) {
             const uint16_t *row = head + t * sh->token_stride;
+            if (!row_finite(row, d)) continue;
+            used++;
             for (int c = 0; c < d; c++) x[c] = kvf_bf16_to_f32(row[c]);
             for (int i = 0; i < d; i++)
                 for (int j = i; j < d; j++) acc[(size_t)i * d + j] += x[i] * x[j];
@@ -344,6 +382,7 @@ static void accumulate_head(const uint16_t *q, const kvf_shape *sh, int32_t h, i
     }
     for (int i = 0; i < d; i++)
         for (int j = 0; j < i; j++) acc[(size_t)i * d + j] = acc[(size_t)j * d + i];
+    return used;
 }
 
 /* msum += acc with one rounding per element. */
@@ -382,14 +421,21 @@ int kvf_ref_qstats_update(const struct kvf_scheme *s, void *qstats, size_t bytes
         return kvf_set_error(KVF_ENOMEM, "kvf_qstats_update: out of memory");
     }
     double *count = count_plane(qstats, &l);
+    uint64_t skipped = 0;
     for (int32_t h = 0; h < l.n_heads; h++) {
         double before = count[h];
-        accumulate_head(q, &sh, h, group, d, acc);
+        int64_t used = accumulate_head(q, &sh, h, group, d, acc);
+        skipped += (uint64_t)(sh.n_tokens * group - used);
+        if (used == 0) continue; /* nothing added: sums, count and basis stay as they are */
         add_to_msum(msum_of(qstats, &l, h), acc, d);
-        count[h] = before + (double)sh.n_tokens * (double)group;
+        count[h] = before + (double)used;
         if (r > 0) update_basis(msum_of(qstats, &l, h), count[h], before == 0, d, r, m, u_of(qstats, &l, h),
                                 lambda_of(qstats, &l, h));
     }
+    qstats_header hd;
+    memcpy(&hd, qstats, sizeof hd);
+    hd.skipped += skipped;
+    memcpy(qstats, &hd, sizeof hd);
     free(acc), free(m);
     return KVF_OK;
 }

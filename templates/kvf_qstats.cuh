@@ -2,7 +2,9 @@
 // head the running sum of q q^T over finished chunks' queries (grouped-query
 // attention: query head j feeds KV head j / group), and the top-r
 // eigenvectors of the mean by orthogonal iteration with modified
-// Gram-Schmidt. CPU reference: runtime/ref_qstats.c.
+// Gram-Schmidt. CPU reference: runtime/ref_qstats.c. A query row (one query
+// head's D values of one token) holding a NaN or an Inf is left out of the
+// sums and the count and counted in the header's `skipped` (u64 at byte 24).
 #pragma once
 #include "kvf_common.cuh"
 
@@ -10,31 +12,61 @@ namespace kvf_qstats {
 
 struct layout { u64 count, msum, u, lambda; int n_heads, d, r; };
 
-// Header and zeros.
+// Header and zeros. Thread 0 alone writes the 64 header bytes: were another
+// thread to zero one of its words, nothing would order that store and thread
+// 0's (even lanes of one warp are not ordered).
 __device__ __forceinline__ void init(u8 *qs, u64 total_bytes, layout l) {
     const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    for (u64 k = i; k < total_bytes / 8; k += (u64)gridDim.x * blockDim.x) ((u64 *)qs)[k] = 0;
+    for (u64 k = 8 + i; k < total_bytes / 8; k += (u64)gridDim.x * blockDim.x) ((u64 *)qs)[k] = 0;
     if (i == 0) {
         u32 *w = (u32 *)qs;
-        w[0] = 0x5146564bu; w[1] = 1u; w[2] = (u32)l.n_heads; w[3] = (u32)l.d; w[4] = (u32)l.r;
+        for (int k = 5; k < 16; k++) w[k] = 0; // reserved, skipped (bytes 24-31), reserved
+        w[0] = 0x5146564bu; w[1] = 2u; w[2] = (u32)l.n_heads; w[3] = (u32)l.d; w[4] = (u32)l.r; // w[1]: KVF_QSTATS_VERSION
     }
+}
+
+// Whether the 8 bf16 values of w are finite (NaN and Inf: exponent all ones).
+__device__ __forceinline__ bool finite8(uint4 w) {
+    const u32 a[4] = {w.x, w.y, w.z, w.w};
+    bool ok = true;
+    for (int i = 0; i < 4; i++) ok = ok && (a[i] & 0x7f80u) != 0x7f80u && (a[i] & 0x7f800000u) != 0x7f800000u;
+    return ok;
+}
+
+// Whether the 16-byte pieces part, part + parts, ... of a row of D values are
+// all finite (rows are 16-byte aligned: pointer and strides are checked on the host).
+template <int D>
+__device__ __forceinline__ bool row_finite(const u16 *row, int part, int parts) {
+    bool ok = true;
+    for (int i = part; i < D / 8; i += parts) ok = ok && finite8(((const uint4 *)row)[i]);
+    return ok;
 }
 
 // msum[h][a][b] += sum over the group's query heads and the tokens of q_a q_b
 // (f64, head then token order), one thread per (a, b) of a 16 x 16 tile.
+// Rows that are not finite load as zeros: their products are +0 and leave the
+// sum as it is (it starts at +0 and never becomes -0), as the CPU's skipping.
 template <int D>
 __device__ __forceinline__ void accumulate(const u16 *__restrict__ q, i64 ts, i64 hs, int n_tokens, int group,
                                            u8 *qs, layout l) {
     __shared__ float qa[32][16], qb[32][16];
+    __shared__ int ok[32];
     const int h = blockIdx.z, ta = blockIdx.y * 16, tb = blockIdx.x * 16;
     const int a = threadIdx.x / 16, b = threadIdx.x % 16;
     double acc = 0.0;
     for (int j = h * group; j < (h + 1) * group; j++)
         for (int t0 = 0; t0 < n_tokens; t0 += 32) {
+            { // ok[k]: token t0 + k's whole row is finite; 8 threads (aligned lanes of a warp) per row
+                const int k = threadIdx.x / 8, part = threadIdx.x % 8, tt = t0 + k;
+                const bool f = tt < n_tokens && row_finite<D>(q + tt * ts + j * hs, part, 8);
+                const unsigned m = __ballot_sync(0xffffffffu, f) >> (threadIdx.x % 32 / 8 * 8);
+                if (part == 0) ok[k] = (m & 0xffu) == 0xffu;
+            }
+            __syncthreads();
             for (int k = threadIdx.x; k < 32 * 16; k += 256) {
                 const int tt = t0 + k / 16, c = k % 16;
-                qa[k / 16][c] = tt < n_tokens ? kvf_bf16_to_f32(q[tt * ts + j * hs + ta + c]) : 0.0f;
-                qb[k / 16][c] = tt < n_tokens ? kvf_bf16_to_f32(q[tt * ts + j * hs + tb + c]) : 0.0f;
+                qa[k / 16][c] = ok[k / 16] ? kvf_bf16_to_f32(q[tt * ts + j * hs + ta + c]) : 0.0f;
+                qb[k / 16][c] = ok[k / 16] ? kvf_bf16_to_f32(q[tt * ts + j * hs + tb + c]) : 0.0f;
             }
             __syncthreads();
             const int n = min(32, n_tokens - t0);
@@ -97,17 +129,33 @@ __device__ __forceinline__ void mat_u(const float *msum, double cnt, const float
     __syncthreads();
 }
 
-// Add `added` queries to the count, then refresh U and lambda (one block per head).
+// Add the chunk's finite query rows to the count and the others to the
+// header's `skipped`, then refresh U and lambda (one block per KV head); a head
+// that got no row keeps its count, U and lambda.
 template <int D, int R>
-__device__ __forceinline__ void eigen(u8 *qs, layout l, double added) {
+__device__ __forceinline__ void eigen(u8 *qs, layout l, const u16 *__restrict__ q, i64 ts, i64 hs, int n_tokens,
+                                      int group) {
     constexpr int RA = R > 0 ? R : 1;
     __shared__ float u[D * RA], z[D * RA], red[256], lam[RA];
+    __shared__ unsigned long long used_sh;
     const int h = blockIdx.x;
-    double *count = (double *)(qs + l.count) + h;
-    const double before = *count, now = __dadd_rn(before, added);
+    if (threadIdx.x == 0) used_sh = 0;
     __syncthreads();
-    if (threadIdx.x == 0) *count = now;
-    if (R == 0 || !(now > 0.0)) return;
+    const long long rows = (long long)n_tokens * group;
+    unsigned long long mine = 0;
+    for (long long i = threadIdx.x; i < rows; i += 256) // rows of heads h*group.., then tokens
+        mine += row_finite<D>(q + (i % n_tokens) * ts + (h * group + i / n_tokens) * hs, 0, 1);
+    atomicAdd(&used_sh, mine); // integer: the same total in any order
+    __syncthreads();
+    const unsigned long long used = used_sh;
+    double *count = (double *)(qs + l.count) + h;
+    const double before = *count, now = __dadd_rn(before, (double)used);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        if (used > 0) *count = now;
+        if (used < (unsigned long long)rows) atomicAdd((unsigned long long *)(qs + 24), (unsigned long long)rows - used);
+    }
+    if (R == 0 || used == 0 || !(now > 0.0)) return;
     const double cnt = now;
     const float *msum = (const float *)(qs + l.msum) + (i64)h * D * D;
     float *ug = (float *)(qs + l.u) + (i64)h * D * R;
@@ -162,6 +210,6 @@ __device__ __forceinline__ void eigen(u8 *qs, layout l, double added) {
         kvf_qstats::accumulate<D>(q, ts, hs, n, group, qs, l);                                         \
     }                                                                                                  \
     extern "C" __global__ void __launch_bounds__(256)                                                  \
-    PREFIX##_qstats_eigen(u8 *qs, kvf_qstats::layout l, double added) {                                \
-        kvf_qstats::eigen<D, R>(qs, l, added);                                                         \
+    PREFIX##_qstats_eigen(u8 *qs, kvf_qstats::layout l, const u16 *q, i64 ts, i64 hs, int n, int group) { \
+        kvf_qstats::eigen<D, R>(qs, l, q, ts, hs, n, group);                                           \
     }

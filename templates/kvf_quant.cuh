@@ -21,6 +21,18 @@ struct lane_out {
     u16 tscale;  // fp16 token scale (int8_fp16)
 };
 
+// Symmetric codes of 8 values under the effective scale S, for both scale
+// formats: clamp(rint(v / S), -QMAX, QMAX) + QMAX, or QMAX where S is 0.
+template <int BITS>
+__device__ __forceinline__ void codes_symmetric(const float v[8], float S, u32 q[8]) {
+    constexpr int QMAX = (1 << (BITS - 1)) - 1;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        int qi = S > 0.0f ? (int)kvf_clamp(kvf_rint(__fdiv_rn(v[i], S)), (float)-QMAX, (float)QMAX) : 0;
+        q[i] = (u32)(qi + QMAX);
+    }
+}
+
 // Quantize 8 values of a lane. LPR = lanes per row, LPG = lanes per group.
 template <int BITS, int LPG, int LPR, int MODE, int SFMT>
 __device__ __forceinline__ void encode8(const float v[8], lane_out &o) {
@@ -47,11 +59,7 @@ __device__ __forceinline__ void encode8(const float v[8], lane_out &o) {
                 o.q[i] = S > 0.0f ? (u32)kvf_clamp(kvf_rint(__fdiv_rn(__fsub_rn(v[i], M), S)), 0.0f, (float)L) : 0u;
         } else {
             o.zero = 0;
-#pragma unroll
-            for (int i = 0; i < 8; i++) {
-                int qi = S > 0.0f ? (int)kvf_clamp(kvf_rint(__fdiv_rn(v[i], S)), (float)-QMAX, (float)QMAX) : 0;
-                o.q[i] = (u32)(qi + QMAX);
-            }
+            codes_symmetric<BITS>(v, S, o.q);
         }
         return;
     }
@@ -70,11 +78,7 @@ __device__ __forceinline__ void encode8(const float v[8], lane_out &o) {
             o.q[i] = S > 0.0f ? (u32)kvf_clamp(kvf_rint(__fadd_rn(__fdiv_rn(v[i], S), z)), 0.0f, (float)L) : 0u;
     } else {
         o.zero = 0;
-#pragma unroll
-        for (int i = 0; i < 8; i++) {
-            int qi = S > 0.0f ? (int)kvf_clamp(kvf_rint(__fdiv_rn(v[i], S)), (float)-QMAX, (float)QMAX) : 0;
-            o.q[i] = (u32)(qi + QMAX);
-        }
+        codes_symmetric<BITS>(v, S, o.q);
     }
 }
 

@@ -10,6 +10,8 @@
  * NaN and Inf are accepted (KVF_OK) with the results docs/FORMAT.md "Special
  * values" gives, confined to the groups that hold them: rejecting them up front
  * would cost a pass over the data and, on a GPU, a synchronisation per encode.
+ * In queries given to kvf_qstats_update, a row with a NaN or an Inf is skipped
+ * (docs/METHODS.md 4): the statistics are exactly those without it.
  */
 #include "testutil.h"
 
@@ -185,6 +187,81 @@ static void test_nan_inf_contained(void **state) {
         gb_free(&p), gb_free(&ko), gb_free(&vo), gb_free(&kc), gb_free(&vc);
     }
     free(k), free(v), free(k_bad), free(v_bad);
+}
+
+/* ------------------------------------------------------- NaN and Inf in Q */
+
+/*
+ * Query statistics fed two chunks with non-finite rows (tu_nonfinite_queries:
+ * whole tokens, one KV head's tokens, every token of a KV head) equal, byte
+ * for byte, per KV head the statistics of the same chunks without the tokens
+ * that head lost; the header counts the skipped rows; an encode with them
+ * writes the same packed bytes. test_gpu's gpu_qstats_nonfinite is the GPU twin.
+ */
+static void test_nan_inf_queries_skipped(void **state) {
+    (void)state;
+    kvf_scheme *s = tu_scheme("quantwm_int2");
+    kvf_context *c;
+    expect(kvf_context_create(s, KVF_DEVICE_CPU, &c), KVF_OK, NULL);
+    const int64_t n = 24;
+    const int hk = 2, hq = 4;
+    kvf_qstats_layout l;
+    expect(kvf_qstats_layout_compute(s, hk, &l), KVF_OK, NULL);
+    assert_true(l.rank > 0);
+    const size_t bytes = l.total_bytes, elems = (size_t)hq * n * D;
+    uint16_t *bad[2], *clean[2], *kept_q = malloc(elems * 2);
+    unsigned char drop[2][hk * n];
+    uint64_t rows = 0;
+    for (int i = 0; i < 2; i++) {
+        bad[i] = malloc(elems * 2), clean[i] = malloc(elems * 2);
+        rows += tu_nonfinite_queries(bad[i], n, hq, hk, D, 40 + i, i, drop[i]);
+        tu_synth_kv(clean[i], n, hq, D, 40 + i);
+    }
+    gbuf got = gb_new(bytes, 0), want = gb_new(bytes, 0), ref = gb_new(bytes, 0);
+    expect(kvf_qstats_init(c, got.p, bytes, hk, NULL), KVF_OK, NULL);
+    kvf_shape sh = {n, hq, 0, 0};
+    for (int i = 0; i < 2; i++) expect(kvf_qstats_update(c, got.p, bytes, bad[i], &sh, NULL), KVF_OK, NULL);
+    gb_check_guards(&got, "qstats");
+    /* Per KV head, the same updates on the clean chunks without its lost tokens. */
+    for (int h = 0; h < hk; h++) {
+        expect(kvf_qstats_init(c, ref.p, bytes, hk, NULL), KVF_OK, NULL);
+        for (int i = 0; i < 2; i++) {
+            kvf_shape kept = {tu_drop_tokens(clean[i], n, hq, D, drop[i] + h * n, kept_q), hq, 0, 0};
+            if (kept.n_tokens > 0) expect(kvf_qstats_update(c, ref.p, bytes, kept_q, &kept, NULL), KVF_OK, NULL);
+        }
+        if (h == 0) memcpy(want.p, ref.p, bytes);
+        else tu_qstats_copy_head(want.p, ref.p, &l, h);
+    }
+    memcpy(want.p + 24, &rows, 8); /* the header's skipped counter */
+    assert_memory_equal(got.p, want.p, bytes);
+    uint64_t skipped = 0;
+    expect(kvf_qstats_skipped(got.p, 64, &skipped), KVF_OK, NULL);
+    assert_int_equal(skipped, rows);
+    assert_int_equal(rows, 2 * hq + 2 + 2 * n); /* tu_nonfinite_queries' two patterns */
+    const double *count = (const double *)(got.p + l.count_off);
+    assert_true(count[0] == (double)(2 * (n - 2))); /* the second chunk gave KV head 0 nothing */
+    assert_true(count[1] == (double)(2 * (n - 3) + 2 * n));
+    const float *f = (const float *)(got.p + l.msum_off);
+    for (size_t i = 0; i < (l.total_bytes - l.msum_off) / 4; i++) assert_true(isfinite(f[i]));
+    expect(kvf_qstats_skipped(got.p, 63, &skipped), KVF_ERANGE, "header is 64");
+    got.p[4] = 1;
+    expect(kvf_qstats_skipped(got.p, 64, &skipped), KVF_EFORMAT, "version 1");
+    got.p[4] = 2;
+
+    /* The encode that reads them: the same bytes. */
+    const int64_t nk = 40;
+    uint16_t *k = synth(nk, hk, 50), *v = synth(nk, hk, 51);
+    size_t pb = packed_size(s, nk, hk);
+    uint8_t *p1 = malloc(pb), *p2 = malloc(pb);
+    kvf_shape ksh = {nk, hk, 0, 0};
+    expect(kvf_encode(c, k, v, &ksh, got.p, p1, pb, NULL), KVF_OK, NULL);
+    expect(kvf_encode(c, k, v, &ksh, want.p, p2, pb, NULL), KVF_OK, NULL);
+    assert_memory_equal(p1, p2, pb);
+    free(k), free(v), free(p1), free(p2), free(kept_q);
+    for (int i = 0; i < 2; i++) free(bad[i]), free(clean[i]);
+    gb_free(&got), gb_free(&want), gb_free(&ref);
+    kvf_context_destroy(c);
+    kvf_scheme_free(s);
 }
 
 /* ------------------------------------------------------ sizes, shapes, strides */
@@ -586,6 +663,7 @@ static void test_other_chunks_intact(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_nan_inf_contained),
+        cmocka_unit_test(test_nan_inf_queries_skipped),
         cmocka_unit_test(test_zero_length_chunks),
         cmocka_unit_test(test_shape_mismatch),
         cmocka_unit_test(test_null_pointers),

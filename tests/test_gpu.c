@@ -1,6 +1,10 @@
 /* GPU against the CPU reference: packed bytes identical, decode bit-identical,
- * runs repeatable, strided tensors, precompiled images. Skipped (and says so)
- * where there is no GPU. */
+ * runs repeatable, strided tensors, precompiled images, query statistics with
+ * NaN/Inf rows. Skipped (and says so) where there is no GPU.
+ *
+ * KVF_TEST_SMALL=1: the same tests on a few dozen tokens and 2 heads (every
+ * kernel still runs, shared-memory loops included), sized for compute-sanitizer
+ * racecheck; KVF_TEST_SCHEMES=a,b limits the shipped schemes. */
 #include "testutil.h"
 #include "cuda_api.h"
 #include "jit.h"
@@ -11,6 +15,7 @@
 #include <time.h>
 
 static const kvf_cuda_api *cu;
+static int small; /* KVF_TEST_SMALL=1: racecheck-sized shapes */
 static CUcontext pctx;
 static CUdevice dev;
 static char skip_reason[600];
@@ -21,6 +26,9 @@ static char *cache_dir;
 static int setup(void **state) {
     (void)state;
     int n = 0;
+    const char *sm = getenv("KVF_TEST_SMALL");
+    small = sm && *sm && strcmp(sm, "0") != 0;
+    if (small) printf("KVF_TEST_SMALL: a few dozen tokens, 2 heads\n");
     cache_dir = tu_mkdtemp();
     setenv("KVFORGE_CACHE_DIR", cache_dir, 1);
     if (kvf_device_count(&n) != KVF_OK) {
@@ -118,6 +126,25 @@ static void diff_bf16(const uint16_t *a, const uint16_t *b, size_t n, size_t *di
     *rel = r2 > 0 ? sqrt(e2 / r2) : 0;
 }
 
+/* Largest difference between the top-r projectors U U^T (sign-free) of two
+ * host copies of statistics: the basis comes from f32 arithmetic in other orders. */
+static double projector_diff(const void *a, const void *b, const kvf_qstats_layout *l) {
+    const float *ua = (const float *)((const uint8_t *)a + l->u_off), *ub = (const float *)((const uint8_t *)b + l->u_off);
+    const int d = l->head_dim, r = l->rank;
+    double worst = 0;
+    for (int h = 0; h < l->n_heads; h++)
+        for (int x = 0; x < d; x++)
+            for (int y = 0; y < d; y++) {
+                double pa = 0, pb = 0;
+                for (int j = 0; j < r; j++) {
+                    pa += (double)ua[((size_t)h * d + x) * r + j] * ua[((size_t)h * d + y) * r + j];
+                    pb += (double)ub[((size_t)h * d + x) * r + j] * ub[((size_t)h * d + y) * r + j];
+                }
+                if (fabs(pa - pb) > worst) worst = fabs(pa - pb);
+            }
+    return worst;
+}
+
 /* Host and device query statistics fed the same previous chunk of queries
  * (grouped-query attention: twice as many query heads). */
 typedef struct qstats_pair { void *host; CUdeviceptr dev; size_t bytes; } qstats_pair;
@@ -125,7 +152,7 @@ typedef struct qstats_pair { void *host; CUdeviceptr dev; size_t bytes; } qstats
 static void qstats_prepare(kvf_context *gpu, kvf_context *cpu, int heads, qstats_pair *q) {
     const kvf_scheme *s = kvf_context_scheme(gpu);
     int d = kvf_scheme_head_dim(s), hq = 2 * heads;
-    const int64_t nq = 777;
+    const int64_t nq = small ? 40 : 777;
     assert_int_equal(kvf_qstats_size(s, heads, &q->bytes), KVF_OK);
     q->host = malloc(q->bytes);
     q->dev = dalloc(q->bytes, 0xee);
@@ -148,18 +175,7 @@ static void qstats_prepare(kvf_context *gpu, kvf_context *cpu, int heads, qstats
     assert_memory_equal(back, q->host, l.msum_off); /* header and counts */
     assert_memory_equal(back + l.msum_off, (uint8_t *)q->host + l.msum_off, (size_t)heads * d * d * 4);
     if (l.rank > 0) {
-        const float *ug = (const float *)(back + l.u_off), *uc = (const float *)((uint8_t *)q->host + l.u_off);
-        double worst = 0;
-        for (int h = 0; h < heads; h++) /* compare projectors U U^T: sign-free */
-            for (int a = 0; a < d; a++)
-                for (int b = 0; b < d; b++) {
-                    double pg = 0, pc = 0;
-                    for (int j = 0; j < l.rank; j++) {
-                        pg += (double)ug[((size_t)h * d + a) * l.rank + j] * ug[((size_t)h * d + b) * l.rank + j];
-                        pc += (double)uc[((size_t)h * d + a) * l.rank + j] * uc[((size_t)h * d + b) * l.rank + j];
-                    }
-                    if (fabs(pg - pc) > worst) worst = fabs(pg - pc);
-                }
+        double worst = projector_diff(back, q->host, &l);
         printf("  qstats: counts and sums identical; top-%d projector max |diff| %.2e\n", l.rank, worst);
         assert_true(worst < 1e-3);
     }
@@ -293,11 +309,20 @@ static const run_case small_cases[] = {
     {1, 1, 1, 16},
 };
 
+/* KVF_TEST_SMALL: every scheme, a few dozen tokens (two tiles of the
+ * accumulation's 32 tokens, several of k-means' 16), 2 heads. */
+static const run_case tiny_cases[] = {
+    {48, 2, 0, 0},
+    {40, 2, 1, 0},
+    {37, 2, 0, 8},
+    {1, 1, 1, 16},
+};
+
 static void run_scheme(kvf_scheme *s) {
     kvf_context *gpu, *cpu;
     if (kvf_context_create(s, 0, &gpu)) fail_msg("%s: %s", kvf_scheme_id(s), kvf_last_error());
     assert_int_equal(kvf_context_create(s, KVF_DEVICE_CPU, &cpu), KVF_OK);
-    const run_case *cs = s->key.centroids || s->value.centroids ? small_cases : cases;
+    const run_case *cs = small ? tiny_cases : s->key.centroids || s->value.centroids ? small_cases : cases;
     printf("%s on %s:\n", kvf_scheme_id(s), kvf_context_backend(gpu));
     for (size_t i = 0; i < 4; i++)
         for (int data = 0; data < 2; data++) compare_case(gpu, cpu, &cs[i], data, i == 0 && data == 0);
@@ -342,6 +367,105 @@ static void gpu_rope_pre(void **state) {
     }
 }
 
+/* Query statistics updated on the GPU into a host copy. */
+static void gpu_qstats_run(kvf_context *gpu, CUdeviceptr dqs, size_t bytes, int heads, uint16_t *const *chunks,
+                           const int64_t *n, int n_chunks, int hq, int d, uint8_t *back) {
+    assert_int_equal(kvf_qstats_init(gpu, (void *)dqs, bytes, heads, NULL), KVF_OK);
+    for (int i = 0; i < n_chunks; i++) {
+        if (n[i] == 0) continue;
+        size_t qb = (size_t)n[i] * hq * d * 2;
+        CUdeviceptr dq = dalloc(qb, 0);
+        CK(cuMemcpyHtoD(dq, chunks[i], qb));
+        kvf_shape sh = {n[i], hq, 0, 0};
+        assert_int_equal(kvf_qstats_update(gpu, (void *)dqs, bytes, (void *)dq, &sh, NULL), KVF_OK);
+        CK(cuCtxSynchronize());
+        cu->cuMemFree(dq);
+    }
+    CK(cuMemcpyDtoH(back, dqs, bytes));
+}
+
+/* NaN/Inf in the queries, on the GPU (tests/test_faults.c's
+ * test_nan_inf_queries_skipped is the CPU side): the GPU statistics equal the
+ * CPU's (header with the skipped count, counts and sums bit for bit; the basis
+ * as in qstats_prepare) and, byte for byte, the GPU statistics of the chunks
+ * without the lost tokens; an encode with either writes the same bytes. */
+static void gpu_qstats_nonfinite(void **state) {
+    (void)state;
+    SKIP_WITHOUT_GPU();
+    kvf_scheme *s = tu_scheme("quantwm_int2");
+    kvf_context *gpu, *cpu;
+    assert_int_equal(kvf_context_create(s, 0, &gpu), KVF_OK);
+    assert_int_equal(kvf_context_create(s, KVF_DEVICE_CPU, &cpu), KVF_OK);
+    const int64_t n = 40;
+    const int hk = 2, hq = 4, d = kvf_scheme_head_dim(s);
+    kvf_qstats_layout l;
+    assert_int_equal(kvf_qstats_layout_compute(s, hk, &l), KVF_OK);
+    const size_t bytes = l.total_bytes, elems = (size_t)hq * n * d;
+    uint16_t *bad[2], *clean[2], *kept[2];
+    unsigned char *drop[2];
+    uint64_t rows = 0;
+    for (int i = 0; i < 2; i++) {
+        bad[i] = malloc(elems * 2), clean[i] = malloc(elems * 2), kept[i] = malloc(elems * 2);
+        drop[i] = malloc((size_t)hk * n);
+        rows += tu_nonfinite_queries(bad[i], n, hq, hk, d, 60 + i, i, drop[i]);
+        tu_synth_kv(clean[i], n, hq, d, 60 + i);
+    }
+    uint8_t *got = malloc(bytes), *want = malloc(bytes), *ref = malloc(bytes), *host = malloc(bytes);
+    CUdeviceptr dqs = dalloc(bytes, 0xee);
+    const int64_t full[2] = {n, n};
+    gpu_qstats_run(gpu, dqs, bytes, hk, bad, full, 2, hq, d, got);
+    /* The CPU on the same chunks. */
+    assert_int_equal(kvf_qstats_init(cpu, host, bytes, hk, NULL), KVF_OK);
+    kvf_shape sh = {n, hq, 0, 0};
+    for (int i = 0; i < 2; i++) assert_int_equal(kvf_qstats_update(cpu, host, bytes, bad[i], &sh, NULL), KVF_OK);
+    assert_memory_equal(got, host, l.msum_off); /* header (skipped count) and counts */
+    assert_memory_equal(got + l.msum_off, host + l.msum_off, (size_t)hk * d * d * 4);
+    double worst = projector_diff(got, host, &l);
+    assert_true(worst < 1e-3);
+    uint64_t skipped = 0;
+    assert_int_equal(kvf_qstats_skipped(got, 64, &skipped), KVF_OK);
+    assert_int_equal(skipped, rows);
+    /* Per KV head, the GPU on the clean chunks without the tokens it lost. */
+    for (int h = 0; h < hk; h++) {
+        int64_t nk[2];
+        for (int i = 0; i < 2; i++) nk[i] = tu_drop_tokens(clean[i], n, hq, d, drop[i] + h * n, kept[i]);
+        gpu_qstats_run(gpu, dqs, bytes, hk, kept, nk, 2, hq, d, ref);
+        if (h == 0) memcpy(want, ref, bytes);
+        else tu_qstats_copy_head(want, ref, &l, h);
+    }
+    memcpy(want + 24, &rows, 8);
+    assert_memory_equal(got, want, bytes);
+    printf("  %llu NaN/Inf query rows skipped; statistics equal those without them (GPU), and the CPU's "
+           "(projector max |diff| %.2e)\n", (unsigned long long)rows, worst);
+    /* Encodes reading either: the same bytes. */
+    const int64_t nt = small ? 40 : 300;
+    size_t pb, kvn = (size_t)nt * hk * d;
+    assert_int_equal(kvf_packed_size(s, nt, hk, &pb), KVF_OK);
+    uint16_t *k = malloc(kvn * 2), *v = malloc(kvn * 2);
+    random_bf16(k, kvn, 70), random_bf16(v, kvn, 71);
+    CUdeviceptr dk = dalloc(kvn * 2, 0), dv = dalloc(kvn * 2, 0), dp = dalloc(pb, 0x11), dw = dalloc(bytes, 0);
+    CK(cuMemcpyHtoD(dk, k, kvn * 2));
+    CK(cuMemcpyHtoD(dv, v, kvn * 2));
+    CK(cuMemcpyHtoD(dqs, got, bytes));
+    CK(cuMemcpyHtoD(dw, want, bytes));
+    uint8_t *p1 = malloc(pb), *p2 = malloc(pb);
+    kvf_shape ksh = {nt, hk, 0, 0};
+    assert_int_equal(kvf_encode(gpu, (void *)dk, (void *)dv, &ksh, (void *)dqs, (void *)dp, pb, NULL), KVF_OK);
+    CK(cuCtxSynchronize());
+    CK(cuMemcpyDtoH(p1, dp, pb));
+    CK(cuMemsetD8(dp, 0x11, pb));
+    assert_int_equal(kvf_encode(gpu, (void *)dk, (void *)dv, &ksh, (void *)dw, (void *)dp, pb, NULL), KVF_OK);
+    CK(cuCtxSynchronize());
+    CK(cuMemcpyDtoH(p2, dp, pb));
+    assert_memory_equal(p1, p2, pb);
+    cu->cuMemFree(dk); cu->cuMemFree(dv); cu->cuMemFree(dp); cu->cuMemFree(dw); cu->cuMemFree(dqs);
+    free(k), free(v), free(p1), free(p2), free(got), free(want), free(ref), free(host);
+    for (int i = 0; i < 2; i++) free(bad[i]), free(clean[i]), free(kept[i]), free(drop[i]);
+    kvf_context_destroy(gpu);
+    kvf_context_destroy(cpu);
+    kvf_scheme_free(s);
+}
+
 static double ms_since(const struct timespec *t0) {
     struct timespec t1;
     clock_gettime(CLOCK_MONOTONIC, &t1);
@@ -370,7 +494,7 @@ static void context_from_cache_and_image(void **state) {
     assert_int_equal(kvf_context_create_from_image(kvf_scheme_canonical(s), image, size, 0, &img_ctx), KVF_OK);
     assert_string_equal(kvf_context_origin(img_ctx), "image");
     assert_int_equal(kvf_context_create(s, KVF_DEVICE_CPU, &cpu), KVF_OK);
-    run_case c = {300, 2, 0, 0};
+    run_case c = {small ? 40 : 300, 2, 0, 0};
     compare_case(img_ctx, cpu, &c, 1, 0);
     /* An image of another scheme is refused by name. */
     kvf_scheme *other = tu_scheme("rtn_int2");
@@ -409,6 +533,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(gpu_matches_cpu),
         cmocka_unit_test(gpu_rope_pre),
+        cmocka_unit_test(gpu_qstats_nonfinite),
         cmocka_unit_test(context_from_cache_and_image),
         cmocka_unit_test(bad_arguments_refused),
     };

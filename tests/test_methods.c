@@ -413,7 +413,7 @@ static void *make_qstats(const kvf_scheme *s, int32_t heads, const float *m, int
     uint8_t *q = calloc(1, l.total_bytes);
     assert_non_null(q);
     int d = s->head_dim;
-    uint32_t hd[5] = {KVF_QSTATS_MAGIC, 1, (uint32_t)heads, (uint32_t)d, (uint32_t)r};
+    uint32_t hd[5] = {KVF_QSTATS_MAGIC, KVF_QSTATS_VERSION, (uint32_t)heads, (uint32_t)d, (uint32_t)r};
     memcpy(q, hd, sizeof hd);
     for (int h = 0; h < heads; h++) {
         ((double *)(q + l.count_off))[h] = 1.0;

@@ -276,7 +276,7 @@ static void test_init(void **state) {
     memcpy(hdr, q, 64);
     assert_int_equal(hdr[0], 0x5146564bu);
     assert_memory_equal(q, "KVFQ", 4);
-    assert_int_equal(hdr[1], 1);
+    assert_int_equal(hdr[1], 2); /* version 2: skipped-row counter at byte 24 */
     assert_int_equal(hdr[2], 3);
     assert_int_equal(hdr[3], 64);
     assert_int_equal(hdr[4], 8);
@@ -319,9 +319,19 @@ static void test_check(void **state) {
     b[40] = 1; /* reserved */
     assert_int_equal(kvf_qstats_check(&s, q, bytes, 2), KVF_EFORMAT);
     b[40] = 0;
-    b[4] = 2; /* version */
+    b[20] = 1; /* the reserved word before the skipped counter */
     assert_int_equal(kvf_qstats_check(&s, q, bytes, 2), KVF_EFORMAT);
-    b[4] = 1;
+    b[20] = 0;
+    b[24] = 5; /* the skipped counter (any value is valid) */
+    assert_int_equal(kvf_qstats_check(&s, q, bytes, 2), KVF_OK);
+    b[24] = 0;
+    b[4] = 1; /* version 1 (no skipped counter): refused, with what to do */
+    assert_int_equal(kvf_qstats_check(&s, q, bytes, 2), KVF_EFORMAT);
+    assert_non_null(strstr(kvf_last_error(), "version 1"));
+    assert_non_null(strstr(kvf_last_error(), "kvf_qstats_init"));
+    b[4] = 3; /* a future version */
+    assert_int_equal(kvf_qstats_check(&s, q, bytes, 2), KVF_EFORMAT);
+    b[4] = 2;
     b[0] ^= 1; /* magic */
     assert_int_equal(kvf_qstats_check(&s, q, bytes, 2), KVF_EFORMAT);
     assert_non_null(strstr(kvf_last_error(), "KVFQ"));

@@ -53,3 +53,48 @@ uint64_t tu_rng_next(uint64_t *st) {
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
     return z ^ (z >> 31);
 }
+
+/* NaN and Inf of every kind: quiet, +Inf, -Inf, negative with a payload, signalling. */
+static const uint16_t nonfinite[5] = {0x7fc0, 0x7f80, 0xff80, 0xffc1, 0x7f81};
+
+uint64_t tu_nonfinite_queries(uint16_t *q, int64_t n, int hq, int n_kv, int d, uint64_t seed, int pattern,
+                              unsigned char *drop) {
+    const int group = hq / n_kv;
+    uint64_t rows = 0;
+    kvf_synth_kv(q, n, hq, d, seed);
+    memset(drop, 0, (size_t)n_kv * (size_t)n);
+    for (int h = 0; h < n_kv; h++)
+        for (int64_t t = 0; t < n; t++) {
+            int bad = pattern == 0 ? t == 0 || t == n / 2 || (t == n - 3 && h == n_kv - 1) : h == 0;
+            if (!bad) continue;
+            drop[(size_t)h * n + t] = 1;
+            for (int g = 0; g < group; g++) {
+                int j = h * group + g;
+                /* Channels 0 and d-1 (edges of a row), else spread over the row. */
+                int c = (int)((t + j) % 3 == 0 ? 0 : (t + j) % 3 == 1 ? d - 1 : (t * 37 + j * 11) % d);
+                q[((size_t)j * n + t) * d + c] = nonfinite[(t + j) % 5];
+                rows++;
+            }
+        }
+    return rows;
+}
+
+int64_t tu_drop_tokens(const uint16_t *q, int64_t n, int hq, int d, const unsigned char *drop, uint16_t *out) {
+    int64_t kept = 0;
+    for (int64_t t = 0; t < n; t++) kept += !drop[t];
+    for (int j = 0; j < hq; j++) {
+        uint16_t *o = out + (size_t)j * kept * d;
+        for (int64_t t = 0; t < n; t++)
+            if (!drop[t]) memcpy(o, q + ((size_t)j * n + t) * d, (size_t)d * 2), o += d;
+    }
+    return kept;
+}
+
+void tu_qstats_copy_head(void *dst, const void *src, const kvf_qstats_layout *l, int h) {
+    const size_t d = (size_t)l->head_dim, r = (size_t)l->rank;
+    const struct { size_t off, each; } plane[4] = {
+        {l->count_off, 8}, {l->msum_off, d * d * 4}, {l->u_off, d * r * 4}, {l->lambda_off, r * 4}};
+    for (int p = 0; p < (r ? 4 : 2); p++)
+        memcpy((uint8_t *)dst + plane[p].off + h * plane[p].each, (const uint8_t *)src + plane[p].off + h * plane[p].each,
+               plane[p].each);
+}

@@ -21,4 +21,18 @@ void tu_synth_kv(uint16_t *x, int64_t n_tokens, int n_heads, int head_dim, uint6
 uint64_t tu_rng_next(uint64_t *state);
 /* Load a shipped scheme by name, failing the test on error. */
 kvf_scheme *tu_scheme(const char *name);
+/*
+ * Non-finite query tests (test_faults, test_gpu): q [hq][n][d] = the synthetic
+ * queries tu_synth_kv(seed) gives, with a NaN or an Inf in some rows. drop
+ * [n_kv][n] gets 1 where KV head h loses token t (every query head of its
+ * group holds a non-finite value at t). Pattern 0: tokens 0 and n/2 in every
+ * query head, token n-3 in the last KV head's only; pattern 1: every token of
+ * KV head 0. Returns the number of query rows made non-finite.
+ */
+uint64_t tu_nonfinite_queries(uint16_t *q, int64_t n, int hq, int n_kv, int d, uint64_t seed, int pattern,
+                              unsigned char *drop);
+/* out [hq][kept][d] = q [hq][n][d] without the tokens t with drop[t]; returns kept. */
+int64_t tu_drop_tokens(const uint16_t *q, int64_t n, int hq, int d, const unsigned char *drop, uint16_t *out);
+/* Copy KV head h's count, sums, basis and lambda from one statistics buffer to another. */
+void tu_qstats_copy_head(void *dst, const void *src, const kvf_qstats_layout *l, int h);
 #endif

@@ -40,9 +40,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from frames import load_frames, synthetic_frames  # noqa: E402
 from kvcache import RecordingCache  # noqa: E402
-from model import file_sha256, frames_to_patches, generate, load_weights  # noqa: E402
+from model import file_sha256, frames_to_patches, generate, load_model_and_frames  # noqa: E402
 
 
 def parse_layers(s, n_layers):
@@ -87,18 +86,9 @@ def parse_args(argv=None):
 def run(a):
     from safetensors.torch import save_file
     device = torch.device(a.device)
-    model = load_weights(a.weights, device)
+    model, frames, meta = load_model_and_frames(a.weights, device, a.frames, a.synthetic, a.seed)
     cfg = model.cfg
-    H, Wd = cfg.frame_hw
-    if a.synthetic:
-        frames = synthetic_frames(a.synthetic, H, Wd, seed=a.seed)
-        from frames import frames_sha256
-        meta = {"heldout_start": int(round(a.synthetic * 0.8)), "source": f"synthetic frames (seed {a.seed})",
-                "frames_sha256": frames_sha256(frames)}
-        src_name = meta["source"]
-    else:
-        frames, meta = load_frames(a.frames)
-        src_name = "vtest.avi frames"
+    src_name = f"synthetic frames (seed {a.seed})" if a.synthetic else "vtest.avi frames"
     start = meta["heldout_start"] if a.start is None else a.start
     fpc, nc = cfg.frames_per_chunk, cfg.tokens_per_chunk
     need = a.chunks * fpc
@@ -142,7 +132,7 @@ def run(a):
         "q_pre": "no" if a.no_q_pre else "yes",
         "mode": a.mode,
         "source": (f"{src_name} {start}..{start + need - 1} ({mode}), "
-                   f"frames sha256 {meta.get('frames_sha256', '?')}, model weights sha256 {wsha}"),
+                   f"frames sha256 {meta['frames_sha256']}, model weights sha256 {wsha}"),
         "weights_sha256": wsha,
         "positions": "pos[i] = (frame from the dump's first frame, row, column) of token i; chunk c = rows c*N..c*N+N-1",
     }

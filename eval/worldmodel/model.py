@@ -304,6 +304,26 @@ def load_weights(path: str, device="cpu") -> WorldModel:
     return model.to(device).eval()
 
 
+def load_model_and_frames(weights: str, device, frames_path: str | None = None, synthetic: int = 0,
+                          seed: int = 0):
+    """The model of `weights` on `device` and the frames it runs on: `synthetic`
+    synthetic frames (seed `seed`, at the model's frame size) when > 0, else
+    the frames file `frames_path` (`make data`). The common start of dump_kv.py
+    and rollout.py. Returns (model, frames uint8 [F, H, W, 3], info):
+    info["heldout_start"] is the first held-out frame (the file's, or 80% of a
+    synthetic video), info["frames_sha256"] the frames' sha256 ('?' when a file
+    does not record it)."""
+    from frames import frames_sha256, load_frames, synthetic_frames
+    model = load_weights(weights, device)
+    if synthetic:
+        h, w = model.cfg.frame_hw
+        frames = synthetic_frames(synthetic, h, w, seed=seed)
+        return model, frames, {"heldout_start": int(round(synthetic * 0.8)), "frames_sha256": frames_sha256(frames)}
+    frames, meta = load_frames(frames_path)
+    return model, frames, {"heldout_start": int(meta["heldout_start"]),
+                           "frames_sha256": meta.get("frames_sha256", "?")}
+
+
 def file_sha256(path: str) -> str:
     import hashlib
     h = hashlib.sha256()

@@ -53,9 +53,9 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-from frames import load_frames, synthetic_frames  # noqa: E402
 from kvcache import BF16Cache, KvforgeCache  # noqa: E402
-from model import chunk_positions, file_sha256, frames_to_patches, generate, load_weights, patches_to_frames  # noqa: E402
+from model import (chunk_positions, file_sha256, frames_to_patches, generate, load_model_and_frames,  # noqa: E402
+                   patches_to_frames)
 
 DEFAULT_SCHEMES = ("bf16,rtn_int2,kivi_int2,quarot_int2,qvg_int2,qvg_pro_int2,quantwm_int2,"
                    "qvg_int4,quantwm_int4")
@@ -213,17 +213,11 @@ def run(a):
     if a.kvforge_python and os.path.isdir(a.kvforge_python):
         sys.path.insert(0, a.kvforge_python)
     device = torch.device(a.device)
-    model = load_weights(a.weights, device)
+    model, frames, meta = load_model_and_frames(a.weights, device, a.frames, a.synthetic, a.seed)
     cfg = model.cfg
-    H, Wd = cfg.frame_hw
-    if a.synthetic:
-        frames = synthetic_frames(a.synthetic, H, Wd, seed=a.seed)
-        split = int(round(a.synthetic * 0.8))
-        source = f"synthetic ({a.synthetic} frames, seed {a.seed})"
-    else:
-        frames, meta = load_frames(a.frames)
-        split = int(meta["heldout_start"])
-        source = f"vtest.avi frames (sha256 {meta.get('frames_sha256', '?')})"
+    split = meta["heldout_start"]
+    source = (f"synthetic ({a.synthetic} frames, seed {a.seed})" if a.synthetic
+              else f"vtest.avi frames (sha256 {meta['frames_sha256']})")
     fpc, nc = cfg.frames_per_chunk, cfg.tokens_per_chunk
     P, N = a.prompt_chunks, a.chunks
     length = fpc * (P + N)

@@ -161,6 +161,7 @@ _PROTOTYPES = {
     "kvf_qstats_init": (c_int, [_p_ctx, c_void_p, c_size_t, c_int32, c_void_p], False),
     "kvf_qstats_update": (c_int, [_p_ctx, c_void_p, c_size_t, c_void_p, POINTER(KvfShape),
                                   c_void_p], False),
+    "kvf_qstats_skipped": (c_int, [c_void_p, c_size_t, POINTER(c_uint64)], False),
     # Proposed (python/README.md, "C functions the binding wants").
     "kvf_scheme_get_info": (c_int, [_p_scheme, POINTER(KvfSchemeInfo)], False),
 }

@@ -3,7 +3,7 @@ query statistics on numpy arrays or torch tensors."""
 from __future__ import annotations
 
 import threading
-from ctypes import byref, c_int, c_void_p
+from ctypes import byref, c_int, c_uint64, c_void_p
 
 from ._lib import KVF_DEVICE_CPU, KvfShape, check, cstr, lib
 from ._tensors import check_layout, make_backend
@@ -230,6 +230,19 @@ class Context:
         check_layout(layout)
         qa = self.be.kv(q, "q", layout, self.head_dim, heads_multiple_of=n_kv_heads)
         self.qstats_update_arg(qstats, qa)
+
+    def qstats_skipped(self, qstats) -> int:
+        """Query rows left out of these statistics because they held NaN or Inf
+        (each such row is skipped by :meth:`qstats_update`; docs/METHODS.md 4).
+        On a GPU this reads the header back, after the stream's work so far."""
+        L = lib()
+        if not L.has("kvf_qstats_skipped"):
+            raise NotImplementedError(f"{L.path} has no kvf_qstats_skipped: it needs a newer libkvforge")
+        self._buffer(qstats, "qstats", min_bytes=64)
+        head = qstats[:64].tobytes() if self.be.kind == "numpy" else qstats[:64].cpu().numpy().tobytes()
+        n = c_uint64()
+        check(L.kvf_qstats_skipped(head, len(head), byref(n)), "kvf_qstats_skipped")
+        return n.value
 
     def qstats_update_arg(self, qstats, qa):
         ptr, n = self._buffer(qstats, "qstats")

@@ -300,3 +300,22 @@ def test_real_qstats_when_the_library_has_them(rng):
     assert not cache.qstats_buffer(1)[256:256 + 8 * H].any()  # layer 1 saw no queries
     cache.reset()
     assert not cache.qstats_buffer(0)[256:256 + 8 * H].any()
+
+
+def test_nonfinite_queries_are_skipped(rng):
+    """A query row with NaN or Inf adds nothing (METHODS.md 4); the header counts it."""
+    if not kvforge._lib.has_symbol("kvf_qstats_skipped"):
+        pytest.skip("this libkvforge has no kvf_qstats_skipped yet")
+    ctx = kvforge.Context(kvforge.Scheme("rtn_int2"))
+    q = video_like(rng, (2 * H, 20, D))
+    bad = q.copy()
+    bad[1, 3, 7] = np.nan
+    bad[5, 0, 0] = np.inf
+    a, b = ctx.qstats_new(H), ctx.qstats_new(H)
+    ctx.qstats_update(a, bad)
+    ctx.qstats_update(b, q)
+    assert ctx.qstats_skipped(a) == 2 and ctx.qstats_skipped(b) == 0
+    count = np.frombuffer(a[256:256 + 8 * H].tobytes(), np.float64)  # METHODS.md section 4
+    assert np.array_equal(count, [39.0, 40.0, 39.0, 40.0])  # query heads 1 and 5: KV heads 0 and 2
+    msum = np.frombuffer(a[512:512 + 4 * H * D * D].tobytes(), np.float32)
+    assert np.isfinite(msum).all()
