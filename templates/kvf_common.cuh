@@ -141,29 +141,32 @@ __device__ __forceinline__ void kvf_st16(void *p, u32 a, u32 b, u32 c, u32 d) {
 // non-coherent path: ld.global.nc).
 __device__ __forceinline__ uint4 kvf_ldg16(const void *p) {
     uint4 w;
-    asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w) : "l"(p));
+    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w) : "l"(p));
     return w;
 }
 
 // Smaller loads of read-only data, zero-extended to 32 bits (u64: two words).
+// volatile: they stay where they are written (a decode issues every load of
+// its rows before any arithmetic; NVVM would otherwise sink a load into the
+// branch that uses it and expose its latency there).
 __device__ __forceinline__ u32 kvf_ldg_u8(const void *p) {
     u32 v;
-    asm("ld.global.nc.u8 %0, [%1];" : "=r"(v) : "l"(p));
+    asm volatile("ld.global.nc.u8 %0, [%1];" : "=r"(v) : "l"(p));
     return v;
 }
 __device__ __forceinline__ u32 kvf_ldg_u16(const void *p) {
     u32 v;
-    asm("ld.global.nc.u16 %0, [%1];" : "=r"(v) : "l"(p));
+    asm volatile("ld.global.nc.u16 %0, [%1];" : "=r"(v) : "l"(p));
     return v;
 }
 __device__ __forceinline__ u32 kvf_ldg_u32(const void *p) {
     u32 v;
-    asm("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));
     return v;
 }
 __device__ __forceinline__ uint2 kvf_ldg_u64(const void *p) {
     uint2 v;
-    asm("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
     return v;
 }
 
@@ -197,11 +200,15 @@ __device__ __forceinline__ void kvf_fwht_row(float x[8], int lane) {
 #pragma unroll
     for (int len = 8; len < D; len <<= 1) {
         const int mask = len / 8;
-        const bool low = !(lane & mask);
+        // The low lane keeps a + b, the high one b - a: fma(x, +-1, other)
+        // is exactly that sum or difference (x * +-1 is exact, one rounding),
+        // signed zeros included (IEEE defines b - a as b + (-a)), in one
+        // instruction instead of two predicated ones.
+        const float sgn = (lane & mask) ? -1.0f : 1.0f;
 #pragma unroll
         for (int i = 0; i < 8; i++) {
             float other = __shfl_xor_sync(0xffffffffu, x[i], mask);
-            x[i] = low ? __fadd_rn(x[i], other) : __fsub_rn(other, x[i]);
+            x[i] = __fmaf_rn(x[i], sgn, other);
         }
     }
     const float norm = D == 64 ? 0.125f : D == 128 ? 0.088388347648f : 0.0625f;

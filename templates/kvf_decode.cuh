@@ -217,6 +217,10 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
                 ub[8 * k + 2 * e + 1] = __uint_as_float(a[e] & 0xffff0000u);
             }
         }
+        // Opaque to NVVM, which otherwise sinks the shifts back into the
+        // row loop (one extra op per basis entry and row).
+#pragma unroll
+        for (int i = 0; i < 8 * R; i++) asm("mov.b32 %0, %0;" : "+f"(ub[i]));
     }
 
     // gridDim.x * TILE <= n + TILE - 1 (runtime/context.c): no u32 overflow.
@@ -368,14 +372,15 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
                 }
             } else {
                 // S = T * (float)u_g; q - z with z the int8 zero code (or QMAX):
-                // m - (2^23 + z * 2^P) = (q - z) * 2^P, exact (|z * 2^P| <= 2^21).
+                // (m - 2^23) - z * 2^P = (q - z) * 2^P, one fma, exact (an
+                // integer times 2^P below 2^24 in magnitude).
                 const float S = __fmul_rn(kvf_f16_to_f32((u16)ts[u]), __fsub_rn(kvf_magic(sc[u] & 0xffu), MAGIC));
                 const float zf = MODE == KVF_MODE_AFFINE ? int8_float(zr[u] ^ 0x80u, 0) : (float)QMAX;
 #pragma unroll
                 for (int i = 0; i < 8; i++) {
                     const int P = code_pos(BITS, i);
                     const float m = code_magic<BITS>(cw[u], i, ex), SP = P ? __fmul_rn(S, pow2(-P)) : S;
-                    y[i] = __fmaf_rn(SP, __fsub_rn(m, __fmaf_rn(zf, pow2(P), MAGIC)), 0.0f);
+                    y[i] = __fmaf_rn(SP, __fmaf_rn(zf, -pow2(P), __fsub_rn(m, MAGIC)), 0.0f);
                 }
             }
             if (NCENT) {
