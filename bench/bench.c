@@ -2,8 +2,9 @@
  * kvforge benchmark (issue 6): on the GPU, the device-to-device copy ceiling,
  * then every scheme's encode and decode of one LongCat-sized layer (K and V of
  * 32 heads x 29640 tokens x d = 128, heterogeneous data as ANCHORS.md), and
- * the JIT costs. One table: times, GB/s, fraction of the copy ceiling, ratio to
- * QVG's figures (ANCHORS.md: encode 4.77 ms, decode 0.44 ms on an H200).
+ * the JIT costs. One table: times, GB/s, fraction of the copy ceiling and of
+ * the write-only ceiling (cuMemsetD32 over the bytes the decode writes), ratio
+ * to QVG's figures (ANCHORS.md: encode 4.77 ms, decode 0.44 ms on an H200).
  * bench/sdpa.py measures the BF16 SDPA ceiling and decode + SDPA.
  *   out/bin/kvf_bench [--tokens N] [--heads H] [--reps R] [SCHEME ...]
  */
@@ -59,6 +60,12 @@ typedef struct copy_arg { CUdeviceptr dst, src; size_t n; } copy_arg;
 static int do_copy(void *p) {
     copy_arg *c = p;
     return cu->cuMemcpyDtoDAsync(c->dst, c->src, c->n, NULL) == CUDA_SUCCESS ? 0 : -1;
+}
+
+/* Write-only ceiling: a memset of n bytes (n a multiple of 4). */
+static int do_fill(void *p) {
+    copy_arg *c = p;
+    return cu->cuMemsetD32Async(c->dst, 0x3f803f80u, c->n / 4, NULL) == CUDA_SUCCESS ? 0 : -1;
 }
 
 typedef struct codec_arg {
@@ -139,11 +146,21 @@ int main(int argc, char **argv) {
     CK(cuMemAlloc(&dpos, sizeof(int32_t) * (size_t)tokens * 4));
     CK(cuMemcpyHtoD(dpos, pos, sizeof(int32_t) * (size_t)tokens * 4));
 
+    /* Write-only ceiling over what a decode writes: K and V in BF16, as one
+     * memset of that many bytes (the decode writes two such halves). */
+    copy_arg fill = {0, 0, 2 * n * 2};
+    CK(cuMemAlloc(&fill.dst, fill.n));
+    float fill_ms = time_median(do_fill, &fill, reps);
+    double fill_bw = fill.n / (fill_ms * 1e-3) / 1e9;
+    cu->cuMemFree(fill.dst);
+
     printf("GPU: %s; layer: K and V of %d heads x %lld tokens x d=%d (BF16 %.1f MB each)\n", name, heads,
            (long long)tokens, d, n * 2 / 1e6);
-    printf("copy ceiling: %.0f GB/s (2 GiB device-to-device, read + write, median of %d)\n\n", copy_bw, reps);
-    printf("%-16s %8s %9s %9s %9s %10s %7s %9s %9s %9s\n", "scheme", "ratio", "encode", "vs QVG", "decode",
-           "dec GB/s", "of copy", "vs QVG", "JIT cold", "JIT hit");
+    printf("copy ceiling: %.0f GB/s (2 GiB device-to-device, read + write, median of %d)\n", copy_bw, reps);
+    printf("write ceiling: %.0f GB/s (cuMemsetD32 of the decode's %.0f MB of BF16 output: %.3f ms, median of %d)\n\n",
+           fill_bw, fill.n / 1e6, fill_ms, reps);
+    printf("%-16s %8s %9s %9s %9s %10s %7s %8s %9s %9s %9s\n", "scheme", "ratio", "encode", "vs QVG", "decode",
+           "dec GB/s", "of copy", "of write", "vs QVG", "JIT cold", "JIT hit");
     const char *const *names = kvf_builtin_schemes();
     for (int i = 0; names[i]; i++) {
         int wanted = !n_only;
@@ -194,8 +211,9 @@ int main(int argc, char **argv) {
         double bw = moved / (dec * 1e-3) / 1e9;
         kvf_footprint f;
         kvf_footprint_of(s, tokens, heads, &f);
-        printf("%-16s %7.2fx %7.3f ms %8.2fx %7.3f ms %10.0f %6.1f%% %8.2fx %7.0f ms %6.1f ms\n", names[i],
-               f.compression, enc, 4.77 / enc, dec, bw, 100.0 * bw / copy_bw, 0.44 / dec, cold, hit);
+        printf("%-16s %7.2fx %7.3f ms %8.2fx %7.3f ms %10.0f %6.1f%% %7.1f%% %8.2fx %7.0f ms %6.1f ms\n", names[i],
+               f.compression, enc, 4.77 / enc, dec, bw, 100.0 * bw / copy_bw, 100.0 * fill_ms / dec, 0.44 / dec,
+               cold, hit);
         fflush(stdout);
         cu->cuMemFree(c.packed);
         if (c.qs) cu->cuMemFree(c.qs);
@@ -203,7 +221,9 @@ int main(int argc, char **argv) {
         kvf_scheme_free(s);
     }
     printf("\nencode: K+V of the layer (median of 5); decode: K+V to BF16 (median of %d); dec GB/s counts packed\n"
-           "bytes read + BF16 bytes written; 'vs QVG' = QVG's time / ours (ANCHORS.md: 4.77 ms, 0.44 ms);\n"
+           "bytes read + BF16 bytes written; 'of copy' = dec GB/s / copy ceiling; 'of write' = the memset of the\n"
+           "same output bytes' time / decode time (1.0 = decode as fast as writing its output alone);\n"
+           "'vs QVG' = QVG's time / ours (ANCHORS.md: 4.77 ms, 0.44 ms);\n"
            "JIT cold = context creation with NVRTC and no disk cache; JIT hit = from the disk cache.\n", reps);
     return 0;
 }

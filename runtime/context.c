@@ -484,22 +484,33 @@ int kvf_decode(kvf_context *ctx, const void *packed, size_t packed_bytes, const 
     kvf_layout l;
     int rc = prepare(ctx, k_out, v_out, packed, packed_bytes, shape, &sh, &l, "kvf_decode");
     if (rc) return rc;
-    if (ctx->scheme->rope.placement == KVF_ROPE_PRE && ctx->scheme->key.bits < 16 && !positions)
+    /* Keys cached before RoPE get it at decode, bits 16 included (METHODS.md:
+     * "Bits 16"), as the CPU reference does. */
+    if (ctx->scheme->rope.placement == KVF_ROPE_PRE && !positions)
         return kvf_set_error(KVF_EINVAL, "kvf_decode: scheme %s caches keys before RoPE: positions are required",
                              ctx->scheme->name);
     if (ctx->device == KVF_DEVICE_CPU)
         return kvf_ref_decode(ctx->scheme, packed, packed_bytes, &sh, positions, k_out, v_out);
+    /* Grid (token tiles, heads): blockIdx.y is the head (templates/kvf_decode.cuh). */
+    if (sh.n_heads > 65535)
+        return kvf_set_error(KVF_EINVAL, "kvf_decode: %d heads: the GPU decode takes at most 65535 (grid y)",
+                             sh.n_heads);
     int n_tokens = (int)sh.n_tokens, n_heads = sh.n_heads;
-    /* kvf_decode::RPT rows per thread (templates/kvf_decode.cuh). */
-    unsigned grid = blocks_for((int64_t)sh.n_tokens * sh.n_heads, 2 * (BLOCK / (ctx->scheme->head_dim / VEC)));
     void *dst[2] = {k_out, v_out};
     const kvf_section_layout *sec[2] = {&l.key, &l.value};
     rope_arg rope = rope_of(ctx->scheme);
     for (int t = 0; t < 2; t++) {
+        /* Tokens per block: BLOCK / (d/8) rows x 4 rows per thread, and 4
+         * such tiles with PSAC (each thread then converts its head's basis
+         * once for 16 rows). The kernel loops over tiles x, x + gridDim.x,
+         * ... of its own size, so this only tunes speed; it keeps gridDim.x
+         * x tile below 2^32 for the kernel's u32 token math. */
+        int64_t tile = (int64_t)(BLOCK / (ctx->scheme->head_dim / VEC)) * 4 * (sec[t]->psac_rank > 0 ? 4 : 1);
+        unsigned gx = blocks_for(sh.n_tokens, tile);
         section_arg planes = section_of(sec[t]);
         void *args[] = {(void *)&packed, &planes, &n_tokens, &n_heads, &dst[t], &sh.token_stride, &sh.head_stride,
                         (void *)&positions, &rope};
-        if ((rc = launch(ctx, KVF_R_DECODE_K + t, grid, args, stream))) return rc;
+        if ((rc = launch3(ctx, KVF_R_DECODE_K + t, gx, (unsigned)n_heads, 1, BLOCK, 0, args, stream))) return rc;
     }
     return KVF_OK;
 }

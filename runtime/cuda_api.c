@@ -56,6 +56,7 @@ static int load_cuda_locked(void) {
     SYM(lib, a, cuMemcpyHtoD, "cuMemcpyHtoD_v2");
     SYM(lib, a, cuMemcpyDtoH, "cuMemcpyDtoH_v2");
     SYM(lib, a, cuMemsetD8, "cuMemsetD8_v2");
+    SYM(lib, a, cuMemsetD32Async, "cuMemsetD32Async");
     SYM(lib, a, cuMemcpyDtoDAsync, "cuMemcpyDtoDAsync_v2");
     SYM(lib, a, cuStreamSynchronize, "cuStreamSynchronize");
     SYM(lib, a, cuEventCreate, "cuEventCreate");

@@ -34,6 +34,7 @@ typedef struct kvf_cuda_api {
     CUresult (*cuMemcpyHtoD)(CUdeviceptr, const void *, size_t);
     CUresult (*cuMemcpyDtoH)(void *, CUdeviceptr, size_t);
     CUresult (*cuMemsetD8)(CUdeviceptr, unsigned char, size_t);
+    CUresult (*cuMemsetD32Async)(CUdeviceptr, unsigned int, size_t, CUstream);
     CUresult (*cuMemcpyDtoDAsync)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
     CUresult (*cuStreamSynchronize)(CUstream);
     CUresult (*cuEventCreate)(CUevent *, unsigned int);

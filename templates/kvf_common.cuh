@@ -47,8 +47,54 @@ __device__ __forceinline__ u16 kvf_f32_to_f16(float f) {
 // 0x7E00 whatever its sign and payload (docs/FORMAT.md, special values).
 __device__ __forceinline__ u16 kvf_stored_f16(float f) { return f != f ? (u16)0x7e00u : kvf_f32_to_f16(f); }
 
-// Decoded values: a NaN is always 0x7FC0.
-__device__ __forceinline__ u16 kvf_output_bf16(float f) { return f != f ? (u16)0x7fc0u : kvf_f32_to_bf16(f); }
+// Decoded values (FORMAT.md's output_bf16): round to nearest even, a NaN is
+// always 0x7FC0. The hardware conversion cvt.rn.bf16x2.f32 (sm_80+) gives the
+// same bits as kvf_f32_to_bf16 for every non-NaN input, so only NaNs need
+// fixing:
+// - finite values: both round the f32 to nearest even at bit 16 (the
+//   software adds 0x7fff + the kept LSB and truncates, which is RNE on the
+//   magnitude bits; a carry out of the mantissa bumps the exponent, and from
+//   the largest finite exponent gives 0x7f80 = Inf, which is also what IEEE
+//   RNE gives for values at or past max_bf16 + half an ulp);
+// - f32 subnormals: cvt has no .ftz here (and NVRTC compiles with
+//   --ftz=false), so they are rounded like any other value, as the software
+//   does with the same integer add;
+// - +-Inf: 0x7f80 / 0xff80 both ways; +-0: 0x0000 / 0x8000 both ways;
+// - NaN: the hardware gives its own canonical NaN (0x7fff), the software a
+//   quiet NaN with the payload kept: both are replaced by 0x7fc0 below. The
+//   fix does not look at what cvt produced for a NaN, only at the f32 input,
+//   so it does not depend on the hardware's NaN pattern.
+// tests/test_gpu.c (decode_special_values) checks it against the CPU.
+__device__ __forceinline__ u32 kvf_cvt_bf16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); // first source -> upper half
+    return r;
+}
+// The NaN fix of a pair converted by kvf_cvt_bf16x2.
+__device__ __forceinline__ u32 kvf_fix_nan_bf16x2(u32 r, float lo, float hi) {
+    r = lo != lo ? (r & 0xffff0000u) | 0x00007fc0u : r;
+    r = hi != hi ? (r & 0x0000ffffu) | 0x7fc00000u : r;
+    return r;
+}
+// lo and hi as output_bf16 each, packed (lo in the low half: the lower address).
+__device__ __forceinline__ u32 kvf_output_bf16x2(float lo, float hi) {
+    return kvf_fix_nan_bf16x2(kvf_cvt_bf16x2(lo, hi), lo, hi);
+}
+// Whether any of 8 values is a NaN: four setp.nan (each tests two values)
+// chained into one predicate.
+__device__ __forceinline__ bool kvf_any_nan8(const float y[8]) {
+    u32 r;
+    asm("{\n\t.reg .pred p;\n\t"
+        "setp.nan.f32 p, %1, %2;\n\t"
+        "setp.nan.or.f32 p, %3, %4, p;\n\t"
+        "setp.nan.or.f32 p, %5, %6, p;\n\t"
+        "setp.nan.or.f32 p, %7, %8, p;\n\t"
+        "selp.u32 %0, 1, 0, p;\n\t}"
+        : "=r"(r)
+        : "f"(y[0]), "f"(y[1]), "f"(y[2]), "f"(y[3]), "f"(y[4]), "f"(y[5]), "f"(y[6]), "f"(y[7]));
+    return r != 0;
+}
+__device__ __forceinline__ u16 kvf_output_bf16(float f) { return (u16)kvf_output_bf16x2(f, 0.0f); }
 
 // -0 and +0 compare equal and min/max may return either: the format stores +0.
 __device__ __forceinline__ float kvf_plus_zero(float f) { return f == 0.0f ? 0.0f : f; }
@@ -83,11 +129,50 @@ __device__ __forceinline__ void kvf_load8(const u16 *p, u16 v[8]) {
     for (int i = 0; i < 4; i++) { v[2 * i] = (u16)(a[i] & 0xffffu); v[2 * i + 1] = (u16)(a[i] >> 16); }
 }
 
-__device__ __forceinline__ void kvf_store8(u16 *p, const u16 v[8]) {
+// One 16-byte store, always vectorized (a uint4 built from values chosen per
+// element is otherwise split into four 4-byte stores). p: global memory,
+// 16-byte aligned. The "memory" clobber keeps the compiler from moving other
+// loads and stores across it.
+__device__ __forceinline__ void kvf_st16(void *p, u32 a, u32 b, u32 c, u32 d) {
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+}
+
+// One 16-byte load of data that no thread writes during the kernel (the
+// non-coherent path: ld.global.nc).
+__device__ __forceinline__ uint4 kvf_ldg16(const void *p) {
     uint4 w;
-    w.x = v[0] | ((u32)v[1] << 16); w.y = v[2] | ((u32)v[3] << 16);
-    w.z = v[4] | ((u32)v[5] << 16); w.w = v[6] | ((u32)v[7] << 16);
-    *(uint4 *)p = w;
+    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w) : "l"(p));
+    return w;
+}
+
+// Smaller loads of read-only data, zero-extended to 32 bits (u64: two words).
+// volatile: they stay where they are written (a decode issues every load of
+// its rows before any arithmetic; NVVM would otherwise sink a load into the
+// branch that uses it and expose its latency there).
+__device__ __forceinline__ u32 kvf_ldg_u8(const void *p) {
+    u32 v;
+    asm volatile("ld.global.nc.u8 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ u32 kvf_ldg_u16(const void *p) {
+    u32 v;
+    asm volatile("ld.global.nc.u16 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ u32 kvf_ldg_u32(const void *p) {
+    u32 v;
+    asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ uint2 kvf_ldg_u64(const void *p) {
+    uint2 v;
+    asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ void kvf_store8(u16 *p, const u16 v[8]) {
+    kvf_st16(p, v[0] | ((u32)v[1] << 16), v[2] | ((u32)v[3] << 16), v[4] | ((u32)v[5] << 16),
+             v[6] | ((u32)v[7] << 16));
 }
 
 __device__ __forceinline__ void kvf_load8f(const u16 *p, float f[8]) {
@@ -115,11 +200,15 @@ __device__ __forceinline__ void kvf_fwht_row(float x[8], int lane) {
 #pragma unroll
     for (int len = 8; len < D; len <<= 1) {
         const int mask = len / 8;
-        const bool low = !(lane & mask);
+        // The low lane keeps a + b, the high one b - a: fma(x, +-1, other)
+        // is exactly that sum or difference (x * +-1 is exact, one rounding),
+        // signed zeros included (IEEE defines b - a as b + (-a)), in one
+        // instruction instead of two predicated ones.
+        const float sgn = (lane & mask) ? -1.0f : 1.0f;
 #pragma unroll
         for (int i = 0; i < 8; i++) {
             float other = __shfl_xor_sync(0xffffffffu, x[i], mask);
-            x[i] = low ? __fadd_rn(x[i], other) : __fsub_rn(other, x[i]);
+            x[i] = __fmaf_rn(x[i], sgn, other);
         }
     }
     const float norm = D == 64 ? 0.125f : D == 128 ? 0.088388347648f : 0.0625f;

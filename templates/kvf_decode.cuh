@@ -5,6 +5,18 @@
 // undoes the Hadamard rotation, applies RoPE to keys cached before RoPE, and
 // writes BF16 for the caller's attention. Lane layout as kvf_rtn.cuh: 8
 // channels per lane, D/8 lanes per row. CPU reference: runtime/ref_encode.c.
+//
+// Launch (runtime/context.c, kvf_decode): grid (x, n_heads), BLOCK threads.
+// blockIdx.y is the head; block x takes token tiles x, x + gridDim.x, ... of
+// TILE = ROWS * RPT tokens, so any gridDim.x is correct and the host only
+// tunes it. A thread keeps one head: per-head data (plane bases, the PSAC
+// basis) is set up once, every index is 32-bit token math (no 64-bit division).
+//
+// Throughput: the kernel writes ~8x the bytes it reads (INT2) and is limited
+// by instructions, not by memory, unless each lane-row (8 channels) stays
+// near 100 instructions. Hence: RPT rows' loads issued before any arithmetic,
+// codes turned into floats with the exponent trick instead of I2F (quarter
+// rate), bf16x2 conversions in hardware, one 16-byte store per lane-row.
 #pragma once
 #include "kvf_quant.cuh"
 
@@ -17,7 +29,15 @@
 namespace kvf_decode {
 
 constexpr int BLOCK = 256;
-constexpr int RPT = 2; // rows per thread: twice the loads in flight (runtime/context.c sizes the grid)
+
+// Rows of one thread whose loads are in flight together (all of the same
+// head, ROWS tokens apart, so each load instruction of a warp is coalesced).
+// runtime/context.c sizes grid x for 4 (and 4 tiles per block with PSAC);
+// a different value here changes speed, not results.
+template <int NCENT, int STAGES, int PSAC_R>
+struct tiling {
+    static constexpr int RPT = PSAC_R ? 2 : (NCENT && STAGES > 2) ? 2 : 4;
+};
 
 struct section_planes {
     kvf_quant::stage_planes stage[8];
@@ -30,24 +50,65 @@ struct rope_args {
     int sections[4];
 };
 
-// Per-channel scales (KIVI keys: groups run along tokens).
-template <int D, int BITS, int G, int MODE>
-__device__ __forceinline__ void load_row_token_axis(const u8 *packed, const kvf_quant::stage_planes &p, i64 h,
-                                                    i64 t, int n_tokens, int lane, float out[8]) {
-    constexpr int QMAX = (1 << (BITS - 1)) - 1;
-    u32 q[8];
-    kvf_quant::load_codes<BITS>(packed + p.codes + (h * n_tokens + t) * (D * BITS / 8) + lane * BITS, q);
-    const i64 groups = (n_tokens + G - 1) / G;
-    const i64 at = ((h * groups + t / G) * D + lane * 8);
-    u16 s[8], z[8];
-    kvf_load8((const u16 *)(packed + p.scales) + at, s);
-    if (MODE == KVF_MODE_AFFINE) kvf_load8((const u16 *)(packed + p.zeros) + at, z);
-#pragma unroll
-    for (int i = 0; i < 8; i++) {
-        const float S = kvf_f16_to_f32(s[i]);
-        out[i] = MODE == KVF_MODE_AFFINE ? __fmaf_rn(S, (float)q[i], kvf_f16_to_f32(z[i]))
-                                         : __fmul_rn(S, (float)((int)q[i] - QMAX));
+// Codes as floats without I2F (a quarter-rate conversion): the code's bits
+// are OR-ed into the mantissa of 2^23 at bit P (P + BITS <= 23), which gives
+// the float 2^23 + q * 2^P exactly, and subtracting 2^23 (or 2^23 + z * 2^P
+// for a small integer z) leaves (q - z) * 2^P exactly: one integer op and one
+// float add per code. P is where the code already sits in its 32-bit word
+// (codes above bit 23 - BITS are taken from the word shifted down by 16), so
+// no shift per code. The scale is multiplied by 2^-P instead, which is exact
+// (f16 scales are >= 2^-24, 2^-24 * 2^-16 is a normal f32), and
+// fma(S * 2^-P, (q - z) * 2^P, c) is fma(S, q - z, c): the same real product,
+// rounded once. So every result is the reference's bit for bit.
+__host__ __device__ constexpr int code_shift(int bits, int i) { return (i * bits) & 31; }
+__host__ __device__ constexpr bool code_high(int bits, int i) { return code_shift(bits, i) + bits > 23; }
+__host__ __device__ constexpr int code_pos(int bits, int i) {
+    return code_high(bits, i) ? code_shift(bits, i) - 16 : code_shift(bits, i);
+}
+constexpr float MAGIC = 8388608.0f; // 2^23
+__device__ __forceinline__ float kvf_magic(u32 bits) { return __uint_as_float(0x4b000000u | bits); }
+__device__ __forceinline__ float pow2(int e) { return __uint_as_float((u32)(127 + e) << 23); } // -126 <= e <= 127
+
+// A pointer the compiler must take as it is: per-head bases computed once
+// stay in registers (otherwise they are re-associated into every row's
+// address, which then costs several 64-bit adds instead of one multiply-add).
+template <typename T>
+__device__ __forceinline__ T *opaque(T *p) {
+    asm("mov.b64 %0, %0;" : "+l"(p));
+    return p;
+}
+
+template <int BITS>
+struct code_word { u32 lo, hi; };
+
+template <int BITS>
+__device__ __forceinline__ code_word<BITS> load_code_word(const u8 *p) {
+    code_word<BITS> c;
+    if (BITS == 2) c.lo = kvf_ldg_u16(p), c.hi = 0;
+    else if (BITS == 4) c.lo = kvf_ldg_u32(p), c.hi = 0;
+    else {
+        const uint2 w = kvf_ldg_u64(p);
+        c.lo = w.x, c.hi = w.y;
     }
+    return c;
+}
+
+// 0x4b000000 (2^23) in a register: (w & mask) | exponent is then one LOP3
+// (it takes one immediate, the mask) instead of two. ptxas folds any
+// constant it can see, so it is built from zero = a kernel argument that is
+// 0 at run time (n_tokens >> 31: n_tokens is never negative).
+__device__ __forceinline__ u32 magic_reg(u32 zero) {
+    u32 r = 0x4b000000u | zero;
+    asm("mov.b32 %0, %0;" : "+r"(r)); // and NVVM must not re-associate the OR
+    return r;
+}
+
+// Code i of a lane-row as 2^23 + q_i * 2^code_pos(BITS, i); e = magic_reg().
+template <int BITS>
+__device__ __forceinline__ float code_magic(const code_word<BITS> &c, int i, u32 e) {
+    u32 w = BITS == 8 && i >= 4 ? c.hi : c.lo;
+    if (code_high(BITS, i)) w >>= 16;
+    return __uint_as_float(e | (w & (((1u << BITS) - 1u) << code_pos(BITS, i))));
 }
 
 template <int D>
@@ -91,76 +152,285 @@ __device__ __forceinline__ void apply_rope(float y[8], int lane, const int *pos_
     }
 }
 
+// Eight f32 values as FORMAT.md's output_bf16, one 16-byte store. The NaN
+// fix runs only for a lane that holds a NaN: four setp per row instead of
+// two selects per value (the branch is taken by NaN rows only).
+__device__ __forceinline__ void store_row(u16 *dst, const float y[8]) {
+    u32 w[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++) w[k] = kvf_cvt_bf16x2(y[2 * k], y[2 * k + 1]);
+    if (kvf_any_nan8(y)) {
+#pragma unroll
+        for (int k = 0; k < 4; k++) w[k] = kvf_fix_nan_bf16x2(w[k], y[2 * k], y[2 * k + 1]);
+    }
+    kvf_st16(dst, w[0], w[1], w[2], w[3]);
+}
+
+// The signed byte k of w (k = 0..3) as a float, exactly: w ^ 0x80808080
+// holds b + 128 in 0..255, 2^23 + that minus (2^23 + 128) is b.
+__device__ __forceinline__ float int8_float(u32 w_biased, int k) {
+    return __fsub_rn(kvf_magic((w_biased >> (8 * k)) & 0xffu), MAGIC + 128.0f);
+}
+
 template <int D, int BITS, int G, int MODE, int SFMT, int AXIS, int NCENT, int STAGES, int ROT, int PSAC_R, int ROPE>
 __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const section_planes &p, int n_tokens,
-                                       int n_heads, u16 *__restrict__ y_out, i64 token_stride, i64 head_stride,
-                                       const int *__restrict__ positions, rope_args rope, i64 block_row) {
-    constexpr int LPR = D / 8;
-    const int lane = threadIdx.x % LPR;
-    const i64 row = block_row + threadIdx.x / LPR;
-    const bool live = row < (i64)n_tokens * n_heads;
-    // Rows past the end still run (shuffles need every lane), on row 0.
-    const i64 r = live ? row : 0, h = r / n_tokens, t = r % n_tokens;
-    u16 *dst = y_out + t * token_stride + h * head_stride + lane * 8;
-    float y[8];
-    if (BITS == 16) {
-        u16 raw[8];
-        kvf_load8((const u16 *)(packed + p.stage[0].codes) + r * D + lane * 8, raw);
-        if (live) kvf_store8(dst, raw);
-        return;
-    }
-    // y = ((0 + mu_0) + mu_1 ...) + r_hat: every stage's centroid, then the
-    // one quantized residual (stage 0's planes), as the CPU reference adds.
+                                       u16 *__restrict__ y_out, i64 token_stride, i64 head_stride,
+                                       const int *__restrict__ positions, const rope_args &rope) {
+    constexpr int LPR = D / 8, ROWS = BLOCK / LPR, LPG = G / 8 > 0 ? G / 8 : 1, GROUPS = D / G > 0 ? D / G : 1;
+    constexpr int RPT = tiling<NCENT, STAGES, PSAC_R>::RPT, TILE = ROWS * RPT;
+    constexpr int CB = D * BITS / 8; // code bytes per row (bits 16: the bf16 row)
+    constexpr int QMAX = (1 << (BITS < 16 ? BITS - 1 : 1)) - 1;
+    constexpr int R = PSAC_R > 0 ? PSAC_R : 1, CW = (R + 3) / 4;
+    constexpr bool REG_BASIS = PSAC_R > 0 && PSAC_R <= 8; // basis in registers as f32 (8R of them)
+    constexpr int SCALE_BYTES = SFMT == KVF_SCALE_FP16 ? 2 : 1;
+    static_assert(D % 8 == 0 && LPR <= 32 && BLOCK % LPR == 0, "row shape");
+    const int lane = threadIdx.x % LPR, sub = threadIdx.x / LPR;
+    const u32 n = (u32)n_tokens, h = blockIdx.y;
+    // Per-head bases: each row's address is then base + (u64)t * bytes
+    // (one wide multiply-add).
+    const u64 head_row = (u64)h * n; // row index of (h, token 0)
+    u16 *const out_h = opaque(y_out + (i64)h * head_stride + lane * 8);
+    const u8 *const codes_h = opaque(packed + p.stage[0].codes + head_row * CB + lane * BITS);
+    const u8 *const scales_h = opaque(packed + p.stage[0].scales + (head_row * GROUPS + lane / LPG) * SCALE_BYTES);
+    const u8 *const zeros_h = opaque(packed + p.stage[0].zeros + (head_row * GROUPS + lane / LPG) * SCALE_BYTES);
+    const u8 *const tscales_h = opaque(packed + p.stage[0].tscales + head_row * 2);
+    const u8 *const cscale_h = opaque(packed + p.cscale + head_row * 2);
+    const u8 *const coef_h = opaque(packed + p.coef + head_row * R);
+    // KIVI keys: per-channel scales and zeros [H][ceil(N/G)][D].
+    constexpr int GT = G > 0 ? G : 1;
+    const u64 tok_groups = (n + GT - 1) / GT;
+    const u8 *const kscales_h = opaque(packed + p.stage[0].scales + ((u64)h * tok_groups * D + lane * 8) * 2);
+    const u8 *const kzeros_h = opaque(packed + p.stage[0].zeros + ((u64)h * tok_groups * D + lane * 8) * 2);
+
+    // PSAC basis of this head: the lane's 8 channels x R entries are
+    // contiguous (16R bytes); with R <= 8 converted to f32 once per thread.
+    const u8 *const basis_h = opaque(packed + p.basis + ((u64)h * D + lane * 8) * R * 2);
+    float ub[REG_BASIS ? 8 * R : 1];
+    if (REG_BASIS) {
 #pragma unroll
-    for (int i = 0; i < 8; i++) y[i] = 0.0f;
-    if (NCENT) {
+        for (int k = 0; k < R; k++) {
+            const uint4 w = kvf_ldg16(basis_h + 16 * k);
+            const u32 a[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
-        for (int s = 0; s < STAGES; s++) {
-            const int idx = packed[p.stage[s].index + r];
-            float mu[8];
-            kvf_load8f((const u16 *)(packed + p.stage[s].centroids) + (h * NCENT + idx) * D + lane * 8, mu);
-#pragma unroll
-            for (int i = 0; i < 8; i++) y[i] = __fadd_rn(y[i], mu[i]);
-        }
-    }
-    {
-        float part[8];
-        if (AXIS == KVF_AXIS_TOKEN) load_row_token_axis<D, BITS, G, MODE>(packed, p.stage[0], h, t, n_tokens, lane, part);
-        else kvf_quant::load_row<D, BITS, G, MODE, SFMT>(packed, p.stage[0], r, lane, part);
-#pragma unroll
-        for (int i = 0; i < 8; i++) y[i] = __fadd_rn(y[i], part[i]);
-    }
-    if (PSAC_R) {
-        const u16 cs = ((const u16 *)(packed + p.cscale))[r];
-        if (cs) {
-            const float csf = kvf_f16_to_f32(cs);
-            const signed char *coef = (const signed char *)(packed + p.coef) + r * PSAC_R;
-            // The lane's 8 channels x R basis entries are contiguous: 16-byte loads.
-            const uint4 *bv = (const uint4 *)((const u16 *)(packed + p.basis) + (h * D + lane * 8) * PSAC_R);
-            u16 ub[8 * (PSAC_R > 0 ? PSAC_R : 1)];
-#pragma unroll
-            for (int k = 0; k < PSAC_R; k++) {
-                const uint4 w = bv[k];
-                ub[8 * k + 0] = (u16)w.x; ub[8 * k + 1] = (u16)(w.x >> 16);
-                ub[8 * k + 2] = (u16)w.y; ub[8 * k + 3] = (u16)(w.y >> 16);
-                ub[8 * k + 4] = (u16)w.z; ub[8 * k + 5] = (u16)(w.z >> 16);
-                ub[8 * k + 6] = (u16)w.w; ub[8 * k + 7] = (u16)(w.w >> 16);
-            }
-#pragma unroll
-            for (int j = 0; j < PSAC_R; j++) {
-                const float c = __fmul_rn(csf, (float)coef[j]);
-#pragma unroll
-                for (int i = 0; i < 8; i++) y[i] = __fmaf_rn(c, kvf_bf16_to_f32(ub[i * PSAC_R + j]), y[i]);
+            for (int e = 0; e < 4; e++) {
+                ub[8 * k + 2 * e] = __uint_as_float(a[e] << 16);
+                ub[8 * k + 2 * e + 1] = __uint_as_float(a[e] & 0xffff0000u);
             }
         }
-    }
-    if (ROT) kvf_fwht_row<D>(y, lane);
-    if (ROPE) apply_rope<D, ROPE>(y, lane, positions + t * rope.n_sections, rope);
-    if (!live) return;
-    u16 out[8];
+        // Opaque to NVVM, which otherwise sinks the shifts back into the
+        // row loop (one extra op per basis entry and row).
 #pragma unroll
-    for (int i = 0; i < 8; i++) out[i] = kvf_output_bf16(y[i]);
-    kvf_store8(dst, out);
+        for (int i = 0; i < 8 * R; i++) asm("mov.b32 %0, %0;" : "+f"(ub[i]));
+    }
+
+    // gridDim.x * TILE <= n + TILE - 1 (runtime/context.c): no u32 overflow.
+    for (u32 t0 = blockIdx.x * (u32)TILE; t0 < n; t0 += gridDim.x * (u32)TILE) {
+        // Rows past the end run on the last token (every lane of a row joins
+        // the shuffles of ROT and RoPE) and store nothing.
+        u32 t[RPT];
+        bool live[RPT];
+#pragma unroll
+        for (int u = 0; u < RPT; u++) {
+            const u32 tu = t0 + (u32)(u * ROWS + sub);
+            live[u] = tu < n;
+            t[u] = live[u] ? tu : n - 1;
+        }
+        // Output rows: ROWS tokens apart.
+        u16 *dst = out_h + (i64)(t0 + sub) * token_stride;
+
+        if (BITS == 16) { // stored bf16: as it is, or through RoPE (keys cached before RoPE)
+            uint4 raw[RPT];
+#pragma unroll
+            for (int u = 0; u < RPT; u++) raw[u] = kvf_ldg16(codes_h + (u64)t[u] * CB);
+#pragma unroll
+            for (int u = 0; u < RPT; u++, dst += ROWS * token_stride) {
+                if (!ROPE) {
+                    if (live[u]) kvf_st16(dst, raw[u].x, raw[u].y, raw[u].z, raw[u].w);
+                    continue;
+                }
+                const u32 a[4] = {raw[u].x, raw[u].y, raw[u].z, raw[u].w};
+                float y[8];
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    y[2 * e] = __uint_as_float(a[e] << 16);
+                    y[2 * e + 1] = __uint_as_float(a[e] & 0xffff0000u);
+                }
+                apply_rope<D, ROPE>(y, lane, positions + (u64)t[u] * rope.n_sections, rope);
+                if (live[u]) store_row(dst, y);
+            }
+            continue;
+        }
+
+        // ---- every load of the RPT rows first
+        code_word<BITS> cw[RPT];
+        u32 sc[RPT], zr[RPT], ts[RPT];
+        uint4 s8[RPT], z8[RPT];
+        u32 idx[RPT][STAGES];
+        u32 cs[RPT];
+        u32 coefw[RPT][CW];
+#pragma unroll
+        for (int u = 0; u < RPT; u++) {
+            cw[u] = load_code_word<BITS>(codes_h + (u64)t[u] * CB);
+            if (AXIS == KVF_AXIS_TOKEN) {
+                const u64 at = (u64)(t[u] / GT) * (D * 2);
+                s8[u] = kvf_ldg16(kscales_h + at);
+                if (MODE == KVF_MODE_AFFINE) z8[u] = kvf_ldg16(kzeros_h + at);
+            } else if (SFMT == KVF_SCALE_FP16) {
+                const u64 at = (u64)t[u] * (GROUPS * 2);
+                sc[u] = kvf_ldg_u16(scales_h + at);
+                if (MODE == KVF_MODE_AFFINE) zr[u] = kvf_ldg_u16(zeros_h + at);
+            } else {
+                const u64 at = (u64)t[u] * GROUPS;
+                sc[u] = kvf_ldg_u8(scales_h + at);
+                if (MODE == KVF_MODE_AFFINE) zr[u] = kvf_ldg_u8(zeros_h + at);
+                ts[u] = kvf_ldg_u16(tscales_h + (u64)t[u] * 2);
+            }
+            if (NCENT) {
+#pragma unroll
+                for (int s = 0; s < STAGES; s++) idx[u][s] = kvf_ldg_u8(packed + p.stage[s].index + head_row + t[u]);
+            }
+            if (PSAC_R) {
+                cs[u] = kvf_ldg_u16(cscale_h + (u64)t[u] * 2);
+                const u8 *cp = coef_h + (u64)t[u] * R;
+#pragma unroll
+                for (int k = 0; k < CW; k++) {
+                    if (PSAC_R % 8 == 0 && k % 2 == 0) {
+                        const uint2 w = kvf_ldg_u64(cp + 4 * k);
+                        coefw[u][k] = w.x;
+                        coefw[u][k + 1] = w.y;
+                    } else if (PSAC_R % 4 == 0) {
+                        if (PSAC_R % 8) coefw[u][k] = kvf_ldg_u32(cp + 4 * k);
+                    } else {
+                        u32 w = 0;
+#pragma unroll
+                        for (int b = 0; b < 4; b++)
+                            if (4 * k + b < PSAC_R) w |= kvf_ldg_u8(cp + 4 * k + b) << (8 * b);
+                        coefw[u][k] = w;
+                    }
+                }
+            }
+        }
+        // Centroid rows (they depend on the indices just loaded).
+        uint4 mu[RPT][NCENT ? STAGES : 1];
+        if (NCENT) {
+#pragma unroll
+            for (int u = 0; u < RPT; u++)
+#pragma unroll
+                for (int s = 0; s < STAGES; s++)
+                    mu[u][s] = kvf_ldg16(packed + p.stage[s].centroids + (((u64)h * NCENT + idx[u][s]) * D + lane * 8) * 2);
+        }
+
+        // ---- arithmetic and store, row by row
+#pragma unroll
+        for (int u = 0; u < RPT; u++, dst += ROWS * token_stride) {
+            float y[8];
+            const u32 ex = magic_reg(n >> 31);
+            // r' = the reference's r_hat except that it is never -0:
+            //   affine fp16:  r' = fma(S, q, M + 0)           (reference: fma(S, q, M))
+            //   otherwise:    r' = fma(S, (float)(q - z), +0) (reference: S * (float)(q - z))
+            // (with the 2^P scaling of code_magic, which changes nothing).
+            // The reference then computes y = (((0 + mu_0) + mu_1) ...) + r_hat;
+            // here y = ((mu_0 + mu_1) ...) + r' (or y = r' without centroids).
+            // Bit-identical (NaN payloads aside, and every NaN is written
+            // 0x7FC0), because:
+            // - S, M are f16 values (or T * u, exact in f32) and q, z small
+            //   integers, so a nonzero S*(q - z) (+ M) is a multiple of 2^-24
+            //   and never rounds to 0: fma with a +0 addend rounds as the
+            //   multiply does, and a zero result is +0 (RN gives -0 for a sum
+            //   only when both addends are -0, and M + 0 is never -0), which
+            //   is what 0 + r_hat gives; so without centroids y = r' equals
+            //   0 + r_hat.
+            // - The prefix (0 + mu_0) + ... differs from mu_0 + ... only by a
+            //   -0 where the reference has +0 (all mu -0), and adding r'
+            //   (never -0) maps both to the same value: x + r' for x = +-0 is
+            //   r' when r' != 0 and +0 when r' = +0; and where r_hat = -0
+            //   (r' = +0) the reference's P + (-0) is P, or +0 for P = +0.
+            if (AXIS == KVF_AXIS_TOKEN) {
+                const u32 sa[4] = {s8[u].x, s8[u].y, s8[u].z, s8[u].w};
+                const u32 za[4] = {z8[u].x, z8[u].y, z8[u].z, z8[u].w};
+#pragma unroll
+                for (int i = 0; i < 8; i++) {
+                    const int P = code_pos(BITS, i);
+                    const float m = code_magic<BITS>(cw[u], i, ex);
+                    const float S0 = kvf_f16_to_f32((u16)(sa[i / 2] >> (16 * (i & 1)))), S = P ? __fmul_rn(S0, pow2(-P)) : S0;
+                    if (MODE == KVF_MODE_AFFINE) {
+                        const float M = __fadd_rn(kvf_f16_to_f32((u16)(za[i / 2] >> (16 * (i & 1)))), 0.0f);
+                        y[i] = __fmaf_rn(S, __fsub_rn(m, MAGIC), M);
+                    } else {
+                        y[i] = __fmaf_rn(S, __fsub_rn(m, MAGIC + (float)(QMAX << P)), 0.0f);
+                    }
+                }
+            } else if (SFMT == KVF_SCALE_FP16) {
+                const float S = kvf_f16_to_f32((u16)sc[u]);
+                const float M = MODE == KVF_MODE_AFFINE ? __fadd_rn(kvf_f16_to_f32((u16)zr[u]), 0.0f) : 0.0f;
+#pragma unroll
+                for (int i = 0; i < 8; i++) {
+                    const int P = code_pos(BITS, i);
+                    const float m = code_magic<BITS>(cw[u], i, ex), SP = P ? __fmul_rn(S, pow2(-P)) : S;
+                    y[i] = MODE == KVF_MODE_AFFINE ? __fmaf_rn(SP, __fsub_rn(m, MAGIC), M)
+                                                   : __fmaf_rn(SP, __fsub_rn(m, MAGIC + (float)(QMAX << P)), 0.0f);
+                }
+            } else {
+                // S = T * (float)u_g; q - z with z the int8 zero code (or QMAX):
+                // (m - 2^23) - z * 2^P = (q - z) * 2^P, one fma, exact (an
+                // integer times 2^P below 2^24 in magnitude).
+                const float S = __fmul_rn(kvf_f16_to_f32((u16)ts[u]), __fsub_rn(kvf_magic(sc[u] & 0xffu), MAGIC));
+                const float zf = MODE == KVF_MODE_AFFINE ? int8_float(zr[u] ^ 0x80u, 0) : (float)QMAX;
+#pragma unroll
+                for (int i = 0; i < 8; i++) {
+                    const int P = code_pos(BITS, i);
+                    const float m = code_magic<BITS>(cw[u], i, ex), SP = P ? __fmul_rn(S, pow2(-P)) : S;
+                    y[i] = __fmaf_rn(SP, __fmaf_rn(zf, -pow2(P), __fsub_rn(m, MAGIC)), 0.0f);
+                }
+            }
+            if (NCENT) {
+                float c[8];
+#pragma unroll
+                for (int s = 0; s < STAGES; s++) {
+                    const u32 a[4] = {mu[u][s].x, mu[u][s].y, mu[u][s].z, mu[u][s].w};
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const float lo = __uint_as_float(a[e] << 16), hi = __uint_as_float(a[e] & 0xffff0000u);
+                        c[2 * e] = s ? __fadd_rn(c[2 * e], lo) : lo;
+                        c[2 * e + 1] = s ? __fadd_rn(c[2 * e + 1], hi) : hi;
+                    }
+                }
+#pragma unroll
+                for (int i = 0; i < 8; i++) y[i] = __fadd_rn(c[i], y[i]);
+            }
+            if (PSAC_R) {
+                // y += sum_j c_j U[:, j], j in order, each term one fma, as
+                // kvf_ref_psac_apply; skipped when the coefficient scale is
+                // 0 (+0 or -0: the reference tests the f32 value).
+                const float csf = kvf_f16_to_f32((u16)cs[u]);
+                if (csf != 0.0f) {
+                    float bj[REG_BASIS ? 1 : 8 * R];
+                    if (!REG_BASIS) {
+#pragma unroll
+                        for (int k = 0; k < R; k++) {
+                            const uint4 w = kvf_ldg16(basis_h + 16 * k);
+                            const u32 a[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+                            for (int e = 0; e < 4; e++) {
+                                bj[8 * k + 2 * e] = __uint_as_float(a[e] << 16);
+                                bj[8 * k + 2 * e + 1] = __uint_as_float(a[e] & 0xffff0000u);
+                            }
+                        }
+                    }
+#pragma unroll
+                    for (int j = 0; j < PSAC_R; j++) {
+                        const float c = __fmul_rn(csf, int8_float(coefw[u][j / 4] ^ 0x80808080u, j & 3));
+#pragma unroll
+                        for (int i = 0; i < 8; i++)
+                            y[i] = __fmaf_rn(c, REG_BASIS ? ub[i * R + j] : bj[i * R + j], y[i]);
+                    }
+                }
+            }
+            if (ROT) kvf_fwht_row<D>(y, lane);
+            if (ROPE) apply_rope<D, ROPE>(y, lane, positions + (u64)t[u] * rope.n_sections, rope);
+            if (live[u]) store_row(dst, y);
+        }
+    }
 }
 
 } // namespace kvf_decode
@@ -170,9 +440,7 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
     NAME(const u8 *__restrict__ packed, kvf_decode::section_planes planes, int n_tokens, int n_heads,     \
          u16 *__restrict__ y, i64 token_stride, i64 head_stride, const int *__restrict__ positions,       \
          kvf_decode::rope_args rope) {                                                                    \
-        constexpr int ROWS = kvf_decode::BLOCK / (D / 8);                                                 \
-        _Pragma("unroll") for (int u = 0; u < kvf_decode::RPT; u++)                                       \
-            kvf_decode::decode<D, BITS, G, MODE, SFMT, AXIS, NCENT, STAGES, ROT, PSAC_R, ROPE>(           \
-                packed, planes, n_tokens, n_heads, y, token_stride, head_stride, positions, rope,         \
-                ((i64)blockIdx.x * kvf_decode::RPT + u) * ROWS);                                          \
+        (void)n_heads; /* gridDim.y */                                                                    \
+        kvf_decode::decode<D, BITS, G, MODE, SFMT, AXIS, NCENT, STAGES, ROT, PSAC_R, ROPE>(               \
+            packed, planes, n_tokens, y, token_stride, head_stride, positions, rope);                     \
     }

@@ -466,6 +466,169 @@ static void gpu_qstats_nonfinite(void **state) {
     kvf_scheme_free(s);
 }
 
+/* ------------------------------------------------------- special values */
+
+static uint64_t sv_next(uint64_t *s) {
+    *s = *s * 6364136223846793005ull + 1442695040888963407ull;
+    return *s >> 16;
+}
+
+/* f16 patterns for scales, offsets and coefficient scales: zeros of both
+ * signs, infinities, NaNs with payloads, subnormals, the largest finite, and
+ * plain random bits (3 in 4). */
+static uint16_t sv_f16(uint64_t *s) {
+    static const uint16_t sp[] = {0x0000, 0x8000, 0x7c00, 0xfc00, 0x7e00, 0xfe01, 0x7c01, 0x0001, 0x83ff,
+                                  0x7bff, 0xfbff, 0x3c00, 0x1c00, 0x0400};
+    uint64_t r = sv_next(s);
+    return (r & 3) ? (uint16_t)(r >> 8) : sp[(r >> 8) % (sizeof sp / sizeof sp[0])];
+}
+
+/* bf16 patterns for centroids and the PSAC basis: subnormals (1 in 8), zeros,
+ * infinities, NaNs, the largest finite, random bits. */
+static uint16_t sv_bf16(uint64_t *s) {
+    static const uint16_t sp[] = {0x0000, 0x8000, 0x7f80, 0xff80, 0x7fc1, 0xffff, 0x7f7f, 0xff7f, 0x3f80, 0x0080};
+    uint64_t r = sv_next(s);
+    if ((r & 7) == 0) return (uint16_t)((r >> 8) & 0x807f); /* subnormal or zero */
+    if ((r & 7) == 1) return sp[(r >> 8) % (sizeof sp / sizeof sp[0])];
+    return (uint16_t)(r >> 8);
+}
+
+static void sv_fill(uint8_t *p, size_t off, size_t bytes, int what, uint64_t *s) {
+    for (size_t i = 0; i + (what ? 1 : 0) < bytes; i += what ? 2 : 1) {
+        if (what == 0) p[off + i] = (uint8_t)sv_next(s);
+        else {
+            uint16_t v = what == 1 ? sv_f16(s) : sv_bf16(s);
+            memcpy(p + off + i, &v, 2);
+        }
+    }
+}
+
+/* A packed buffer of hostile plane contents: every plane random or special. */
+static void sv_packed(const kvf_scheme *s, const kvf_layout *l, uint8_t *p, uint64_t seed) {
+    kvf_packed_header hdr;
+    kvf_header_fill(s, l, &hdr);
+    memset(p, 0, l->total_bytes);
+    memcpy(p, &hdr, sizeof hdr);
+    uint64_t r = seed;
+    const kvf_section_layout *secs[2] = {&l->key, &l->value};
+    for (int t = 0; t < 2; t++) {
+        const kvf_section_layout *c = secs[t];
+        int int8 = c->scale_format == KVF_SCALE_INT8_FP16;
+        for (int st = 0; st < c->stages || st == 0; st++) {
+            const kvf_stage_layout *g = &c->stage[st];
+            sv_fill(p, g->codes_off, g->codes_bytes, c->bits == 16 ? 2 : 0, &r);
+            sv_fill(p, g->scales_off, g->scales_bytes, int8 ? 0 : 1, &r);
+            sv_fill(p, g->zeros_off, g->zeros_bytes, int8 ? 0 : 1, &r);
+            sv_fill(p, g->tscales_off, g->tscales_bytes, 1, &r);
+            for (size_t i = 0; i < g->index_bytes; i++) p[g->index_off + i] = (uint8_t)(sv_next(&r) % (uint64_t)c->centroids);
+            sv_fill(p, g->centroids_off, g->centroids_bytes, 2, &r);
+        }
+        sv_fill(p, c->basis_off, c->basis_bytes, 2, &r);
+        sv_fill(p, c->coef_off, c->coef_bytes, 0, &r);
+        sv_fill(p, c->cscale_off, c->cscale_bytes, 1, &r);
+        if (c->bits == 16) continue;
+        /* Every 5th token of head 0: zero scales and offsets, so r_hat = 0 and
+         * the centroid sum comes out alone (bf16 subnormals, -0 + 0). With
+         * two stages or more, every 7th token of head 0 sums the largest
+         * bf16 and 2^119 in stages 0 and 1 (centroid row 0): exactly half an
+         * ulp past the largest finite, which rounds to Inf. */
+        for (int64_t tk = 0; tk < l->n_tokens; tk++) {
+            const kvf_stage_layout *g = &c->stage[0];
+            if (tk % 5 == 0 && c->axis != KVF_AXIS_TOKEN) {
+                size_t gpt = (size_t)c->groups_per_token, eb = int8 ? 1 : 2;
+                memset(p + g->scales_off + (size_t)tk * gpt * eb, 0, gpt * eb);
+                if (g->zeros_bytes) memset(p + g->zeros_off + (size_t)tk * gpt * eb, 0, gpt * eb);
+                if (c->cscale_bytes) memset(p + c->cscale_off + (size_t)tk * 2, 0, 2);
+            }
+            if (tk % 7 == 0 && c->centroids > 0 && c->stages >= 2 && c->axis != KVF_AXIS_TOKEN) {
+                size_t gpt = (size_t)c->groups_per_token, eb = int8 ? 1 : 2;
+                memset(p + g->scales_off + (size_t)tk * gpt * eb, 0, gpt * eb);
+                if (g->zeros_bytes) memset(p + g->zeros_off + (size_t)tk * gpt * eb, 0, gpt * eb);
+                if (c->cscale_bytes) memset(p + c->cscale_off + (size_t)tk * 2, 0, 2);
+                for (int st = 0; st < c->stages; st++) p[c->stage[st].index_off + tk] = 0;
+                for (int st = 0; st < c->stages; st++)
+                    for (int ch = 0; ch < l->head_dim; ch++) {
+                        uint16_t v = st == 0 ? 0x7f7f : st == 1 ? 0x7b00 : 0x0000;
+                        memcpy(p + c->stage[st].centroids_off + (size_t)ch * 2, &v, 2);
+                    }
+            }
+        }
+    }
+}
+
+/* Decode of hostile packed bytes: NaN and Inf scales, offsets, centroids and
+ * basis entries, subnormals, signed zeros, rounding ties and overflow to Inf
+ * in the bf16 output. The GPU (hardware cvt.rn.bf16x2 + NaN fix) must give the
+ * CPU reference's bits for every element. */
+static void sv_case(kvf_scheme *s, int64_t tokens, int heads, uint64_t seed) {
+    kvf_context *gpu, *cpu;
+    if (kvf_context_create(s, 0, &gpu)) fail_msg("%s: %s", kvf_scheme_id(s), kvf_last_error());
+    assert_int_equal(kvf_context_create(s, KVF_DEVICE_CPU, &cpu), KVF_OK);
+    kvf_layout l;
+    assert_int_equal(kvf_layout_compute(s, tokens, heads, &l), KVF_OK);
+    int d = l.head_dim;
+    size_t n = (size_t)tokens * heads * d;
+    uint8_t *pk = malloc(l.total_bytes);
+    uint16_t *kc = malloc(n * 2), *vc = malloc(n * 2), *kg = malloc(n * 2), *vg = malloc(n * 2);
+    sv_packed(s, &l, pk, seed);
+    kvf_shape sh = {tokens, heads, 0, 0};
+    assert_int_equal(kvf_decode(cpu, pk, l.total_bytes, &sh, NULL, kc, vc, NULL), KVF_OK);
+    CUdeviceptr dp = dalloc(l.total_bytes, 0), dk = dalloc(n * 2, 0x33), dv = dalloc(n * 2, 0x33);
+    CK(cuMemcpyHtoD(dp, pk, l.total_bytes));
+    assert_int_equal(kvf_decode(gpu, (void *)dp, l.total_bytes, &sh, NULL, (void *)dk, (void *)dv, NULL), KVF_OK);
+    CK(cuCtxSynchronize());
+    CK(cuMemcpyDtoH(kg, dk, n * 2));
+    CK(cuMemcpyDtoH(vg, dv, n * 2));
+    size_t kind[5] = {0}, differ = 0; /* NaN, Inf, subnormal, -0, other */
+    for (int t = 0; t < 2; t++) {
+        const uint16_t *a = t ? vg : kg, *b = t ? vc : kc;
+        for (size_t i = 0; i < n; i++) {
+            uint16_t x = b[i], e = x & 0x7f80u, m = x & 0x7fu;
+            kind[e == 0x7f80u && m ? 0 : e == 0x7f80u ? 1 : e == 0 && m ? 2 : x == 0x8000u ? 3 : 4]++;
+            if (e == 0x7f80u && m) assert_int_equal(x, 0x7fc0); /* the CPU's canonical NaN */
+            if (a[i] != b[i]) {
+                if (differ < 5)
+                    printf("  %s element %zu: GPU %04x, CPU %04x\n", t ? "V" : "K", i, a[i], b[i]);
+                differ++;
+            }
+        }
+    }
+    printf("  %s %lld x %d: NaN %zu, Inf %zu, subnormal %zu, -0 %zu, other %zu; differing %zu\n", kvf_scheme_id(s),
+           (long long)tokens, heads, kind[0], kind[1], kind[2], kind[3], kind[4], differ);
+    assert_int_equal(differ, 0);
+    if (tokens > 1) assert_true(kind[0] > 0 && kind[1] > 0); /* the cases were hit */
+    cu->cuMemFree(dp); cu->cuMemFree(dk); cu->cuMemFree(dv);
+    free(pk); free(kc); free(vc); free(kg); free(vg);
+    kvf_context_destroy(gpu);
+    kvf_context_destroy(cpu);
+}
+
+static void decode_special_values(void **state) {
+    (void)state;
+    SKIP_WITHOUT_GPU();
+    /* Symmetric and 8-bit codes, and bits 16, beside the shipped schemes. */
+    const char *texts[] = {
+        "return { base = 'kivi_int2', name = 'sv_sym', key = { mode = 'symmetric', bits = 4, group_size = 16 }, "
+        "value = { mode = 'symmetric', bits = 8, group_size = 16 } }",
+        "return { base = 'quantwm_int2', name = 'sv_wm', head_dim = 64, key = { mode = 'symmetric', bits = 8, psac_rank = 16 }, "
+        "value = { stages = 3, bits = 4 } }",
+        "return { base = 'rtn_int2', name = 'sv_bf16', key = { bits = 16 }, value = { bits = 4 } }",
+        NULL};
+    for (const char *const *name = kvf_builtin_schemes(); *name; name++) {
+        if (!selected(*name)) continue;
+        kvf_scheme *s = tu_scheme(*name);
+        sv_case(s, 203, 3, 1);
+        sv_case(s, 1, 1, 2);
+        kvf_scheme_free(s);
+    }
+    for (int i = 0; texts[i]; i++) {
+        kvf_scheme *s;
+        if (kvf_scheme_load_string(texts[i], strlen(texts[i]), "=special", &s)) fail_msg("%s", kvf_last_error());
+        sv_case(s, 203, 3, 3);
+        kvf_scheme_free(s);
+    }
+}
+
 static double ms_since(const struct timespec *t0) {
     struct timespec t1;
     clock_gettime(CLOCK_MONOTONIC, &t1);
@@ -534,6 +697,7 @@ int main(void) {
         cmocka_unit_test(gpu_matches_cpu),
         cmocka_unit_test(gpu_rope_pre),
         cmocka_unit_test(gpu_qstats_nonfinite),
+        cmocka_unit_test(decode_special_values),
         cmocka_unit_test(context_from_cache_and_image),
         cmocka_unit_test(bad_arguments_refused),
     };
