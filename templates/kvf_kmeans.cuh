@@ -114,7 +114,7 @@ template <int M> struct assign_warp {
 };
 
 template <int D, int M> __host__ __device__ constexpr int assign_smem_bytes() {
-    return 256 * assign_geom<D>::DP * 2 + 256 * 8 + 256 * 4 + D * 4 + 16 +
+    return 256 * assign_geom<D>::DP * 2 + 256 * 4 + D * 4 + 16 +
            assign_geom<D>::WARPS * (int)((sizeof(assign_warp<M>) + 15) / 16 * 16);
 }
 
@@ -161,17 +161,22 @@ __device__ __forceinline__ void load4(const float *x, const u16 *mu, int c, floa
     mv[2] = __uint_as_float(b.y << 16); mv[3] = __uint_as_float(b.y & 0xffff0000u);
 }
 
+// ||mu||^2 - 2 <x, mu>: both sums in one channel-order loop, the CPU's values
+// (lloyd_step's norms and kvf_ref_nearest's norm_dot are the same sums).
 template <int D>
-__device__ __forceinline__ double plain_dist(const float *x, const u16 *mu, double norm) {
-    double dot = 0.0;
+__device__ __forceinline__ double plain_dist(const float *x, const u16 *mu) {
+    double nn = 0.0, dot = 0.0;
 #pragma unroll 4
     for (int c = 0; c < D; c += 4) {
         float xv[4], mv[4];
         load4(x, mu, c, xv, mv);
 #pragma unroll
-        for (int i = 0; i < 4; i++) dot = __fma_rn((double)xv[i], (double)mv[i], dot);
+        for (int i = 0; i < 4; i++) {
+            nn = __fma_rn((double)mv[i], (double)mv[i], nn);
+            dot = __fma_rn((double)xv[i], (double)mv[i], dot);
+        }
     }
-    return __dsub_rn(norm, __dmul_rn(2.0, dot));
+    return __dsub_rn(nn, __dmul_rn(2.0, dot));
 }
 
 template <int D>
@@ -272,8 +277,7 @@ __device__ __forceinline__ void assign(const float *__restrict__ e, int n_tokens
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(have));
     if (have < (u32)assign_smem_bytes<D, M>()) __trap(); // the launch's size disagrees with this file
     u16 *cs = (u16 *)smem;                      // [256][DP]
-    double *nrm = (double *)(cs + 256 * DP);    // [256] exact |mu|^2 (plain) or sum w mu^2 (QSAC)
-    float *nf = (float *)(nrm + 256);           // [256] f32 of nrm, +inf past c_eff
+    float *nf = (float *)(cs + 256 * DP);       // [256] N_j in f32 (|mu|^2, or sum w mu^2 for QSAC), +inf past c_eff
     float *wv = nf + 256;                       // [D]
     u32 *lim = (u32 *)(wv + D);                 // [0] max |mu|, [1] max |N| (f32 bits)
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, q = lane & 3;
@@ -289,25 +293,34 @@ __device__ __forceinline__ void assign(const float *__restrict__ e, int n_tokens
     for (int c = threadIdx.x; c < D; c += W * 32) wv[c] = (M > 1 && weights) ? weights[(i64)h * D + c] : 1.0f;
     if (threadIdx.x < 2) lim[threadIdx.x] = 0u;
     __syncthreads();
-    for (int j = threadIdx.x; j < cp; j += W * 32) {
+    // The filter's N_j and the bound's limits: 8 threads per centroid, f64
+    // partial sums (any order: only the exact distances below need the CPU's).
+    for (int i = threadIdx.x; i < cp * 8; i += W * 32) {
+        const int j = i / 8, c0 = (i % 8) * (D / 8);
         double nn = 0.0, nw = 0.0;
         if (j < c_eff)
-            for (int c8 = 0; c8 < D; c8 += 8) {
+            for (int c8 = c0; c8 < c0 + D / 8; c8 += 8) {
                 u16 m8[8];
                 kvf_load8(cs + j * DP + c8, m8);
 #pragma unroll
-                for (int i = 0; i < 8; i++) {
-                    const double m = (double)kvf_bf16_to_f32(m8[i]);
+                for (int k = 0; k < 8; k++) {
+                    const double m = (double)kvf_bf16_to_f32(m8[k]);
                     nn = __fma_rn(m, m, nn);
-                    if (M > 1) nw = __fma_rn((double)wv[c8 + i], __dmul_rn(m, m), nw);
+                    if (M > 1) nw = __fma_rn((double)wv[c8 + k], __dmul_rn(m, m), nw);
                 }
             }
+#pragma unroll
+        for (int o = 1; o < 8; o <<= 1) {
+            nn = __dadd_rn(nn, __shfl_xor_sync(0xffffffffu, nn, o));
+            nw = __dadd_rn(nw, __shfl_xor_sync(0xffffffffu, nw, o));
+        }
         const double nj = M > 1 ? nw : nn;
-        nrm[j] = nj;
-        nf[j] = j < c_eff ? (float)nj : __int_as_float(0x7f800000);
-        if (j < c_eff) {
-            atomicMax(&lim[0], __float_as_uint(fabsf((float)sqrt(nn))));
-            atomicMax(&lim[1], __float_as_uint(fabsf((float)nj)));
+        if (i % 8 == 0) {
+            nf[j] = j < c_eff ? (float)nj : __int_as_float(0x7f800000);
+            if (j < c_eff) {
+                atomicMax(&lim[0], __float_as_uint(fabsf((float)sqrt(nn))));
+                atomicMax(&lim[1], __float_as_uint(fabsf((float)nj)));
+            }
         }
     }
     __syncthreads();
@@ -396,22 +409,26 @@ __device__ __forceinline__ void assign(const float *__restrict__ e, int n_tokens
         __syncwarp();
     }
     // The candidates of all 16 tokens, spread over the lanes (offsets by a scan).
-    int off = lane < TPW && wa.nc[lane] > 0 ? wa.nc[lane] : 0;
+    // A nearest-centroid token with one candidate needs no f64 distance: it is
+    // the answer.
+    const int mine = lane < TPW && wa.nc[lane] > (M == 1 ? 1 : 0) ? wa.nc[lane] : 0;
+    int off = mine;
 #pragma unroll
     for (int o = 1; o < TPW; o <<= 1) {
         const int v = __shfl_up_sync(0xffffffffu, off, o);
         if (lane >= o) off += v;
     }
     const int total = __shfl_sync(0xffffffffu, off, TPW - 1);
-    if (lane < TPW) wa.off[lane] = off - (wa.nc[lane] > 0 ? wa.nc[lane] : 0);
+    if (lane < TPW) wa.off[lane] = off - mine;
     __syncwarp();
     for (int f = lane; f < total; f += 32) {
-        int tl = 0;
-        while (tl + 1 < TPW && wa.off[tl + 1] <= f) tl++;
+        int tl = 0; // the last token whose first candidate is at or before f, and that has some
+        for (int i = 1; i < TPW; i++)
+            if (wa.off[i] <= f && (M > 1 ? wa.nc[i] > 0 : wa.nc[i] > 1)) tl = i;
         const int k = f - wa.off[tl];
         const float *x = e + ((i64)h * n_tokens + tw0 + tl) * D;
         const int j = wa.cj[tl][k];
-        wa.cd[tl][k] = M > 1 ? weighted_dist<D>(x, cs + j * DP, wv) : plain_dist<D>(x, cs + j * DP, nrm[j]);
+        wa.cd[tl][k] = M > 1 ? weighted_dist<D>(x, cs + j * DP, wv) : plain_dist<D>(x, cs + j * DP);
     }
     __syncwarp();
     // The CPU's rule over the candidates: the smallest (distance, j); for QSAC
@@ -421,7 +438,7 @@ __device__ __forceinline__ void assign(const float *__restrict__ e, int n_tokens
         const int n = wa.nc[lane];
         if (M == 1) {
             int bj = wa.cj[lane][0];
-            double bd = wa.cd[lane][0];
+            double bd = n > 1 ? wa.cd[lane][0] : 0.0;
             for (int k = 1; k < n; k++) {
                 const double d = wa.cd[lane][k];
                 const int j = wa.cj[lane][k];
@@ -481,7 +498,7 @@ __device__ __forceinline__ void assign(const float *__restrict__ e, int n_tokens
         if (wa.nc[tl] != -1) continue; // same value in every lane
         const float *x = e + ((i64)h * n_tokens + tw0 + tl) * D;
         for (int j = lane; j < c_eff; j += 32)
-            wa.scr[j] = M > 1 ? weighted_dist<D>(x, cs + j * DP, wv) : plain_dist<D>(x, cs + j * DP, nrm[j]);
+            wa.scr[j] = M > 1 ? weighted_dist<D>(x, cs + j * DP, wv) : plain_dist<D>(x, cs + j * DP);
         __syncwarp();
         int best = 0;
         if (M == 1) {
@@ -656,12 +673,12 @@ __device__ __forceinline__ void residual(float *e, int n_tokens, int n_heads, u8
     /* Filter statistics, counted while [0] != 0 (bench/bench.c sets it): per   */                      \
     /* kernel (plain, QSAC) tokens, f64 candidates, full scans, second filters.  */                      \
     extern "C" __device__ unsigned long long PREFIX##_assign_stats[9];                                       \
-    extern "C" __global__ void __launch_bounds__(kvf_kmeans::assign_geom<D>::WARPS * 32)                       \
+    extern "C" __global__ void __launch_bounds__(kvf_kmeans::assign_geom<D>::WARPS * 32, 1)                     \
     PREFIX##_assign(const float *e, int n, int c_eff, const u16 *cent, int c_alloc, int *idx_ws, u8 *idx_plane) { \
         kvf_kmeans::assign<D, G, 1>(e, n, c_eff, cent, c_alloc, idx_ws, idx_plane, 0,                         \
                                     PREFIX##_assign_stats[0] ? PREFIX##_assign_stats + 1 : 0);                \
     }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(kvf_kmeans::assign_geom<D>::WARPS * 32)                       \
+    extern "C" __global__ void __launch_bounds__(kvf_kmeans::assign_geom<D>::WARPS * 32, 1)                     \
     PREFIX##_assign_qsac(const float *e, int n, int c_eff, const u16 *cent, int c_alloc, u8 *idx_plane,       \
                          const float *weights) {                                                               \
         kvf_kmeans::assign<D, G, QSAC>(e, n, c_eff, cent, c_alloc, 0, idx_plane, weights,                     \
