@@ -66,13 +66,14 @@ __device__ __forceinline__ void init(const float *e, int n_tokens, int n_heads, 
 // distance GEMM on the tensor cores (METHODS.md 3, "exact assignment through
 // a tensor-core filter"):
 //  1. filter: s_j = N_j - 2 <a, mu_j> for all j with BF16 mma (a = e, or w*e
-//     for QSAC, split a = hi + lo into two BF16 parts; mu_j is BF16 already).
-//     Each k-step's two mma start from zero and are added in f32, so the
-//     tensor cores' own accumulation (products exact, the sum of 32 within
-//     2^-18 of their magnitudes) never sees the running sum. With
-//     S = |a| max|mu| >= sum |a_k mu_k|: split 2^-18 S, k-steps 2^-18 S, the
-//     f32 adds 2^-21 S, so |s_j - exact| < 2^-15.8 (S + max|N|) and
-//     B = KAPPA (S + max|N|), KAPPA = 2^-14, keeps a factor 3.5 to spare;
+//     for QSAC, split a = hi + lo into two BF16 parts; mu_j is BF16 already),
+//     f32 accumulation. With S = |a| max|mu| >= sum |a_k mu_k|: the split
+//     leaves 2^-18 S; each of the 2 x D/16 chained mma adds its 16 exact
+//     products and the running sum within 2^-19 S (alignment to the largest
+//     term, truncated to f32's 24 bits, plus the final rounding), 2^-15 S in
+//     all at D = 128; roundings of N_j and s_j 2^-23 (S + max|N|). So
+//     |s_j - exact| < 2^-13.9 (S + max|N|), and B = KAPPA (S + max|N|),
+//     KAPPA = 2^-12, keeps a factor 3.7 to spare;
 //  2. every j with s_j <= (M-th smallest s) + 2B is a candidate: the exact
 //     M nearest are among them. Per thread the K best s are kept; a token
 //     whose lists may have dropped a candidate is filtered again, collecting
@@ -84,15 +85,15 @@ __device__ __forceinline__ void init(const float *e, int n_tokens, int n_heads, 
 // (NaN handling included).
 constexpr int TPW = 16;         // tokens per warp (one m16 tile)
 constexpr int CAP = 32;         // candidates per token before the full scan
-constexpr float KAPPA = 6.103515625e-05f; // 2^-14
+constexpr float KAPPA = 2.44140625e-4f; // 2^-12
 
 template <int D> struct assign_geom {
     static constexpr int WARPS = D >= 256 ? 4 : 8;
-    static constexpr int DP = D + 8;  // centroid row pitch (bf16): conflict-free B-fragment loads
+    static constexpr int DP = D + 16; // centroid row pitch (bf16): conflict-free 8-byte B-fragment loads
 };
 template <int M> struct assign_lists {
     static constexpr int MF = M <= 8 ? M : 1; // the filter runs for M <= 8; larger M scans fully
-    static constexpr int K = MF + 2;          // per-thread best kept per token
+    static constexpr int K = MF + 1;          // per-thread best kept per token (one more than M shows a drop)
 };
 
 // Per-warp shared scratch (its size reaches runtime/context.c through assign_cfg).
@@ -136,6 +137,14 @@ __device__ __forceinline__ void mma_bf16(float c[4], const u32 a[4], u32 b0, u32
         "{%0,%1,%2,%3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Shared centroid rows are stored with each 16-channel k-block permuted so a
+// lane's two B registers (channels 2q, 2q+1 and 2q+8, 2q+9) are one 8-byte
+// load: position 4q + r holds channel 2q + r (r < 2) or 2q + 6 + r.
+__device__ __forceinline__ int kblock_channel(int p) {
+    const int q = (p & 15) >> 2, r = p & 3;
+    return (p & ~15) + 2 * q + (r < 2 ? r : 6 + r);
 }
 
 // Keep the K smallest (s, j), ascending; an equal s keeps the earlier j first.
@@ -235,13 +244,9 @@ __device__ __forceinline__ void filter(bool lo, const u32 (&ah)[D / 16][4], cons
         for (int ks = 0; ks < D / 16; ks++)
 #pragma unroll
             for (int u = 0; u < 4; u++) {
-                const u16 *bp = cs + ((nt + u) * 8 + g) * DP + ks * 16 + q * 2;
-                const u32 b0 = *(const u32 *)bp, b1 = *(const u32 *)(bp + 8);
-                float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                mma_bf16(t, ah[ks], b0, b1);
-                if (lo) mma_bf16(t, al[ks], b0, b1); // warp-uniform: some e is not BF16
-#pragma unroll
-                for (int i = 0; i < 4; i++) acc[u][i] = __fadd_rn(acc[u][i], t[i]);
+                const uint2 b = *(const uint2 *)(cs + ((nt + u) * 8 + g) * DP + ks * 16 + q * 4);
+                mma_bf16(acc[u], ah[ks], b.x, b.y);
+                if (lo) mma_bf16(acc[u], al[ks], b.x, b.y); // warp-uniform: some e is not BF16
             }
 #pragma unroll
         for (int u = 0; u < 4; u++)
@@ -249,8 +254,7 @@ __device__ __forceinline__ void filter(bool lo, const u32 (&ah)[D / 16][4], cons
             for (int i = 0; i < 2; i++) {
                 const int j = (nt + u) * 8 + q * 2 + i;
                 const float n = nf[j];
-                const float s0 = __fsub_rn(n, __fmul_rn(2.0f, acc[u][i]));
-                const float s1 = __fsub_rn(n, __fmul_rn(2.0f, acc[u][2 + i]));
+                const float s0 = __fmaf_rn(-2.0f, acc[u][i], n), s1 = __fmaf_rn(-2.0f, acc[u][2 + i], n);
                 if (COLLECT) {
                     if (s0 <= thr0) { const int k = atomicAdd(&wa.nc[g], 1); if (k < CAP) wa.cj[g][k] = j; }
                     if (s1 <= thr1) { const int k = atomicAdd(&wa.nc[g + 8], 1); if (k < CAP) wa.cj[g + 8][k] = j; }
@@ -284,11 +288,12 @@ __device__ __forceinline__ void assign(const float *__restrict__ e, int n_tokens
     assign_warp<M> &wa = *(assign_warp<M> *)(smem + (assign_smem_bytes<D, M>() - (W - warp) * WB));
     const int h = blockIdx.y, cp = (c_eff + 31) & ~31;
     const u16 *ch = cent + (i64)h * c_alloc * D;
-    for (int i = threadIdx.x; i < cp * (D / 8); i += W * 32) {
-        const int j = i / (D / 8), c8 = (i % (D / 8)) * 8;
-        uint4 v = make_uint4(0u, 0u, 0u, 0u);
-        if (j < c_eff) v = *(const uint4 *)(ch + (i64)j * D + c8);
-        *(uint4 *)(cs + j * DP + c8) = v;
+    for (int i = threadIdx.x; i < cp * (D / 16); i += W * 32) { // one 16-channel k-block, permuted
+        const int j = i / (D / 16), c16 = (i % (D / 16)) * 16;
+        uint4 a = make_uint4(0u, 0u, 0u, 0u), b = a;
+        if (j < c_eff) { a = *(const uint4 *)(ch + (i64)j * D + c16); b = *(const uint4 *)(ch + (i64)j * D + c16 + 8); }
+        *(uint4 *)(cs + j * DP + c16) = make_uint4(a.x, b.x, a.y, b.y);
+        *(uint4 *)(cs + j * DP + c16 + 8) = make_uint4(a.z, b.z, a.w, b.w);
     }
     for (int c = threadIdx.x; c < D; c += W * 32) wv[c] = (M > 1 && weights) ? weights[(i64)h * D + c] : 1.0f;
     if (threadIdx.x < 2) lim[threadIdx.x] = 0u;
@@ -306,7 +311,7 @@ __device__ __forceinline__ void assign(const float *__restrict__ e, int n_tokens
                 for (int k = 0; k < 8; k++) {
                     const double m = (double)kvf_bf16_to_f32(m8[k]);
                     nn = __fma_rn(m, m, nn);
-                    if (M > 1) nw = __fma_rn((double)wv[c8 + k], __dmul_rn(m, m), nw);
+                    if (M > 1) nw = __fma_rn((double)wv[kblock_channel(c8 + k)], __dmul_rn(m, m), nw);
                 }
             }
 #pragma unroll
@@ -428,7 +433,7 @@ __device__ __forceinline__ void assign(const float *__restrict__ e, int n_tokens
         const int k = f - wa.off[tl];
         const float *x = e + ((i64)h * n_tokens + tw0 + tl) * D;
         const int j = wa.cj[tl][k];
-        wa.cd[tl][k] = M > 1 ? weighted_dist<D>(x, cs + j * DP, wv) : plain_dist<D>(x, cs + j * DP);
+        wa.cd[tl][k] = M > 1 ? weighted_dist<D>(x, ch + (i64)j * D, wv) : plain_dist<D>(x, ch + (i64)j * D);
     }
     __syncwarp();
     // The CPU's rule over the candidates: the smallest (distance, j); for QSAC
@@ -471,7 +476,7 @@ __device__ __forceinline__ void assign(const float *__restrict__ e, int n_tokens
             const int tl = i / MF, k = i % MF;
             if (wa.nc[tl] <= 0) continue;
             const float *x = e + ((i64)h * n_tokens + tw0 + tl) * D;
-            wa.sv[tl][k] = sensitivity<D, G>(x, cs + wa.pk[tl][k] * DP, wv);
+            wa.sv[tl][k] = sensitivity<D, G>(x, ch + (i64)wa.pk[tl][k] * D, wv);
         }
         __syncwarp();
         if (lane < TPW && wa.nc[lane] > 0) {
@@ -498,7 +503,7 @@ __device__ __forceinline__ void assign(const float *__restrict__ e, int n_tokens
         if (wa.nc[tl] != -1) continue; // same value in every lane
         const float *x = e + ((i64)h * n_tokens + tw0 + tl) * D;
         for (int j = lane; j < c_eff; j += 32)
-            wa.scr[j] = M > 1 ? weighted_dist<D>(x, cs + j * DP, wv) : plain_dist<D>(x, cs + j * DP);
+            wa.scr[j] = M > 1 ? weighted_dist<D>(x, ch + (i64)j * D, wv) : plain_dist<D>(x, ch + (i64)j * D);
         __syncwarp();
         int best = 0;
         if (M == 1) {
@@ -523,7 +528,7 @@ __device__ __forceinline__ void assign(const float *__restrict__ e, int n_tokens
                 }
             }
             __syncwarp();
-            for (int k = lane; k < m; k += 32) wa.fs[k] = sensitivity<D, G>(x, cs + wa.fj[k] * DP, wv);
+            for (int k = lane; k < m; k += 32) wa.fs[k] = sensitivity<D, G>(x, ch + (i64)wa.fj[k] * D, wv);
             __syncwarp();
             if (lane == 0) {
                 best = wa.fj[0];
@@ -555,10 +560,10 @@ __device__ __forceinline__ long long fixed_point(float v) { // ref_kmeans.c fixe
 template <int D>
 __device__ __forceinline__ void accumulate(const float *__restrict__ e, const int *__restrict__ idx, int n_tokens,
                                            int c_eff, long long *acc, int *cnt) {
-    __shared__ long long sa[256 * ACC_CH];
+    __shared__ u32 sa[256 * ACC_CH][2]; // int64 sums as (low, high) words: native 32-bit atomics
     __shared__ int sc[256];
     const int h = blockIdx.y, c0 = blockIdx.x * ACC_CH;
-    for (int i = threadIdx.x; i < c_eff * ACC_CH; i += blockDim.x) sa[i] = 0;
+    for (int i = threadIdx.x; i < c_eff * ACC_CH; i += blockDim.x) sa[i][0] = sa[i][1] = 0u;
     for (int i = threadIdx.x; i < c_eff; i += blockDim.x) sc[i] = 0;
     __syncthreads();
     const int c = threadIdx.x % ACC_CH, rows = blockDim.x / ACC_CH;
@@ -577,13 +582,17 @@ __device__ __forceinline__ void accumulate(const float *__restrict__ e, const in
 #pragma unroll
         for (int u = 0; u < U; u++)
             if (z[u] >= 0) {
-                atomicAdd((unsigned long long *)&sa[z[u] * ACC_CH + c], (unsigned long long)fixed_point(v[u]));
+                // Sums mod 2^64 in any order: the low word's carry goes to the high word.
+                const unsigned long long f = (unsigned long long)fixed_point(v[u]);
+                u32 *w = sa[z[u] * ACC_CH + c];
+                const u32 lo = (u32)f, old = atomicAdd(&w[0], lo);
+                atomicAdd(&w[1], (u32)(f >> 32) + (old + lo < old ? 1u : 0u));
                 if (c0 == 0 && c == 0) atomicAdd(&sc[z[u]], 1);
             }
     }
     __syncthreads();
     for (int i = threadIdx.x; i < c_eff * ACC_CH; i += blockDim.x)
-        acc[((i64)h * c_eff + i / ACC_CH) * D + c0 + i % ACC_CH] = sa[i];
+        acc[((i64)h * c_eff + i / ACC_CH) * D + c0 + i % ACC_CH] = (long long)(((u64)sa[i][1] << 32) | sa[i][0]);
     if (c0 == 0)
         for (int i = threadIdx.x; i < c_eff; i += blockDim.x) cnt[h * c_eff + i] = sc[i];
 }

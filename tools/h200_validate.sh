@@ -41,9 +41,9 @@ if has sanitizer && command -v compute-sanitizer >/dev/null; then
   # then every shipped scheme; each run bounded by `timeout` (exit 124 = timed out),
   # 540 s at most in all: the part fits one 600 s device command on its own.
   echo "== compute-sanitizer over test_gpu in small mode (API errors of the deliberate bad-image test not reported)"
-  san() { # name, scheme list ("" = all), tool, limit in s, extra options
+  san() { # name, scheme list ("" = all), tool, limit in s, extra options (may be absent)
     local start=$SECONDS rc
-    KVF_TEST_SMALL=1 KVF_TEST_SCHEMES="$2" timeout "$4" compute-sanitizer --tool "$3" $5 --error-exitcode 9 \
+    KVF_TEST_SMALL=1 KVF_TEST_SCHEMES="$2" timeout "$4" compute-sanitizer --tool "$3" ${5:-} --error-exitcode 9 \
       out/bin/test_gpu >"${OUT:-/tmp}/san_$1.txt" 2>&1; rc=$?
     echo "$1: $3 ${2:-all schemes}: exit $rc after $((SECONDS - start)) s"
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Invalid|out of bounds|hazard|PASSED|FAILED" "${OUT:-/tmp}/san_$1.txt" | head -6
