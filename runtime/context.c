@@ -18,6 +18,7 @@ struct kvf_context {
     CUcontext cuctx;
     CUmodule module;
     CUfunction fn[KVF_ROLE_COUNT]; /* NULL where the scheme has no such kernel */
+    int sms;                       /* multiprocessors (sizes the k-means assignment grid) */
     int assign_cfg[2][4];          /* per section: kvf_kmeans assign_cfg (smem plain, QSAC, threads, tokens) */
     CUdeviceptr ws;                /* workspace of the k-means/PSAC path, grown on demand */
     size_t ws_bytes;
@@ -64,6 +65,7 @@ static int open_device(kvf_context *ctx, int *cc_major, int *cc_minor) {
            cuDeviceGetAttribute(cc_major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, ctx->dev));
     KVF_CU(ctx->cu, ctx->device,
            cuDeviceGetAttribute(cc_minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, ctx->dev));
+    KVF_CU(ctx->cu, ctx->device, cuDeviceGetAttribute(&ctx->sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, ctx->dev));
     KVF_CU(ctx->cu, ctx->device, cuDevicePrimaryCtxRetain(&ctx->cuctx, ctx->dev));
     snprintf(ctx->backend, sizeof ctx->backend, "sm_%d%d", *cc_major, *cc_minor);
     return KVF_OK;
@@ -342,7 +344,11 @@ static int kmeans_stage(kvf_context *ctx, int t, int stage, const kvf_shape *sh,
     long long seed = (long long)c->seed;
     CUdeviceptr cent = packed + sl->centroids_off, idx_plane = packed + sl->index_off, nul = 0;
     const int *ac = ctx->assign_cfg[t]; /* smem plain, smem QSAC, threads, tokens per block */
+    /* The assignment's blocks loop over token tiles: about one block (its
+     * shared memory allows one) per multiprocessor in all. */
     unsigned g_cd = blocks_for((int64_t)nh * c_eff * d, BLOCK), g_tok = blocks_for(n, ac[3]);
+    unsigned per_head = ctx->sms > nh ? (unsigned)(ctx->sms / nh) : 1u;
+    if (g_tok > per_head) g_tok = per_head;
     void *a_init[] = {(void *)&ws->e, &n, &nh, &c_eff, &seed, &stage, &cent, &c_alloc};
     if ((rc = launch(ctx, KVF_R_K_INIT + base, g_cd, a_init, stream))) return rc;
     for (int it = 0; it < c->kmeans_iters; it++) {

@@ -332,218 +332,224 @@ __device__ __forceinline__ void assign(const float *__restrict__ e, int n_tokens
     // Round the limits up a little: the bound must not be below the truth.
     const float cmax = __fmul_rn(__uint_as_float(lim[0]), 1.0001f), nmax = __fmul_rn(__uint_as_float(lim[1]), 1.0001f);
 
-    const int tw0 = (blockIdx.x * W + warp) * TPW;
-    if (tw0 >= n_tokens) return; // no __syncthreads below
-    // A fragments (m16n8k16, row-major): rows g and g+8, columns 2q.. of each half of each k-step.
-    u32 ah[KS][4], al[KS][4];
-    float ss0 = 0.0f, ss1 = 0.0f;
-    bool any_lo = false;
-    {
-        const float *r0 = e + ((i64)h * n_tokens + min(tw0 + g, n_tokens - 1)) * D;
-        const float *r1 = e + ((i64)h * n_tokens + min(tw0 + g + 8, n_tokens - 1)) * D;
+    // Each warp takes 16-token tiles gridDim.x * W apart: the centroids above
+    // are staged once per block for many tiles (runtime/context.c sizes the
+    // grid to about one block per SM). No __syncthreads below.
+    const int tiles = (n_tokens + TPW - 1) / TPW;
+    for (int tile = blockIdx.x * W + warp; tile < tiles; tile += gridDim.x * W) {
+        const int tw0 = tile * TPW;
+        // A fragments (m16n8k16, row-major): rows g and g+8, columns 2q.. of each half of each k-step.
+        u32 ah[KS][4], al[KS][4];
+        float ss0 = 0.0f, ss1 = 0.0f;
+        bool any_lo = false;
+        {
+            const float *r0 = e + ((i64)h * n_tokens + min(tw0 + g, n_tokens - 1)) * D;
+            const float *r1 = e + ((i64)h * n_tokens + min(tw0 + g + 8, n_tokens - 1)) * D;
 #pragma unroll
-        for (int ks = 0; ks < KS; ks++)
+            for (int ks = 0; ks < KS; ks++)
 #pragma unroll
-            for (int half = 0; half < 2; half++) {
-                const int c = ks * 16 + half * 8 + q * 2;
-                float2 x0 = *(const float2 *)(r0 + c), x1 = *(const float2 *)(r1 + c);
-                if (M > 1) {
-                    x0.x = __fmul_rn(x0.x, wv[c]); x0.y = __fmul_rn(x0.y, wv[c + 1]);
-                    x1.x = __fmul_rn(x1.x, wv[c]); x1.y = __fmul_rn(x1.y, wv[c + 1]);
-                }
-                ss0 = __fmaf_rn(x0.x, x0.x, __fmaf_rn(x0.y, x0.y, ss0));
-                ss1 = __fmaf_rn(x1.x, x1.x, __fmaf_rn(x1.y, x1.y, ss1));
-                split_pair(x0.x, x0.y, ah[ks][half * 2], al[ks][half * 2]);
-                split_pair(x1.x, x1.y, ah[ks][half * 2 + 1], al[ks][half * 2 + 1]);
-                any_lo |= (al[ks][half * 2] | al[ks][half * 2 + 1]) != 0u;
-            }
-    }
-    const bool lo = __any_sync(0xffffffffu, any_lo);
-    ss0 = __fadd_rn(ss0, __shfl_xor_sync(0xffffffffu, ss0, 1));
-    ss0 = __fadd_rn(ss0, __shfl_xor_sync(0xffffffffu, ss0, 2));
-    ss1 = __fadd_rn(ss1, __shfl_xor_sync(0xffffffffu, ss1, 1));
-    ss1 = __fadd_rn(ss1, __shfl_xor_sync(0xffffffffu, ss1, 2));
-    if (q == 0) { wa.an[g] = sqrtf(ss0); wa.an[g + 8] = sqrtf(ss1); }
-    float bs0[K], bs1[K];
-    int bj0[K], bj1[K];
-#pragma unroll
-    for (int i = 0; i < K; i++) { bs0[i] = bs1[i] = __int_as_float(0x7f800000); bj0[i] = bj1[i] = 0; }
-    if (M <= 8) {
-        filter<D, K, M, false>(lo, ah, al, cs, nf, cp, g, q, bs0, bj0, bs1, bj1, wa);
-#pragma unroll
-        for (int i = 0; i < K; i++) {
-            wa.ls[g][q][i] = bs0[i]; wa.lj[g][q][i] = bj0[i];
-            wa.ls[g + 8][q][i] = bs1[i]; wa.lj[g + 8][q][i] = bj1[i];
-        }
-    }
-    __syncwarp();
-    // Candidates of token `lane`: within 2B of the M-th smallest filtered score.
-    if (lane < TPW) {
-        const int t = tw0 + lane;
-        int n = -1;
-        wa.again[lane] = 0;
-        if (M <= 8) {
-            float top[MF];
-            int topj[MF];
-#pragma unroll
-            for (int i = 0; i < MF; i++) { top[i] = __int_as_float(0x7f800000); topj[i] = 0; }
-            for (int qq = 0; qq < 4; qq++)
-                for (int i = 0; i < K; i++) keep_k<MF>(top, topj, wa.ls[lane][qq][i], 0);
-            // + an absolute term for BF16/f32 subnormals the tensor cores may flush.
-            const float b = __fadd_rn(__fmul_rn(KAPPA, __fmaf_rn(wa.an[lane], cmax, nmax)),
-                                      __fmul_rn(2e-36f, __fadd_rn(__fadd_rn(wa.an[lane], cmax), 1.0f)));
-            const float thr = __fadd_rn(top[MF - 1], __fmul_rn(2.0f, b));
-            wa.thr[lane] = thr;
-            if (thr - thr == 0.0f && b - b == 0.0f && c_eff >= MF) { // finite
-                n = 0;
-                for (int qq = 0; qq < 4 && n >= 0; qq++) {
-                    if (wa.ls[lane][qq][K - 1] <= thr) n = -2; // this thread's list may have dropped one
-                    for (int i = 0; i < K && n >= 0; i++)
-                        if (wa.ls[lane][qq][i] <= thr) wa.cj[lane][n++] = wa.lj[lane][qq][i];
-                }
-                if (n == -2 && t < n_tokens) { wa.again[lane] = 1; n = 0; }
-            }
-        }
-        wa.nc[lane] = t < n_tokens ? n : 0;
-    }
-    __syncwarp();
-    if (M <= 8 && __any_sync(0xffffffffu, lane < TPW && wa.again[lane])) {
-        filter<D, K, M, true>(lo, ah, al, cs, nf, cp, g, q, bs0, bj0, bs1, bj1, wa);
-        __syncwarp();
-        if (lane < TPW && wa.nc[lane] > CAP) wa.nc[lane] = -1;
-        __syncwarp();
-    }
-    // The candidates of all 16 tokens, spread over the lanes (offsets by a scan).
-    // A nearest-centroid token with one candidate needs no f64 distance: it is
-    // the answer.
-    const int mine = lane < TPW && wa.nc[lane] > (M == 1 ? 1 : 0) ? wa.nc[lane] : 0;
-    int off = mine;
-#pragma unroll
-    for (int o = 1; o < TPW; o <<= 1) {
-        const int v = __shfl_up_sync(0xffffffffu, off, o);
-        if (lane >= o) off += v;
-    }
-    const int total = __shfl_sync(0xffffffffu, off, TPW - 1);
-    if (lane < TPW) wa.off[lane] = off - mine;
-    __syncwarp();
-    for (int f = lane; f < total; f += 32) {
-        int tl = 0; // the last token whose first candidate is at or before f, and that has some
-        for (int i = 1; i < TPW; i++)
-            if (wa.off[i] <= f && (M > 1 ? wa.nc[i] > 0 : wa.nc[i] > 1)) tl = i;
-        const int k = f - wa.off[tl];
-        const float *x = e + ((i64)h * n_tokens + tw0 + tl) * D;
-        const int j = wa.cj[tl][k];
-        wa.cd[tl][k] = M > 1 ? weighted_dist<D>(x, ch + (i64)j * D, wv) : plain_dist<D>(x, ch + (i64)j * D);
-    }
-    __syncwarp();
-    // The CPU's rule over the candidates: the smallest (distance, j); for QSAC
-    // the M smallest (distance, j), then the first smallest sensitivity score.
-    // Both are independent of the candidates' order.
-    if (lane < TPW && wa.nc[lane] > 0) {
-        const int n = wa.nc[lane];
-        if (M == 1) {
-            int bj = wa.cj[lane][0];
-            double bd = n > 1 ? wa.cd[lane][0] : 0.0;
-            for (int k = 1; k < n; k++) {
-                const double d = wa.cd[lane][k];
-                const int j = wa.cj[lane][k];
-                if (d < bd || (d == bd && j < bj)) { bd = d; bj = j; }
-            }
-            wa.pk[lane][0] = bj;
-        } else {
-            double td[MF];
-            int tj[MF];
-#pragma unroll
-            for (int i = 0; i < MF; i++) { td[i] = KVF_INF64; tj[i] = 0x7fffffff; }
-            for (int k = 0; k < n; k++) {
-                double d = wa.cd[lane][k];
-                int j = wa.cj[lane][k];
-#pragma unroll
-                for (int i = 0; i < MF; i++)
-                    if (d < td[i] || (d == td[i] && j < tj[i])) {
-                        const double od = td[i];
-                        const int oj = tj[i];
-                        td[i] = d; tj[i] = j; d = od; j = oj;
+                for (int half = 0; half < 2; half++) {
+                    const int c = ks * 16 + half * 8 + q * 2;
+                    float2 x0 = *(const float2 *)(r0 + c), x1 = *(const float2 *)(r1 + c);
+                    if (M > 1) {
+                        x0.x = __fmul_rn(x0.x, wv[c]); x0.y = __fmul_rn(x0.y, wv[c + 1]);
+                        x1.x = __fmul_rn(x1.x, wv[c]); x1.y = __fmul_rn(x1.y, wv[c + 1]);
                     }
-            }
+                    ss0 = __fmaf_rn(x0.x, x0.x, __fmaf_rn(x0.y, x0.y, ss0));
+                    ss1 = __fmaf_rn(x1.x, x1.x, __fmaf_rn(x1.y, x1.y, ss1));
+                    split_pair(x0.x, x0.y, ah[ks][half * 2], al[ks][half * 2]);
+                    split_pair(x1.x, x1.y, ah[ks][half * 2 + 1], al[ks][half * 2 + 1]);
+                    any_lo |= (al[ks][half * 2] | al[ks][half * 2 + 1]) != 0u;
+                }
+        }
+        const bool lo = __any_sync(0xffffffffu, any_lo);
+        ss0 = __fadd_rn(ss0, __shfl_xor_sync(0xffffffffu, ss0, 1));
+        ss0 = __fadd_rn(ss0, __shfl_xor_sync(0xffffffffu, ss0, 2));
+        ss1 = __fadd_rn(ss1, __shfl_xor_sync(0xffffffffu, ss1, 1));
+        ss1 = __fadd_rn(ss1, __shfl_xor_sync(0xffffffffu, ss1, 2));
+        if (q == 0) { wa.an[g] = sqrtf(ss0); wa.an[g + 8] = sqrtf(ss1); }
+        float bs0[K], bs1[K];
+        int bj0[K], bj1[K];
 #pragma unroll
-            for (int i = 0; i < MF; i++) wa.pk[lane][i] = tj[i];
-        }
-    }
-    __syncwarp();
-    if (M > 1 && M <= 8) {
-        for (int i = lane; i < TPW * MF; i += 32) {
-            const int tl = i / MF, k = i % MF;
-            if (wa.nc[tl] <= 0) continue;
-            const float *x = e + ((i64)h * n_tokens + tw0 + tl) * D;
-            wa.sv[tl][k] = sensitivity<D, G>(x, ch + (i64)wa.pk[tl][k] * D, wv);
-        }
-        __syncwarp();
-        if (lane < TPW && wa.nc[lane] > 0) {
-            int b = 0;
-            for (int k = 1; k < MF; k++)
-                if (wa.sv[lane][k] < wa.sv[lane][b]) b = k;
-            wa.pk[lane][0] = wa.pk[lane][b];
-        }
-        __syncwarp();
-    }
-    if (lane < TPW && wa.nc[lane] > 0) {
-        const i64 o = (i64)h * n_tokens + tw0 + lane;
-        if (idx_ws) idx_ws[o] = wa.pk[lane][0];
-        if (idx_plane) idx_plane[o] = (u8)wa.pk[lane][0];
-    }
-    if (stats && lane < TPW && tw0 + lane < n_tokens) {
-        atomicAdd(&stats[0], 1ull);
-        atomicAdd(&stats[wa.nc[lane] >= 0 ? 1 : 2], (unsigned long long)(wa.nc[lane] >= 0 ? wa.nc[lane] : 1));
-        if (wa.again[lane]) atomicAdd(&stats[3], 1ull);
-    }
-    // Full scans, one token at a time: every distance, then ref_kmeans.c's
-    // sequential rules verbatim (a NaN distance never wins, except at j = 0).
-    for (int tl = 0; tl < TPW; tl++) {
-        if (wa.nc[tl] != -1) continue; // same value in every lane
-        const float *x = e + ((i64)h * n_tokens + tw0 + tl) * D;
-        for (int j = lane; j < c_eff; j += 32)
-            wa.scr[j] = M > 1 ? weighted_dist<D>(x, ch + (i64)j * D, wv) : plain_dist<D>(x, ch + (i64)j * D);
-        __syncwarp();
-        int best = 0;
-        if (M == 1) {
-            if (lane == 0) {
-                double bd = wa.scr[0];
-                for (int j = 1; j < c_eff; j++)
-                    if (wa.scr[j] < bd) { bd = wa.scr[j]; best = j; }
+        for (int i = 0; i < K; i++) { bs0[i] = bs1[i] = __int_as_float(0x7f800000); bj0[i] = bj1[i] = 0; }
+        if (M <= 8) {
+            filter<D, K, M, false>(lo, ah, al, cs, nf, cp, g, q, bs0, bj0, bs1, bj1, wa);
+#pragma unroll
+            for (int i = 0; i < K; i++) {
+                wa.ls[g][q][i] = bs0[i]; wa.lj[g][q][i] = bj0[i];
+                wa.ls[g + 8][q][i] = bs1[i]; wa.lj[g + 8][q][i] = bj1[i];
             }
-        } else {
-            const int m = min(M, c_eff);
-            if (lane == 0) { // keep_best
-                int nb = 0;
-                for (int j = 0; j < c_eff; j++) {
-                    const double d = wa.scr[j];
-                    int pos = nb;
-                    while (pos > 0 && d < wa.fd[pos - 1]) pos--;
-                    if (pos >= m) continue;
-                    for (int i = (nb < m ? nb : m - 1); i > pos; i--) { wa.fd[i] = wa.fd[i - 1]; wa.fj[i] = wa.fj[i - 1]; }
-                    wa.fd[pos] = d;
-                    wa.fj[pos] = j;
-                    if (nb < m) nb++;
+        }
+        __syncwarp();
+        // Candidates of token `lane`: within 2B of the M-th smallest filtered score.
+        if (lane < TPW) {
+            const int t = tw0 + lane;
+            int n = -1;
+            wa.again[lane] = 0;
+            if (M <= 8) {
+                float top[MF];
+                int topj[MF];
+#pragma unroll
+                for (int i = 0; i < MF; i++) { top[i] = __int_as_float(0x7f800000); topj[i] = 0; }
+                for (int qq = 0; qq < 4; qq++)
+                    for (int i = 0; i < K; i++) keep_k<MF>(top, topj, wa.ls[lane][qq][i], 0);
+                // + an absolute term for BF16/f32 subnormals the tensor cores may flush.
+                const float b = __fadd_rn(__fmul_rn(KAPPA, __fmaf_rn(wa.an[lane], cmax, nmax)),
+                                          __fmul_rn(2e-36f, __fadd_rn(__fadd_rn(wa.an[lane], cmax), 1.0f)));
+                const float thr = __fadd_rn(top[MF - 1], __fmul_rn(2.0f, b));
+                wa.thr[lane] = thr;
+                if (thr - thr == 0.0f && b - b == 0.0f && c_eff >= MF) { // finite
+                    n = 0;
+                    for (int qq = 0; qq < 4 && n >= 0; qq++) {
+                        if (wa.ls[lane][qq][K - 1] <= thr) n = -2; // this thread's list may have dropped one
+                        for (int i = 0; i < K && n >= 0; i++)
+                            if (wa.ls[lane][qq][i] <= thr) wa.cj[lane][n++] = wa.lj[lane][qq][i];
+                    }
+                    if (n == -2 && t < n_tokens) { wa.again[lane] = 1; n = 0; }
                 }
             }
-            __syncwarp();
-            for (int k = lane; k < m; k += 32) wa.fs[k] = sensitivity<D, G>(x, ch + (i64)wa.fj[k] * D, wv);
-            __syncwarp();
-            if (lane == 0) {
-                best = wa.fj[0];
-                double bs = wa.fs[0];
-                for (int k = 1; k < m; k++)
-                    if (wa.fs[k] < bs) { bs = wa.fs[k]; best = wa.fj[k]; }
-            }
-        }
-        if (lane == 0) {
-            const i64 o = (i64)h * n_tokens + tw0 + tl;
-            if (idx_ws) idx_ws[o] = best;
-            if (idx_plane) idx_plane[o] = (u8)best;
+            wa.nc[lane] = t < n_tokens ? n : 0;
         }
         __syncwarp();
-    }
+        if (M <= 8 && __any_sync(0xffffffffu, lane < TPW && wa.again[lane])) {
+            filter<D, K, M, true>(lo, ah, al, cs, nf, cp, g, q, bs0, bj0, bs1, bj1, wa);
+            __syncwarp();
+            if (lane < TPW && wa.nc[lane] > CAP) wa.nc[lane] = -1;
+            __syncwarp();
+        }
+        // The candidates of all 16 tokens, spread over the lanes (offsets by a scan).
+        // A nearest-centroid token with one candidate needs no f64 distance: it is
+        // the answer.
+        const int mine = lane < TPW && wa.nc[lane] > (M == 1 ? 1 : 0) ? wa.nc[lane] : 0;
+        int off = mine;
+#pragma unroll
+        for (int o = 1; o < TPW; o <<= 1) {
+            const int v = __shfl_up_sync(0xffffffffu, off, o);
+            if (lane >= o) off += v;
+        }
+        const int total = __shfl_sync(0xffffffffu, off, TPW - 1);
+        if (lane < TPW) wa.off[lane] = off - mine;
+        __syncwarp();
+        for (int f = lane; f < total; f += 32) {
+            int tl = 0; // the last token whose first candidate is at or before f, and that has some
+            for (int i = 1; i < TPW; i++)
+                if (wa.off[i] <= f && (M > 1 ? wa.nc[i] > 0 : wa.nc[i] > 1)) tl = i;
+            const int k = f - wa.off[tl];
+            const float *x = e + ((i64)h * n_tokens + tw0 + tl) * D;
+            const int j = wa.cj[tl][k];
+            wa.cd[tl][k] = M > 1 ? weighted_dist<D>(x, ch + (i64)j * D, wv) : plain_dist<D>(x, ch + (i64)j * D);
+        }
+        __syncwarp();
+        // The CPU's rule over the candidates: the smallest (distance, j); for QSAC
+        // the M smallest (distance, j), then the first smallest sensitivity score.
+        // Both are independent of the candidates' order.
+        if (lane < TPW && wa.nc[lane] > 0) {
+            const int n = wa.nc[lane];
+            if (M == 1) {
+                int bj = wa.cj[lane][0];
+                double bd = n > 1 ? wa.cd[lane][0] : 0.0;
+                for (int k = 1; k < n; k++) {
+                    const double d = wa.cd[lane][k];
+                    const int j = wa.cj[lane][k];
+                    if (d < bd || (d == bd && j < bj)) { bd = d; bj = j; }
+                }
+                wa.pk[lane][0] = bj;
+            } else {
+                double td[MF];
+                int tj[MF];
+#pragma unroll
+                for (int i = 0; i < MF; i++) { td[i] = KVF_INF64; tj[i] = 0x7fffffff; }
+                for (int k = 0; k < n; k++) {
+                    double d = wa.cd[lane][k];
+                    int j = wa.cj[lane][k];
+#pragma unroll
+                    for (int i = 0; i < MF; i++)
+                        if (d < td[i] || (d == td[i] && j < tj[i])) {
+                            const double od = td[i];
+                            const int oj = tj[i];
+                            td[i] = d; tj[i] = j; d = od; j = oj;
+                        }
+                }
+#pragma unroll
+                for (int i = 0; i < MF; i++) wa.pk[lane][i] = tj[i];
+            }
+        }
+        __syncwarp();
+        if (M > 1 && M <= 8) {
+            for (int i = lane; i < TPW * MF; i += 32) {
+                const int tl = i / MF, k = i % MF;
+                if (wa.nc[tl] <= 0) continue;
+                const float *x = e + ((i64)h * n_tokens + tw0 + tl) * D;
+                wa.sv[tl][k] = sensitivity<D, G>(x, ch + (i64)wa.pk[tl][k] * D, wv);
+            }
+            __syncwarp();
+            if (lane < TPW && wa.nc[lane] > 0) {
+                int b = 0;
+                for (int k = 1; k < MF; k++)
+                    if (wa.sv[lane][k] < wa.sv[lane][b]) b = k;
+                wa.pk[lane][0] = wa.pk[lane][b];
+            }
+            __syncwarp();
+        }
+        if (lane < TPW && wa.nc[lane] > 0) {
+            const i64 o = (i64)h * n_tokens + tw0 + lane;
+            if (idx_ws) idx_ws[o] = wa.pk[lane][0];
+            if (idx_plane) idx_plane[o] = (u8)wa.pk[lane][0];
+        }
+        if (stats && lane < TPW && tw0 + lane < n_tokens) {
+            atomicAdd(&stats[0], 1ull);
+            atomicAdd(&stats[wa.nc[lane] >= 0 ? 1 : 2], (unsigned long long)(wa.nc[lane] >= 0 ? wa.nc[lane] : 1));
+            if (wa.again[lane]) atomicAdd(&stats[3], 1ull);
+        }
+        // Full scans, one token at a time: every distance, then ref_kmeans.c's
+        // sequential rules verbatim (a NaN distance never wins, except at j = 0).
+        for (int tl = 0; tl < TPW; tl++) {
+            if (wa.nc[tl] != -1) continue; // same value in every lane
+            const float *x = e + ((i64)h * n_tokens + tw0 + tl) * D;
+            for (int j = lane; j < c_eff; j += 32)
+                wa.scr[j] = M > 1 ? weighted_dist<D>(x, ch + (i64)j * D, wv) : plain_dist<D>(x, ch + (i64)j * D);
+            __syncwarp();
+            int best = 0;
+            if (M == 1) {
+                if (lane == 0) {
+                    double bd = wa.scr[0];
+                    for (int j = 1; j < c_eff; j++)
+                        if (wa.scr[j] < bd) { bd = wa.scr[j]; best = j; }
+                }
+            } else {
+                const int m = min(M, c_eff);
+                if (lane == 0) { // keep_best
+                    int nb = 0;
+                    for (int j = 0; j < c_eff; j++) {
+                        const double d = wa.scr[j];
+                        int pos = nb;
+                        while (pos > 0 && d < wa.fd[pos - 1]) pos--;
+                        if (pos >= m) continue;
+                        for (int i = (nb < m ? nb : m - 1); i > pos; i--) { wa.fd[i] = wa.fd[i - 1]; wa.fj[i] = wa.fj[i - 1]; }
+                        wa.fd[pos] = d;
+                        wa.fj[pos] = j;
+                        if (nb < m) nb++;
+                    }
+                }
+                __syncwarp();
+                for (int k = lane; k < m; k += 32) wa.fs[k] = sensitivity<D, G>(x, ch + (i64)wa.fj[k] * D, wv);
+                __syncwarp();
+                if (lane == 0) {
+                    best = wa.fj[0];
+                    double bs = wa.fs[0];
+                    for (int k = 1; k < m; k++)
+                        if (wa.fs[k] < bs) { bs = wa.fs[k]; best = wa.fj[k]; }
+                }
+            }
+            if (lane == 0) {
+                const i64 o = (i64)h * n_tokens + tw0 + tl;
+                if (idx_ws) idx_ws[o] = best;
+                if (idx_plane) idx_plane[o] = (u8)best;
+            }
+            __syncwarp();
+        }
+        __syncwarp(); // the warp's scratch is reused by its next tile
+    } // tiles
 }
 
 // Lloyd update, step 1: each cluster's fixed-point sum and count. One block
