@@ -54,7 +54,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 from kvcache import BF16Cache, KvforgeCache  # noqa: E402
-from model import (chunk_positions, file_sha256, frames_to_patches, generate, load_model_and_frames,  # noqa: E402
+from model import (file_sha256, frames_to_patches, generate, load_model_and_frames,  # noqa: E402
                    patches_to_frames)
 
 DEFAULT_SCHEMES = ("bf16,rtn_int2,kivi_int2,quarot_int2,qvg_int2,qvg_pro_int2,quantwm_int2,"
