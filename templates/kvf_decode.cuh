@@ -172,6 +172,21 @@ __device__ __forceinline__ float int8_float(u32 w_biased, int k) {
     return __fsub_rn(kvf_magic((w_biased >> (8 * k)) & 0xffu), MAGIC + 128.0f);
 }
 
+// A lane's PSAC basis entries (8 channels x R, bf16, contiguous) as f32.
+template <int R>
+__device__ __forceinline__ void load_basis(const u8 *basis, float *out) {
+#pragma unroll
+    for (int k = 0; k < R; k++) {
+        const uint4 w = kvf_ldg16(basis + 16 * k);
+        const u32 a[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            out[8 * k + 2 * e] = __uint_as_float(a[e] << 16);
+            out[8 * k + 2 * e + 1] = __uint_as_float(a[e] & 0xffff0000u);
+        }
+    }
+}
+
 template <int D, int BITS, int G, int MODE, int SFMT, int AXIS, int NCENT, int STAGES, int ROT, int PSAC_R, int ROPE>
 __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const section_planes &p, int n_tokens,
                                        u16 *__restrict__ y_out, i64 token_stride, i64 head_stride,
@@ -207,16 +222,7 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
     const u8 *const basis_h = opaque(packed + p.basis + ((u64)h * D + lane * 8) * R * 2);
     float ub[REG_BASIS ? 8 * R : 1];
     if (REG_BASIS) {
-#pragma unroll
-        for (int k = 0; k < R; k++) {
-            const uint4 w = kvf_ldg16(basis_h + 16 * k);
-            const u32 a[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                ub[8 * k + 2 * e] = __uint_as_float(a[e] << 16);
-                ub[8 * k + 2 * e + 1] = __uint_as_float(a[e] & 0xffff0000u);
-            }
-        }
+        load_basis<R>(basis_h, ub);
         // Opaque to NVVM, which otherwise sinks the shifts back into the
         // row loop (one extra op per basis entry and row).
 #pragma unroll
@@ -405,18 +411,7 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
                 const float csf = kvf_f16_to_f32((u16)cs[u]);
                 if (csf != 0.0f) {
                     float bj[REG_BASIS ? 1 : 8 * R];
-                    if (!REG_BASIS) {
-#pragma unroll
-                        for (int k = 0; k < R; k++) {
-                            const uint4 w = kvf_ldg16(basis_h + 16 * k);
-                            const u32 a[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-                            for (int e = 0; e < 4; e++) {
-                                bj[8 * k + 2 * e] = __uint_as_float(a[e] << 16);
-                                bj[8 * k + 2 * e + 1] = __uint_as_float(a[e] & 0xffff0000u);
-                            }
-                        }
-                    }
+                    if (!REG_BASIS) load_basis<R>(basis_h, bj);
 #pragma unroll
                     for (int j = 0; j < PSAC_R; j++) {
                         const float c = __fmul_rn(csf, int8_float(coefw[u][j / 4] ^ 0x80808080u, j & 3));
