@@ -62,6 +62,12 @@ class _InfoBuffer(ctypes.Union):
     _fields_ = [("info", KvfSchemeInfo), ("spare", ctypes.c_char * 1024)]
 
 
+def _load_builtin(name: str):
+    """(kvf_scheme pointer, source text) of a shipped scheme."""
+    out = c_void_p()
+    check(lib().kvf_scheme_load_builtin(name.encode(), byref(out)), "kvf_scheme_load_builtin")
+    return out, f"<builtin>/{name}.lua"
+
 
 def _free_scheme(L, ptr):
     try:
@@ -87,14 +93,12 @@ class Scheme:
                 raise TypeError(f"Scheme: expected a path or a shipped scheme's name, got "
                                 f"{type(source).__name__}")
             s = os.fspath(source)
-            out = c_void_p()
             if os.path.exists(s) or s.endswith(".lua") or os.sep in s:
-                check(L.kvf_scheme_load(s.encode(), byref(out)), "kvf_scheme_load")
+                _ptr = c_void_p()
+                check(L.kvf_scheme_load(s.encode(), byref(_ptr)), "kvf_scheme_load")
                 _origin = s
             else:
-                check(L.kvf_scheme_load_builtin(s.encode(), byref(out)), "kvf_scheme_load_builtin")
-                _origin = f"<builtin>/{s}.lua"
-            _ptr = out
+                _ptr, _origin = _load_builtin(s)
         self._ptr = _ptr
         self.source = _origin
         self._finalizer = weakref.finalize(self, _free_scheme, L, _ptr)
@@ -114,10 +118,8 @@ class Scheme:
 
     @classmethod
     def builtin(cls, name: str) -> "Scheme":
-        L = lib()
-        out = c_void_p()
-        check(L.kvf_scheme_load_builtin(name.encode(), byref(out)), "kvf_scheme_load_builtin")
-        return cls(None, _ptr=out, _origin=f"<builtin>/{name}.lua")
+        ptr, origin = _load_builtin(name)
+        return cls(None, _ptr=ptr, _origin=origin)
 
     # ----------------------------------------------------------- properties
     @property
