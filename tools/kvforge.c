@@ -227,7 +227,7 @@ static int demo_gpu(kvf_context *ctx, const uint16_t *k, const uint16_t *v, cons
 static int cmd_demo(int argc, char **argv) {
     const char *path = argc > 0 && argv[0][0] != '-' ? argv[0] : "schemes/quantwm_int2.lua";
     kvf_scheme *s;
-    int rc = access(path, F_OK) == 0 ? kvf_scheme_load(path, &s) : load_scheme(path, &s);
+    int rc = load_scheme(path, &s);
     if (rc) return fail(rc);
     const int heads = 8, d = kvf_scheme_head_dim(s);
     const int64_t tokens = 4680; /* 3 frames x 1560 tokens: one chunk at 480p */
