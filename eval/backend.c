@@ -14,9 +14,9 @@ struct kvf_eval_backend {
     char desc[96];
     /* query statistics: host memory on the CPU, qs_dev on a device */
     void *qs_host;
-    size_t qs_bytes;
+    size_t qs_bytes, qs_cap;
     int qs_ready;
-    uint8_t *packed_host;
+    void *packed_host;
     size_t packed_cap;
     /* device state */
     const kvf_cuda_api *cu;
@@ -27,6 +27,17 @@ struct kvf_eval_backend {
 };
 
 static size_t bf16_bytes(const kvf_shape *sh, int d) { return (size_t)sh->n_tokens * sh->n_heads * d * 2; }
+
+/* Host buffer of at least need bytes (64-byte aligned), kept across calls. */
+static int host_reserve(void **p, size_t *cap, size_t need, const char *what) {
+    if (*cap >= need) return KVF_OK;
+    void *q = aligned_alloc(64, (need + 63) & ~(size_t)63);
+    if (!q) return kvf_set_error(KVF_ENOMEM, "out of memory for %zu bytes of %s", need, what);
+    free(*p);
+    *p = q;
+    *cap = need;
+    return KVF_OK;
+}
 
 /* ------------------------------------------------------------ device */
 
@@ -128,20 +139,12 @@ int kvf_eval_backend_qstats_init(kvf_eval_backend *b, int32_t n_kv_heads, size_t
     int rc = kvf_qstats_size(kvf_context_scheme(b->ctx), n_kv_heads, &need);
     if (rc) return rc;
     b->qs_ready = 0;
+    b->qs_bytes = need;
     if (b->device == KVF_DEVICE_CPU) {
-        if (need > b->qs_bytes) {
-            void *p = aligned_alloc(64, (need + 63) & ~(size_t)63);
-            if (!p) return kvf_set_error(KVF_ENOMEM, "out of memory for %zu bytes of query statistics", need);
-            free(b->qs_host);
-            b->qs_host = p;
-        }
-        b->qs_bytes = need;
-        rc = kvf_qstats_init(b->ctx, b->qs_host, need, n_kv_heads, NULL);
-    } else {
-        b->qs_bytes = need;
-        if (!(rc = dev_reserve(b, &b->qs_dev, need)))
-            rc = kvf_qstats_init(b->ctx, (void *)(uintptr_t)b->qs_dev.p, need, n_kv_heads, NULL);
-    }
+        if (!(rc = host_reserve(&b->qs_host, &b->qs_cap, need, "query statistics")))
+            rc = kvf_qstats_init(b->ctx, b->qs_host, need, n_kv_heads, NULL);
+    } else if (!(rc = dev_reserve(b, &b->qs_dev, need)))
+        rc = kvf_qstats_init(b->ctx, (void *)(uintptr_t)b->qs_dev.p, need, n_kv_heads, NULL);
     if (rc) return rc;
     b->qs_ready = 1;
     *bytes = need;
@@ -167,13 +170,7 @@ int kvf_eval_backend_roundtrip(kvf_eval_backend *b, const uint16_t *k, const uin
     if (rc) return rc;
     *packed_bytes = need;
     if (b->device != KVF_DEVICE_CPU) return dev_roundtrip(b, k, v, shape, positions, n_axes, k_out, v_out, need);
-    if (need > b->packed_cap) {
-        uint8_t *p = aligned_alloc(64, (need + 63) & ~(size_t)63);
-        if (!p) return kvf_set_error(KVF_ENOMEM, "out of memory for a %zu-byte packed span", need);
-        free(b->packed_host);
-        b->packed_host = p;
-        b->packed_cap = need;
-    }
+    if ((rc = host_reserve(&b->packed_host, &b->packed_cap, need, "a packed span"))) return rc;
     void *qs = b->qs_ready ? b->qs_host : NULL;
     if ((rc = kvf_encode(b->ctx, k, v, shape, qs, b->packed_host, need, NULL))) return rc;
     return kvf_decode(b->ctx, b->packed_host, need, shape, positions, k_out, v_out, NULL);

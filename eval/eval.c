@@ -192,14 +192,10 @@ static int pack_ready(layer_run *r, int layer, int t, kvf_eval_sums *bytes) {
 
 /* ------------------------------------------------------------ one step */
 
-static int64_t queries_of(const layer_run *r, int layer, int c) {
-    return kvf_dump_tensor(r->d, layer, c, KVF_DUMP_Q)->shape[1];
-}
-
 static int score_step(layer_run *r, int layer, int c, kvf_eval_sums *out) {
     const kvf_dump *d = r->d;
-    const int64_t nq = queries_of(r, layer, c), n_keys = (int64_t)(c + 1) * d->tokens;
     const kvf_st_tensor *q = kvf_dump_tensor(d, layer, c, KVF_DUMP_Q);
+    const int64_t nq = q->shape[1], n_keys = (int64_t)(c + 1) * d->tokens;
     kvf_dump_f32(q, 0, (size_t)d->q_heads * nq * d->head_dim, r->q);
     for (int64_t t = 0; t < n_keys; t++) r->mask[t] = r->packed_chunk[t / d->tokens];
     kvf_eval_step st = {d->q_heads, d->kv_heads, d->head_dim, nq, r->q, n_keys, r->rows,

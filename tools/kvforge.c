@@ -70,13 +70,15 @@ static int cmd_gen(int argc, char **argv) {
     return rc ? fail(rc) : 0;
 }
 
-/* The scheme named by argv[0] and the --arch list (default sm_80,sm_90). */
-typedef struct arch_job { kvf_scheme *s; char list[256]; const char *archs[16]; int n; } arch_job;
+/* The scheme named by argv[0] and the --arch list (default sm_80,sm_90):
+ * spec as given, archs split from a copy of it. */
+typedef struct arch_job { kvf_scheme *s; const char *spec; char list[256]; const char *archs[16]; int n; } arch_job;
 
 static int arch_job_open(int argc, char **argv, arch_job *j) {
     int rc = load_scheme(argv[0], &j->s);
     if (rc) return rc;
-    snprintf(j->list, sizeof j->list, "%s", opt_value(argc, argv, "--arch", "sm_80,sm_90"));
+    j->spec = opt_value(argc, argv, "--arch", "sm_80,sm_90");
+    snprintf(j->list, sizeof j->list, "%s", j->spec);
     j->n = split_archs(j->list, j->archs, 16);
     return KVF_OK;
 }
@@ -87,18 +89,16 @@ static int cmd_compile(int argc, char **argv) {
     int rc = arch_job_open(argc, argv, &j);
     if (rc) return fail(rc);
     kvf_scheme *s = j.s;
-    const char **archs = j.archs;
-    int n = j.n;
-    for (int i = 0; i < n && !rc; i++) {
+    for (int i = 0; i < j.n && !rc; i++) {
         void *image;
         size_t size;
         const char *origin;
         struct timespec t0, t1;
         clock_gettime(CLOCK_MONOTONIC, &t0);
-        rc = kvf_jit_image(s, archs[i], 0, &image, &size, &origin);
+        rc = kvf_jit_image(s, j.archs[i], 0, &image, &size, &origin);
         clock_gettime(CLOCK_MONOTONIC, &t1);
         if (!rc) {
-            printf("%s %s: %zu-byte cubin from %s in %.1f ms\n", kvf_scheme_id(s), archs[i], size, origin,
+            printf("%s %s: %zu-byte cubin from %s in %.1f ms\n", kvf_scheme_id(s), j.archs[i], size, origin,
                    (t1.tv_sec - t0.tv_sec) * 1e3 + (t1.tv_nsec - t0.tv_nsec) / 1e6);
             free(image);
         }
@@ -115,9 +115,8 @@ static int cmd_export(int argc, char **argv) {
     kvf_scheme *s = j.s;
     const char *dir = opt_value(argc, argv, "-o", "out/export");
     rc = kvf_export(s, j.archs, j.n, dir);
-    if (!rc) printf("exported %s for %s to %s (%s.fatbin, %s_aot.c/.h, %s.c/.h)\n", kvf_scheme_id(s),
-                    opt_value(argc, argv, "--arch", "sm_80,sm_90"), dir, kvf_scheme_id(s), kvf_scheme_id(s),
-                    kvf_scheme_id(s));
+    if (!rc) printf("exported %s for %s to %s (%s.fatbin, %s_aot.c/.h, %s.c/.h)\n", kvf_scheme_id(s), j.spec, dir,
+                    kvf_scheme_id(s), kvf_scheme_id(s), kvf_scheme_id(s));
     kvf_scheme_free(s);
     return rc ? fail(rc) : 0;
 }
@@ -228,7 +227,7 @@ static int demo_gpu(kvf_context *ctx, const uint16_t *k, const uint16_t *v, cons
 static int cmd_demo(int argc, char **argv) {
     const char *path = argc > 0 && argv[0][0] != '-' ? argv[0] : "schemes/quantwm_int2.lua";
     kvf_scheme *s;
-    int rc = access(path, F_OK) == 0 ? kvf_scheme_load(path, &s) : load_scheme(path, &s);
+    int rc = load_scheme(path, &s);
     if (rc) return fail(rc);
     const int heads = 8, d = kvf_scheme_head_dim(s);
     const int64_t tokens = 4680; /* 3 frames x 1560 tokens: one chunk at 480p */

@@ -98,11 +98,7 @@ KVF_MAX_ROPE_SECTIONS = 4
 
 
 class KvfSchemeInfo(Structure):
-    """``kvf_scheme_info`` as proposed for include/kvforge.h (see python/README.md).
-
-    The binding works without it (it parses kvf_scheme_canonical() instead)
-    until the library exports ``kvf_scheme_get_info``.
-    """
+    """``kvf_scheme_info`` of include/kvforge.h (kvf_scheme_get_info)."""
     _fields_ = [
         ("head_dim", c_int),
         ("key_bits", c_int), ("value_bits", c_int),
@@ -154,6 +150,7 @@ _PROTOTYPES = {
     "kvf_decode": (c_int, [_p_ctx, c_void_p, c_size_t, POINTER(KvfShape), c_void_p, c_void_p,
                            c_void_p, c_void_p], True),
     "kvf_packed_check": (c_int, [_p_scheme, c_void_p, c_size_t, c_int64, c_int32], True),
+    "kvf_scheme_get_info": (c_int, [_p_scheme, POINTER(KvfSchemeInfo)], True),
     "kvf_cache_dir": (c_int, [c_char_p, c_size_t], True),
     "kvf_cache_clear": (c_int, [], True),
     # Declared in kvforge.h; implemented in parallel: optional until they land.
@@ -162,8 +159,6 @@ _PROTOTYPES = {
     "kvf_qstats_update": (c_int, [_p_ctx, c_void_p, c_size_t, c_void_p, POINTER(KvfShape),
                                   c_void_p], False),
     "kvf_qstats_skipped": (c_int, [c_void_p, c_size_t, POINTER(c_uint64)], False),
-    # Proposed (python/README.md, "C functions the binding wants").
-    "kvf_scheme_get_info": (c_int, [_p_scheme, POINTER(KvfSchemeInfo)], False),
 }
 
 

@@ -6,7 +6,6 @@ import os
 import weakref
 from ctypes import byref, c_size_t, c_void_p
 from dataclasses import dataclass, field
-from typing import Any
 
 from . import _lib
 from ._lib import KvfFootprint, KvfSchemeInfo, check, cstr, lib
@@ -42,178 +41,9 @@ class SchemeInfo:
         return self.key_qsac_candidates > 1 or self.psac_rank > 0
 
 
-# ------------------------------------------------ stopgap: canonical text parser
-#
-# STOPGAP until libkvforge exports kvf_scheme_get_info (python/README.md): the
-# configuration is read from kvf_scheme_canonical(), Lua text such as
-#   return {
-#     name = "rtn_int2",
-#     head_dim = 128,
-#     key = { axis = "channel", bits = 2, ... },
-#     chunk = { recent = 0, sink = 0, span = 1, tokens = 4680 },
-#   }
-# The parser reads Lua table constructors of names, strings, numbers, booleans
-# and nested tables (arrays too): all the canonical text contains.
-
-
-class _CanonicalParser:
-    def __init__(self, text: str):
-        self.t = text
-        self.i = 0
-
-    def error(self, what: str):
-        line = self.t.count("\n", 0, self.i) + 1
-        return ValueError(f"canonical scheme text, line {line}: {what}")
-
-    def skip(self):
-        t = self.t
-        while self.i < len(t):
-            c = t[self.i]
-            if c.isspace():
-                self.i += 1
-            elif t.startswith("--", self.i):
-                j = t.find("\n", self.i)
-                self.i = len(t) if j < 0 else j + 1
-            else:
-                break
-
-    def peek(self) -> str:
-        self.skip()
-        return self.t[self.i] if self.i < len(self.t) else ""
-
-    def expect(self, s: str):
-        self.skip()
-        if not self.t.startswith(s, self.i):
-            raise self.error(f"expected {s!r}")
-        self.i += len(s)
-
-    def name(self) -> str:
-        self.skip()
-        j = self.i
-        while j < len(self.t) and (self.t[j].isalnum() or self.t[j] == "_"):
-            j += 1
-        if j == self.i:
-            raise self.error("expected a name")
-        n = self.t[self.i:j]
-        self.i = j
-        return n
-
-    def value(self) -> Any:
-        c = self.peek()
-        if c == "{":
-            return self.table()
-        if c in "\"'":
-            q = c
-            self.i += 1
-            out = []
-            while self.i < len(self.t) and self.t[self.i] != q:
-                if self.t[self.i] == "\\":
-                    self.i += 1
-                    esc = self.t[self.i]
-                    out.append({"n": "\n", "t": "\t", "\\": "\\", '"': '"', "'": "'"}.get(esc, esc))
-                else:
-                    out.append(self.t[self.i])
-                self.i += 1
-            self.expect(q)
-            return "".join(out)
-        j = self.i
-        while j < len(self.t) and (self.t[j].isalnum() or self.t[j] in "._+-"):
-            j += 1
-        tok = self.t[self.i:j]
-        self.i = j
-        if tok in ("true", "false"):
-            return tok == "true"
-        if tok == "nil":
-            return None
-        try:
-            return int(tok, 0)
-        except ValueError:
-            try:
-                return float(tok)
-            except ValueError:
-                raise self.error(f"unexpected {tok!r}") from None
-
-    def table(self):
-        self.expect("{")
-        d: dict = {}
-        arr: list = []
-        while self.peek() != "}":
-            save = self.i
-            if self.peek().isalpha() or self.peek() == "_":
-                n = self.name()
-                if self.peek() == "=":
-                    self.expect("=")
-                    d[n] = self.value()
-                else:
-                    self.i = save
-                    arr.append(self.value())
-            elif self.peek() == "[":
-                self.expect("[")
-                k = self.value()
-                self.expect("]")
-                self.expect("=")
-                d[k] = self.value()
-            else:
-                arr.append(self.value())
-            if self.peek() in (",", ";"):
-                self.i += 1
-            elif self.peek() != "}":
-                raise self.error("expected ',' or '}'")
-        self.expect("}")
-        if arr and not d:
-            return arr
-        if arr:
-            d.update({i + 1: v for i, v in enumerate(arr)})
-        return d
-
-    def parse(self) -> dict:
-        self.skip()
-        if self.t.startswith("return", self.i):
-            self.i += len("return")
-        v = self.table()
-        if not isinstance(v, dict):
-            raise self.error("the scheme is not a table of fields")
-        return v
-
-
-def parse_canonical(text: str) -> dict:
-    """Parse a scheme's canonical Lua text into nested dicts (stopgap helper)."""
-    return _CanonicalParser(text).parse()
-
-
-def _info_from_canonical(text: str) -> SchemeInfo:
-    c = parse_canonical(text)
-    key, value = c.get("key", {}), c.get("value", {})
-    rope, chunk = c.get("rope", {}), c.get("chunk", {})
-    head_dim = int(c.get("head_dim", 128))
-    sections = rope.get("sections")
-    if isinstance(sections, dict):  # an empty or mixed table
-        sections = [v for k, v in sorted(sections.items()) if isinstance(k, int)]
-    sections = tuple(int(s) for s in sections) if sections else (head_dim // 2,)
-    return SchemeInfo(
-        head_dim=head_dim,
-        key_bits=int(key.get("bits", 2)),
-        value_bits=int(value.get("bits", 2)),
-        chunk_tokens=int(chunk.get("tokens", 4680)),
-        chunk_span=int(chunk.get("span", 1)),
-        chunk_recent=int(chunk.get("recent", 0)),
-        chunk_sink=int(chunk.get("sink", 0)),
-        rope_placement=str(rope.get("placement", "none")),
-        rope_axes=len(sections),
-        psac_rank=int(key.get("psac_rank", 0)),
-        key_centroids=int(key.get("centroids", 0)),
-        key_qsac_candidates=int(key.get("qsac_candidates", 1)),
-        rope_layout=str(rope.get("layout", "half")),
-        rope_theta=float(rope.get("theta", 10000.0)),
-        rope_sections=sections,
-    )
-
-
 def _info_from_c(ci: KvfSchemeInfo) -> SchemeInfo:
-    axes = max(1, ci.rope_axes)
+    axes = ci.rope_axes  # >= 1, and rope_sections filled for 1-D RoPE too (kvforge.h)
     sections = tuple(ci.rope_sections[i] for i in range(min(axes, _lib.KVF_MAX_ROPE_SECTIONS)))
-    if not any(sections):
-        sections = (ci.head_dim // 2,)
     return SchemeInfo(
         head_dim=ci.head_dim, key_bits=ci.key_bits, value_bits=ci.value_bits,
         chunk_tokens=ci.chunk_tokens, chunk_span=ci.chunk_span, chunk_recent=ci.chunk_recent,
@@ -231,6 +61,12 @@ def _info_from_c(ci: KvfSchemeInfo) -> SchemeInfo:
 class _InfoBuffer(ctypes.Union):
     _fields_ = [("info", KvfSchemeInfo), ("spare", ctypes.c_char * 1024)]
 
+
+def _load_builtin(name: str):
+    """(kvf_scheme pointer, source text) of a shipped scheme."""
+    out = c_void_p()
+    check(lib().kvf_scheme_load_builtin(name.encode(), byref(out)), "kvf_scheme_load_builtin")
+    return out, f"<builtin>/{name}.lua"
 
 
 def _free_scheme(L, ptr):
@@ -257,14 +93,12 @@ class Scheme:
                 raise TypeError(f"Scheme: expected a path or a shipped scheme's name, got "
                                 f"{type(source).__name__}")
             s = os.fspath(source)
-            out = c_void_p()
             if os.path.exists(s) or s.endswith(".lua") or os.sep in s:
-                check(L.kvf_scheme_load(s.encode(), byref(out)), "kvf_scheme_load")
+                _ptr = c_void_p()
+                check(L.kvf_scheme_load(s.encode(), byref(_ptr)), "kvf_scheme_load")
                 _origin = s
             else:
-                check(L.kvf_scheme_load_builtin(s.encode(), byref(out)), "kvf_scheme_load_builtin")
-                _origin = f"<builtin>/{s}.lua"
-            _ptr = out
+                _ptr, _origin = _load_builtin(s)
         self._ptr = _ptr
         self.source = _origin
         self._finalizer = weakref.finalize(self, _free_scheme, L, _ptr)
@@ -284,10 +118,8 @@ class Scheme:
 
     @classmethod
     def builtin(cls, name: str) -> "Scheme":
-        L = lib()
-        out = c_void_p()
-        check(L.kvf_scheme_load_builtin(name.encode(), byref(out)), "kvf_scheme_load_builtin")
-        return cls(None, _ptr=out, _origin=f"<builtin>/{name}.lua")
+        ptr, origin = _load_builtin(name)
+        return cls(None, _ptr=ptr, _origin=origin)
 
     # ----------------------------------------------------------- properties
     @property
@@ -312,19 +144,14 @@ class Scheme:
 
     @property
     def info(self) -> SchemeInfo:
-        """Chunk policy, bits, RoPE placement...: kvf_scheme_get_info when the
-        library has it, else parsed from the canonical text (stopgap)."""
+        """Chunk policy, bits, RoPE placement... (kvf_scheme_get_info)."""
         if self._info is None:
-            L = lib()
-            if L.has("kvf_scheme_get_info"):
-                # Room to spare: a library whose struct grew fields at its end
-                # cannot write past this buffer.
-                buf = _InfoBuffer()
-                ci = ctypes.cast(ctypes.pointer(buf), ctypes.POINTER(KvfSchemeInfo))
-                check(L.kvf_scheme_get_info(self._ptr, ci), "kvf_scheme_get_info")
-                self._info = _info_from_c(ci.contents)
-            else:
-                self._info = _info_from_canonical(self.canonical)
+            # Room to spare: a library whose struct grew fields at its end
+            # cannot write past this buffer.
+            buf = _InfoBuffer()
+            ci = ctypes.cast(ctypes.pointer(buf), ctypes.POINTER(KvfSchemeInfo))
+            check(lib().kvf_scheme_get_info(self._ptr, ci), "kvf_scheme_get_info")
+            self._info = _info_from_c(ci.contents)
         return self._info
 
     def packed_size(self, n_tokens: int, n_heads: int) -> int:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import kvforge
-from kvforge.scheme import parse_canonical
+from canonical import info_from_canonical, parse_canonical
 
 from conftest import PYDIR
 
@@ -81,7 +81,7 @@ def test_canonical_parser():
                         ' key = { bits = 2, flag = true, s = "a\\"b" },\n}\n')
     assert c["rope"]["sections"] == [16, 24, 24] and c["rope"]["theta"] == 1e4
     assert c["key"] == {"bits": 2, "flag": True, "s": 'a"b'}
-    info = kvforge.scheme._info_from_canonical(
+    info = info_from_canonical(
         'return { head_dim = 128, rope = { placement = "pre", sections = { 16, 24, 24 } } }')
     assert info.rope_axes == 3 and info.rope_sections == (16, 24, 24) and info.rope_placement == "pre"
 
@@ -128,7 +128,7 @@ def test_context_shared_and_named():
 
 
 def test_scheme_info_from_the_c_struct(monkeypatch):
-    """The kvf_scheme_get_info path (a stand-in here while the library lacks it)."""
+    """SchemeInfo from the kvf_scheme_get_info struct (a stand-in filling every field)."""
     L = kvforge._lib.lib()
 
     def fake(scheme, out):
@@ -152,12 +152,10 @@ def test_scheme_info_from_the_c_struct(monkeypatch):
 
 
 def test_scheme_info_c_agrees_with_canonical():
-    """Once the library has kvf_scheme_get_info: it says what the canonical text says."""
-    if not kvforge._lib.has_symbol("kvf_scheme_get_info"):
-        pytest.skip("this libkvforge has no kvf_scheme_get_info yet (the canonical text is parsed)")
+    """kvf_scheme_get_info says what the canonical text says."""
     texts = ['return { base = "rtn_int2", name = "a", head_dim = 64, key = { bits = 4 },'
              ' chunk = { tokens = 32, span = 2, recent = 3, sink = 1 }, rope = { placement = "post" } }',
              'return { base = "rtn_int4", name = "b", rope = { placement = "pre", layout = "interleaved", theta = 500.0 } }']
     for t in texts:
         s = kvforge.Scheme.from_string(t)
-        assert s.info == kvforge.scheme._info_from_canonical(s.canonical)
+        assert s.info == info_from_canonical(s.canonical)

@@ -21,7 +21,7 @@ def _load(name, text):
 
 
 def _cfg(scheme):
-    from kvforge.scheme import parse_canonical
+    from canonical import parse_canonical
     c = parse_canonical(scheme.canonical)
     return [(c[t]["bits"], c[t]["group_size"], c[t]["mode"]) for t in ("key", "value")]
 

@@ -25,6 +25,7 @@ except ImportError:
     torch = None
 
 import kvforge  # noqa: E402
+from canonical import info_from_canonical  # noqa: E402
 
 HAS_CUDA = torch is not None and torch.cuda.is_available()
 # KVFORGE_TEST_TORCH_DEVICE=cpu runs the "GPU" tests on torch CPU tensors (the CPU
@@ -107,7 +108,7 @@ def test_torch_rope_matches_numpy():
     from kvforge._rope import rope_numpy, rope_torch
     for text in ('rope = { placement = "pre", theta = 500.0 }',
                  'rope = { placement = "pre", layout = "interleaved" }'):
-        info = kvforge.scheme._info_from_canonical(f"return {{ head_dim = 128, {text} }}")
+        info = info_from_canonical(f"return {{ head_dim = 128, {text} }}")
         g = torch.Generator().manual_seed(7)
         k = video_like(g, (3, 40, D), "cpu")
         pos = torch.randint(-10, 3000, (40, 1), generator=g, dtype=torch.int32)
