@@ -82,14 +82,20 @@ fail:
     return KVF_ENOCUDA;
 }
 
-int kvf_cuda_load(const kvf_cuda_api **api) {
+/* Run a loader once (under load_lock); its outcome, a failure with its
+ * message, is kept for every later call. */
+static int load_once(int *status, int (*load_locked)(void), const char *msg) {
     pthread_mutex_lock(&load_lock);
-    if (cuda_status == 1) cuda_status = load_cuda_locked();
-    int rc = cuda_status;
+    if (*status == 1) *status = load_locked();
+    int rc = *status;
     pthread_mutex_unlock(&load_lock);
-    if (rc) return kvf_set_error(rc, "%s", cuda_msg);
-    *api = &cuda_api;
-    return KVF_OK;
+    return rc ? kvf_set_error(rc, "%s", msg) : KVF_OK;
+}
+
+int kvf_cuda_load(const kvf_cuda_api **api) {
+    int rc = load_once(&cuda_status, load_cuda_locked, cuda_msg);
+    if (!rc) *api = &cuda_api;
+    return rc;
 }
 
 int kvf_cuda_fail(CUresult r, const char *call, const char *file, int line, int device) {
@@ -162,13 +168,9 @@ fail:
 }
 
 int kvf_nvrtc_load(const kvf_nvrtc_api **api) {
-    pthread_mutex_lock(&load_lock);
-    if (nvrtc_status == 1) nvrtc_status = load_nvrtc_locked();
-    int rc = nvrtc_status;
-    pthread_mutex_unlock(&load_lock);
-    if (rc) return kvf_set_error(rc, "%s", nvrtc_msg);
-    *api = &nvrtc_api;
-    return KVF_OK;
+    int rc = load_once(&nvrtc_status, load_nvrtc_locked, nvrtc_msg);
+    if (!rc) *api = &nvrtc_api;
+    return rc;
 }
 
 const char *const *kvf_nvrtc_options(void) {
