@@ -33,7 +33,6 @@ static int load_cuda_locked(void) {
     }
     kvf_cuda_api *a = &cuda_api;
     SYM(lib, a, cuInit, "cuInit");
-    SYM(lib, a, cuDriverGetVersion, "cuDriverGetVersion");
     SYM(lib, a, cuDeviceGetCount, "cuDeviceGetCount");
     SYM(lib, a, cuDeviceGet, "cuDeviceGet");
     SYM(lib, a, cuDeviceGetAttribute, "cuDeviceGetAttribute");
@@ -58,7 +57,6 @@ static int load_cuda_locked(void) {
     SYM(lib, a, cuMemsetD8, "cuMemsetD8_v2");
     SYM(lib, a, cuMemsetD32Async, "cuMemsetD32Async");
     SYM(lib, a, cuMemcpyDtoDAsync, "cuMemcpyDtoDAsync_v2");
-    SYM(lib, a, cuStreamSynchronize, "cuStreamSynchronize");
     SYM(lib, a, cuEventCreate, "cuEventCreate");
     SYM(lib, a, cuEventDestroy, "cuEventDestroy_v2");
     SYM(lib, a, cuEventRecord, "cuEventRecord");
