@@ -24,7 +24,8 @@ struct kvf_context {
     size_t ws_bytes;
 };
 
-int kvf_scheme_clone(const struct kvf_scheme *s, struct kvf_scheme **out) {
+/* Deep copy of a scheme (free with kvf_scheme_free): a context owns its own. */
+static int scheme_clone(const struct kvf_scheme *s, struct kvf_scheme **out) {
     struct kvf_scheme *c = malloc(sizeof *c);
     char *canon = s->canonical ? strdup(s->canonical) : NULL;
     if (!c || (s->canonical && !canon)) {
@@ -45,7 +46,7 @@ const char *kvf_context_origin(const kvf_context *ctx) { return ctx ? ctx->origi
 static int new_context(const kvf_scheme *s, int device, kvf_context **out) {
     kvf_context *ctx = calloc(1, sizeof *ctx);
     if (!ctx) return kvf_set_error(KVF_ENOMEM, "out of memory for a context");
-    int rc = kvf_scheme_clone(s, &ctx->scheme);
+    int rc = scheme_clone(s, &ctx->scheme);
     if (rc) { free(ctx); return rc; }
     ctx->device = device;
     *out = ctx;
