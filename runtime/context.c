@@ -279,6 +279,7 @@ static int launch(kvf_context *ctx, int role, unsigned grid, void **args, void *
 typedef struct { uint64_t codes, scales, tscales, zeros, index, centroids; } stage_arg;
 typedef struct { stage_arg stage[KVF_MAX_STAGES]; uint64_t basis, coef, cscale; } section_arg;
 typedef struct { double log2_theta; int32_t n_sections, sections[4]; } rope_arg;
+_Static_assert(KVF_MAX_ROPE_SECTIONS == 4, "rope_arg.sections mirrors kvf_decode's rope_args");
 typedef struct { uint64_t count, msum, u, lambda; int32_t n_heads, d, r, pad; } qstats_arg;
 
 static stage_arg stage_of(const kvf_stage_layout *s) {
@@ -477,11 +478,7 @@ static rope_arg rope_of(const kvf_scheme *s) {
     rope_arg r;
     memset(&r, 0, sizeof r);
     r.log2_theta = log2(s->rope.theta > 0 ? s->rope.theta : 10000.0);
-    r.n_sections = s->rope.n_sections > 0 ? s->rope.n_sections : 1;
-    if (s->rope.n_sections > 0)
-        for (int i = 0; i < s->rope.n_sections && i < 4; i++) r.sections[i] = s->rope.sections[i];
-    else
-        r.sections[0] = s->head_dim / 2;
+    r.n_sections = kvf_rope_sections(s, r.sections);
     return r;
 }
 
