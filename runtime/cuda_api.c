@@ -11,6 +11,11 @@
 #define KVF_DEFAULT_CUDA_HOME "/usr/local/cuda"
 #endif
 
+const char *kvf_cuda_home(void) {
+    const char *home = getenv("CUDA_HOME");
+    return home && *home ? home : KVF_DEFAULT_CUDA_HOME;
+}
+
 /* ------------------------------------------------------------------- libcuda */
 
 static kvf_cuda_api cuda_api;
@@ -127,9 +132,8 @@ static void *open_nvrtc(void) {
         void *lib = dlopen(sonames[i], RTLD_NOW | RTLD_LOCAL);
         if (lib) return lib;
     }
-    const char *home = getenv("CUDA_HOME");
     char path[1024];
-    snprintf(path, sizeof path, "%s/lib64/libnvrtc.so", home && *home ? home : KVF_DEFAULT_CUDA_HOME);
+    snprintf(path, sizeof path, "%s/lib64/libnvrtc.so", kvf_cuda_home());
     return dlopen(path, RTLD_NOW | RTLD_LOCAL);
 }
 

@@ -197,6 +197,11 @@ int kvf_shape_resolve(const kvf_shape *in, int head_dim, kvf_shape *out);
  */
 void kvf_synth_kv(uint16_t *x, int64_t n_tokens, int n_heads, int head_dim, uint64_t seed);
 
+/* ------------------------------------------------------- toolkit (cuda_api.c) */
+
+/* The CUDA toolkit (NVRTC, fatbinary): $CUDA_HOME, else the build's default. */
+const char *kvf_cuda_home(void);
+
 /* -------------------------------------------------------------- cache (cache.c) */
 
 typedef struct kvf_cache_key {
