@@ -203,7 +203,8 @@ int kvf_packed_check(const kvf_scheme *s, const void *header, size_t header_byte
 
 /* ------------------------------------------------------------- disk cache */
 
-/* Directory the disk cache uses now (after the environment), or NULL if off. */
+/* Directory the disk cache uses now (after the environment) into buf; "" when
+ * KVFORGE_CACHE=0 turns it off. Creates nothing. */
 int kvf_cache_dir(char *buf, size_t buflen);
 /* Remove every entry (all arches). */
 int kvf_cache_clear(void);

@@ -24,7 +24,8 @@ struct kvf_context {
     size_t ws_bytes;
 };
 
-int kvf_scheme_clone(const struct kvf_scheme *s, struct kvf_scheme **out) {
+/* Deep copy of a scheme (free with kvf_scheme_free): a context owns its own. */
+static int scheme_clone(const struct kvf_scheme *s, struct kvf_scheme **out) {
     struct kvf_scheme *c = malloc(sizeof *c);
     char *canon = s->canonical ? strdup(s->canonical) : NULL;
     if (!c || (s->canonical && !canon)) {
@@ -45,7 +46,7 @@ const char *kvf_context_origin(const kvf_context *ctx) { return ctx ? ctx->origi
 static int new_context(const kvf_scheme *s, int device, kvf_context **out) {
     kvf_context *ctx = calloc(1, sizeof *ctx);
     if (!ctx) return kvf_set_error(KVF_ENOMEM, "out of memory for a context");
-    int rc = kvf_scheme_clone(s, &ctx->scheme);
+    int rc = scheme_clone(s, &ctx->scheme);
     if (rc) { free(ctx); return rc; }
     ctx->device = device;
     *out = ctx;
@@ -71,11 +72,25 @@ static int open_device(kvf_context *ctx, int *cc_major, int *cc_minor) {
     return KVF_OK;
 }
 
+/* A GPU entry point makes the device's context current once (push_ctx) for
+ * all its driver calls and launches, and gives it back (pop_ctx) on every way
+ * out: launch3 and workspace run inside and do not push. */
+static int push_ctx(const kvf_context *ctx) {
+    KVF_CU(ctx->cu, ctx->device, cuCtxPushCurrent(ctx->cuctx));
+    return KVF_OK;
+}
+
+static int pop_ctx(const kvf_context *ctx, int rc) {
+    CUcontext popped;
+    ctx->cu->cuCtxPopCurrent(&popped);
+    return rc;
+}
+
 static int load_module(kvf_context *ctx, const void *image) {
     const kvf_cuda_api *cu = ctx->cu;
-    KVF_CU(cu, ctx->device, cuCtxPushCurrent(ctx->cuctx));
+    int rc = push_ctx(ctx);
+    if (rc) return rc;
     CUresult r = cu->cuModuleLoadData(&ctx->module, image);
-    int rc = KVF_OK;
     if (r != CUDA_SUCCESS) {
         rc = kvf_cuda_fail(r, "cuModuleLoadData(&module, image)", __FILE__, __LINE__, ctx->device);
         ctx->module = NULL;
@@ -115,9 +130,7 @@ static int load_module(kvf_context *ctx, const void *image) {
                                    ctx->device);
         }
     }
-    CUcontext popped;
-    cu->cuCtxPopCurrent(&popped);
-    return rc;
+    return pop_ctx(ctx, rc);
 }
 
 int kvf_context_create(const kvf_scheme *s, int device, kvf_context **out) {
@@ -184,7 +197,8 @@ int kvf_context_assign_stats(kvf_context *ctx, int enable, unsigned long long ou
     memset(out, 0, sizeof(unsigned long long) * 16);
     if (!ctx || ctx->device == KVF_DEVICE_CPU) return kvf_set_error(KVF_EINVAL, "assign stats: no GPU context");
     const kvf_cuda_api *cu = ctx->cu;
-    KVF_CU(cu, ctx->device, cuCtxPushCurrent(ctx->cuctx));
+    int rc = push_ctx(ctx);
+    if (rc) return rc;
     CUresult r = CUDA_SUCCESS;
     for (int t = 0; t < 2 && r == CUDA_SUCCESS; t++) {
         if (!ctx->fn[KVF_R_K_ASSIGN + t * KVF_R_SECTION_STRIDE]) continue;
@@ -203,10 +217,9 @@ int kvf_context_assign_stats(kvf_context *ctx, int enable, unsigned long long ou
             r = cu->cuMemcpyHtoD(p, z, sizeof z);
         }
     }
-    CUcontext popped;
-    cu->cuCtxPopCurrent(&popped);
-    if (r != CUDA_SUCCESS) return kvf_cuda_fail(r, "assign stats (cuModuleGetGlobal/cuMemcpy)", __FILE__, __LINE__, ctx->device);
-    return KVF_OK;
+    return pop_ctx(ctx, r == CUDA_SUCCESS ? KVF_OK
+                                          : kvf_cuda_fail(r, "assign stats (cuModuleGetGlobal/cuMemcpy)", __FILE__,
+                                                          __LINE__, ctx->device));
 }
 
 /* ------------------------------------------------------------- launches */
@@ -252,16 +265,14 @@ static unsigned row_grid(const kvf_context *ctx, const kvf_shape *sh) {
     return blocks_for((int64_t)sh->n_tokens * sh->n_heads, BLOCK / (ctx->scheme->head_dim / VEC));
 }
 
+/* Inside push_ctx (the caller's entry point made the context current). */
 static int launch3(kvf_context *ctx, int role, unsigned gx, unsigned gy, unsigned gz, unsigned block, unsigned smem,
                    void **args, void *stream) {
     const kvf_cuda_api *cu = ctx->cu;
     if (!ctx->fn[role])
         return kvf_set_error(KVF_EINVAL, "scheme %s has no %s kernel", ctx->scheme->id, kvf_role_names[role]);
     if (!gx || !gy || !gz) return KVF_OK;
-    KVF_CU(cu, ctx->device, cuCtxPushCurrent(ctx->cuctx));
     CUresult r = cu->cuLaunchKernel(ctx->fn[role], gx, gy, gz, block, 1, 1, smem, (CUstream)stream, args, NULL);
-    CUcontext popped;
-    cu->cuCtxPopCurrent(&popped);
     if (r != CUDA_SUCCESS) {
         char what[200];
         snprintf(what, sizeof what, "cuLaunchKernel(%s)", kvf_role_names[role]);
@@ -278,6 +289,7 @@ static int launch(kvf_context *ctx, int role, unsigned grid, void **args, void *
 typedef struct { uint64_t codes, scales, tscales, zeros, index, centroids; } stage_arg;
 typedef struct { stage_arg stage[KVF_MAX_STAGES]; uint64_t basis, coef, cscale; } section_arg;
 typedef struct { double log2_theta; int32_t n_sections, sections[4]; } rope_arg;
+_Static_assert(KVF_MAX_ROPE_SECTIONS == 4, "rope_arg.sections mirrors kvf_decode's rope_args");
 typedef struct { uint64_t count, msum, u, lambda; int32_t n_heads, d, r, pad; } qstats_arg;
 
 static stage_arg stage_of(const kvf_stage_layout *s) {
@@ -308,6 +320,7 @@ static int qstats_arg_of(const kvf_scheme *s, int32_t n_heads, qstats_arg *q, si
 /* Workspace of the k-means path: e, idx, sums, counts, weights (docs/METHODS.md). */
 typedef struct { CUdeviceptr e, idx, acc, cnt, w; } ws_parts;
 
+/* Inside push_ctx, like launch3. */
 static int workspace(kvf_context *ctx, const kvf_shape *sh, ws_parts *p) {
     const int64_t rows = (int64_t)sh->n_tokens * sh->n_heads, d = ctx->scheme->head_dim;
     size_t off[6], need = 0;
@@ -316,13 +329,10 @@ static int workspace(kvf_context *ctx, const kvf_shape *sh, ws_parts *p) {
     for (int i = 0; i < 5; i++) { off[i] = need; need += (sizes[i] + 255) & ~(size_t)255; }
     if (need > ctx->ws_bytes) {
         const kvf_cuda_api *cu = ctx->cu;
-        KVF_CU(cu, ctx->device, cuCtxPushCurrent(ctx->cuctx));
         if (ctx->ws) cu->cuMemFree(ctx->ws); /* synchronizes: earlier launches are done with it */
         ctx->ws = 0;
         ctx->ws_bytes = 0;
         CUresult r = cu->cuMemAlloc(&ctx->ws, need);
-        CUcontext popped;
-        cu->cuCtxPopCurrent(&popped);
         if (r != CUDA_SUCCESS) return kvf_cuda_fail(r, "cuMemAlloc(workspace)", __FILE__, __LINE__, ctx->device);
         ctx->ws_bytes = need;
     }
@@ -433,19 +443,14 @@ static int check_qstats_arg(const kvf_context *ctx, const void *qstats) {
     return KVF_OK;
 }
 
-int kvf_encode(kvf_context *ctx, const void *k, const void *v, const kvf_shape *shape, const void *qstats,
-               void *packed, size_t packed_bytes, void *stream) {
-    kvf_shape sh;
-    kvf_layout l;
-    int rc = prepare(ctx, k, v, packed, packed_bytes, shape, &sh, &l, "kvf_encode");
-    if (rc) return rc;
-    if (ctx->device == KVF_DEVICE_CPU) return kvf_ref_encode(ctx->scheme, k, v, &sh, qstats, packed, packed_bytes);
-    if ((rc = check_qstats_arg(ctx, qstats))) return rc;
+/* kvf_encode's launches (inside push_ctx). */
+static int encode_device(kvf_context *ctx, const void *k, const void *v, const kvf_shape *sh, const kvf_layout *l,
+                         const void *qstats, void *packed, void *stream) {
     kvf_packed_header hdr;
-    kvf_header_fill(ctx->scheme, &l, &hdr);
-    int n_tokens = (int)sh.n_tokens, n_heads = sh.n_heads, header_written = 0;
+    kvf_header_fill(ctx->scheme, l, &hdr);
+    int rc, n_tokens = (int)sh->n_tokens, n_heads = sh->n_heads, header_written = 0;
     const void *src[2] = {k, v};
-    const kvf_section_layout *sec[2] = {&l.key, &l.value};
+    const kvf_section_layout *sec[2] = {&l->key, &l->value};
     const kvf_tensor_cfg *cfg[2] = {&ctx->scheme->key, &ctx->scheme->value};
     CUdeviceptr dp = (CUdeviceptr)(uintptr_t)packed;
     for (int t = 0; t < 2; t++) {
@@ -456,31 +461,38 @@ int kvf_encode(kvf_context *ctx, const void *k, const void *v, const kvf_shape *
                 if ((rc = launch(ctx, KVF_R_HEADER, 1, a_h, stream))) return rc;
                 header_written = 1;
             }
-            if ((rc = encode_workspace(ctx, t, src[t], &sh, qstats, dp, sec[t], stream))) return rc;
+            if ((rc = encode_workspace(ctx, t, src[t], sh, qstats, dp, sec[t], stream))) return rc;
             continue;
         }
         stage_arg planes = stage_of(&sec[t]->stage[0]);
         int write_header = !header_written;
         header_written = 1;
-        void *args[] = {(void *)&src[t], &sh.token_stride, &sh.head_stride, &n_tokens, &n_heads, &packed,
-                        &planes, &write_header, &hdr};
+        void *args[] = {(void *)&src[t], (void *)&sh->token_stride, (void *)&sh->head_stride, &n_tokens, &n_heads,
+                        &packed, &planes, &write_header, &hdr};
         unsigned grid = path == 'T' ? blocks_for(((int64_t)n_tokens + cfg[t]->group_size - 1) / cfg[t]->group_size *
                                                      n_heads, BLOCK / (ctx->scheme->head_dim / VEC))
-                                    : row_grid(ctx, &sh);
+                                    : row_grid(ctx, sh);
         if ((rc = launch(ctx, KVF_R_ENCODE_K + t, grid, args, stream))) return rc;
     }
     return KVF_OK;
+}
+
+int kvf_encode(kvf_context *ctx, const void *k, const void *v, const kvf_shape *shape, const void *qstats,
+               void *packed, size_t packed_bytes, void *stream) {
+    kvf_shape sh;
+    kvf_layout l;
+    int rc = prepare(ctx, k, v, packed, packed_bytes, shape, &sh, &l, "kvf_encode");
+    if (rc) return rc;
+    if (ctx->device == KVF_DEVICE_CPU) return kvf_ref_encode(ctx->scheme, k, v, &sh, qstats, packed, packed_bytes);
+    if ((rc = check_qstats_arg(ctx, qstats)) || (rc = push_ctx(ctx))) return rc;
+    return pop_ctx(ctx, encode_device(ctx, k, v, &sh, &l, qstats, packed, stream));
 }
 
 static rope_arg rope_of(const kvf_scheme *s) {
     rope_arg r;
     memset(&r, 0, sizeof r);
     r.log2_theta = log2(s->rope.theta > 0 ? s->rope.theta : 10000.0);
-    r.n_sections = s->rope.n_sections > 0 ? s->rope.n_sections : 1;
-    if (s->rope.n_sections > 0)
-        for (int i = 0; i < s->rope.n_sections && i < 4; i++) r.sections[i] = s->rope.sections[i];
-    else
-        r.sections[0] = s->head_dim / 2;
+    r.n_sections = kvf_rope_sections(s, r.sections);
     return r;
 }
 
@@ -505,7 +517,8 @@ int kvf_decode(kvf_context *ctx, const void *packed, size_t packed_bytes, const 
     void *dst[2] = {k_out, v_out};
     const kvf_section_layout *sec[2] = {&l.key, &l.value};
     rope_arg rope = rope_of(ctx->scheme);
-    for (int t = 0; t < 2; t++) {
+    if ((rc = push_ctx(ctx))) return rc;
+    for (int t = 0; t < 2 && rc == KVF_OK; t++) {
         /* Tokens per block: BLOCK / (d/8) rows x 4 rows per thread, and 4
          * such tiles with PSAC (each thread then converts its head's basis
          * once for 16 rows). The kernel loops over tiles x, x + gridDim.x,
@@ -516,9 +529,9 @@ int kvf_decode(kvf_context *ctx, const void *packed, size_t packed_bytes, const 
         section_arg planes = section_of(sec[t]);
         void *args[] = {(void *)&packed, &planes, &n_tokens, &n_heads, &dst[t], &sh.token_stride, &sh.head_stride,
                         (void *)&positions, &rope};
-        if ((rc = launch3(ctx, KVF_R_DECODE_K + t, gx, (unsigned)n_heads, 1, BLOCK, 0, args, stream))) return rc;
+        rc = launch3(ctx, KVF_R_DECODE_K + t, gx, (unsigned)n_heads, 1, BLOCK, 0, args, stream);
     }
-    return KVF_OK;
+    return pop_ctx(ctx, rc);
 }
 
 /* ------------------------------------------------------- query statistics */
@@ -537,26 +550,17 @@ int kvf_qstats_init(kvf_context *ctx, void *qstats, size_t bytes, int32_t n_kv_h
     if ((uintptr_t)qstats & 15u) return kvf_set_error(KVF_EINVAL, "kvf_qstats_init: buffer must be 16-byte aligned");
     uint64_t tot = total;
     void *args[] = {&qstats, &tot, &q};
-    return launch(ctx, KVF_R_QSTATS_INIT, blocks_for((int64_t)(total / 8), BLOCK) > 1024 ? 1024 : blocks_for((int64_t)(total / 8), BLOCK), args, stream);
+    unsigned grid = blocks_for((int64_t)(total / 8), BLOCK);
+    if ((rc = push_ctx(ctx))) return rc;
+    return pop_ctx(ctx, launch(ctx, KVF_R_QSTATS_INIT, grid > 1024 ? 1024 : grid, args, stream));
 }
 
-int kvf_qstats_update(kvf_context *ctx, void *qstats, size_t bytes, const void *q, const kvf_shape *q_shape,
-                      void *stream) {
-    if (!ctx || !qstats || !q || !q_shape)
-        return kvf_set_error(KVF_EINVAL, "kvf_qstats_update: NULL context, buffer, queries or shape");
-    if (ctx->device == KVF_DEVICE_CPU) {
-        kvf_shape sh;
-        int rc = kvf_shape_resolve(q_shape, ctx->scheme->head_dim, &sh);
-        if (rc) return kvf_wrap_error(rc, "kvf_qstats_update: queries");
-        return kvf_ref_qstats_update(ctx->scheme, qstats, bytes, q, &sh);
-    }
+/* kvf_qstats_update on a device (inside push_ctx). */
+static int qstats_update_device(kvf_context *ctx, void *qstats, size_t bytes, const void *q, const kvf_shape *q_shape,
+                                void *stream) {
     /* The KV head count is the buffer's: read it from the header. */
-    const kvf_cuda_api *cu = ctx->cu;
     uint32_t hdr[5];
-    KVF_CU(cu, ctx->device, cuCtxPushCurrent(ctx->cuctx));
-    CUresult r = cu->cuMemcpyDtoH(hdr, (CUdeviceptr)(uintptr_t)qstats, sizeof hdr);
-    CUcontext popped;
-    cu->cuCtxPopCurrent(&popped);
+    CUresult r = ctx->cu->cuMemcpyDtoH(hdr, (CUdeviceptr)(uintptr_t)qstats, sizeof hdr);
     if (r != CUDA_SUCCESS) return kvf_cuda_fail(r, "cuMemcpyDtoH(qstats header)", __FILE__, __LINE__, ctx->device);
     if (hdr[0] != KVF_QSTATS_MAGIC)
         return kvf_set_error(KVF_EFORMAT, "kvf_qstats_update: buffer was not made by kvf_qstats_init");
@@ -585,4 +589,18 @@ int kvf_qstats_update(kvf_context *ctx, void *qstats, size_t bytes, const void *
                       a_acc, stream)))
         return rc;
     return launch3(ctx, KVF_R_QSTATS_EIGEN, (unsigned)n_kv, 1, 1, BLOCK, 0, a_eig, stream);
+}
+
+int kvf_qstats_update(kvf_context *ctx, void *qstats, size_t bytes, const void *q, const kvf_shape *q_shape,
+                      void *stream) {
+    if (!ctx || !qstats || !q || !q_shape)
+        return kvf_set_error(KVF_EINVAL, "kvf_qstats_update: NULL context, buffer, queries or shape");
+    if (ctx->device == KVF_DEVICE_CPU) {
+        kvf_shape sh;
+        int rc = kvf_shape_resolve(q_shape, ctx->scheme->head_dim, &sh);
+        if (rc) return kvf_wrap_error(rc, "kvf_qstats_update: queries");
+        return kvf_ref_qstats_update(ctx->scheme, qstats, bytes, q, &sh);
+    }
+    int rc = push_ctx(ctx);
+    return rc ? rc : pop_ctx(ctx, qstats_update_device(ctx, qstats, bytes, q, q_shape, stream));
 }

@@ -11,6 +11,11 @@
 #define KVF_DEFAULT_CUDA_HOME "/usr/local/cuda"
 #endif
 
+const char *kvf_cuda_home(void) {
+    const char *home = getenv("CUDA_HOME");
+    return home && *home ? home : KVF_DEFAULT_CUDA_HOME;
+}
+
 /* ------------------------------------------------------------------- libcuda */
 
 static kvf_cuda_api cuda_api;
@@ -33,7 +38,6 @@ static int load_cuda_locked(void) {
     }
     kvf_cuda_api *a = &cuda_api;
     SYM(lib, a, cuInit, "cuInit");
-    SYM(lib, a, cuDriverGetVersion, "cuDriverGetVersion");
     SYM(lib, a, cuDeviceGetCount, "cuDeviceGetCount");
     SYM(lib, a, cuDeviceGet, "cuDeviceGet");
     SYM(lib, a, cuDeviceGetAttribute, "cuDeviceGetAttribute");
@@ -58,7 +62,6 @@ static int load_cuda_locked(void) {
     SYM(lib, a, cuMemsetD8, "cuMemsetD8_v2");
     SYM(lib, a, cuMemsetD32Async, "cuMemsetD32Async");
     SYM(lib, a, cuMemcpyDtoDAsync, "cuMemcpyDtoDAsync_v2");
-    SYM(lib, a, cuStreamSynchronize, "cuStreamSynchronize");
     SYM(lib, a, cuEventCreate, "cuEventCreate");
     SYM(lib, a, cuEventDestroy, "cuEventDestroy_v2");
     SYM(lib, a, cuEventRecord, "cuEventRecord");
@@ -82,14 +85,20 @@ fail:
     return KVF_ENOCUDA;
 }
 
-int kvf_cuda_load(const kvf_cuda_api **api) {
+/* Run a loader once (under load_lock); its outcome, a failure with its
+ * message, is kept for every later call. */
+static int load_once(int *status, int (*load_locked)(void), const char *msg) {
     pthread_mutex_lock(&load_lock);
-    if (cuda_status == 1) cuda_status = load_cuda_locked();
-    int rc = cuda_status;
+    if (*status == 1) *status = load_locked();
+    int rc = *status;
     pthread_mutex_unlock(&load_lock);
-    if (rc) return kvf_set_error(rc, "%s", cuda_msg);
-    *api = &cuda_api;
-    return KVF_OK;
+    return rc ? kvf_set_error(rc, "%s", msg) : KVF_OK;
+}
+
+int kvf_cuda_load(const kvf_cuda_api **api) {
+    int rc = load_once(&cuda_status, load_cuda_locked, cuda_msg);
+    if (!rc) *api = &cuda_api;
+    return rc;
 }
 
 int kvf_cuda_fail(CUresult r, const char *call, const char *file, int line, int device) {
@@ -123,9 +132,8 @@ static void *open_nvrtc(void) {
         void *lib = dlopen(sonames[i], RTLD_NOW | RTLD_LOCAL);
         if (lib) return lib;
     }
-    const char *home = getenv("CUDA_HOME");
     char path[1024];
-    snprintf(path, sizeof path, "%s/lib64/libnvrtc.so", home && *home ? home : KVF_DEFAULT_CUDA_HOME);
+    snprintf(path, sizeof path, "%s/lib64/libnvrtc.so", kvf_cuda_home());
     return dlopen(path, RTLD_NOW | RTLD_LOCAL);
 }
 
@@ -162,13 +170,9 @@ fail:
 }
 
 int kvf_nvrtc_load(const kvf_nvrtc_api **api) {
-    pthread_mutex_lock(&load_lock);
-    if (nvrtc_status == 1) nvrtc_status = load_nvrtc_locked();
-    int rc = nvrtc_status;
-    pthread_mutex_unlock(&load_lock);
-    if (rc) return kvf_set_error(rc, "%s", nvrtc_msg);
-    *api = &nvrtc_api;
-    return KVF_OK;
+    int rc = load_once(&nvrtc_status, load_nvrtc_locked, nvrtc_msg);
+    if (!rc) *api = &nvrtc_api;
+    return rc;
 }
 
 const char *const *kvf_nvrtc_options(void) {

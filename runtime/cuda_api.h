@@ -10,7 +10,6 @@
 
 typedef struct kvf_cuda_api {
     CUresult (*cuInit)(unsigned int);
-    CUresult (*cuDriverGetVersion)(int *);
     CUresult (*cuDeviceGetCount)(int *);
     CUresult (*cuDeviceGet)(CUdevice *, int);
     CUresult (*cuDeviceGetAttribute)(int *, CUdevice_attribute, CUdevice);
@@ -36,7 +35,6 @@ typedef struct kvf_cuda_api {
     CUresult (*cuMemsetD8)(CUdeviceptr, unsigned char, size_t);
     CUresult (*cuMemsetD32Async)(CUdeviceptr, unsigned int, size_t, CUstream);
     CUresult (*cuMemcpyDtoDAsync)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
-    CUresult (*cuStreamSynchronize)(CUstream);
     CUresult (*cuEventCreate)(CUevent *, unsigned int);
     CUresult (*cuEventDestroy)(CUevent);
     CUresult (*cuEventRecord)(CUevent, CUstream);

@@ -14,10 +14,6 @@
 
 extern char **environ;
 
-#ifndef KVF_DEFAULT_CUDA_HOME
-#define KVF_DEFAULT_CUDA_HOME "/usr/local/cuda"
-#endif
-
 static int arch_number(const char *arch) {
     const char *p = strchr(arch, '_');
     return p ? atoi(p + 1) : 0;
@@ -37,8 +33,7 @@ static int run_tool(char *const argv[]) {
 }
 
 static void fatbinary_path(char *buf, size_t len) {
-    const char *home = getenv("CUDA_HOME");
-    snprintf(buf, len, "%s/bin/fatbinary", home && *home ? home : KVF_DEFAULT_CUDA_HOME);
+    snprintf(buf, len, "%s/bin/fatbinary", kvf_cuda_home());
     if (access(buf, X_OK)) snprintf(buf, len, "fatbinary"); /* from PATH */
 }
 

@@ -74,6 +74,9 @@ struct kvf_scheme {
 void kvf_scheme_defaults(struct kvf_scheme *s);
 /* Build canonical text, hash and id from the fields. */
 int kvf_scheme_finalize(struct kvf_scheme *s);
+/* RoPE position axes (>= 1) and their frequency pairs, unused entries 0; a
+ * struct with no sections (not finalized) reads as one of head_dim / 2. */
+int kvf_rope_sections(const struct kvf_scheme *s, int sections[KVF_MAX_ROPE_SECTIONS]);
 
 /* ------------------------------------------------------ embedded files (embed) */
 
@@ -193,6 +196,11 @@ int kvf_shape_resolve(const kvf_shape *in, int head_dim, kvf_shape *out);
  * token (ANCHORS.md's heterogeneous data). Same seed, same bytes.
  */
 void kvf_synth_kv(uint16_t *x, int64_t n_tokens, int n_heads, int head_dim, uint64_t seed);
+
+/* ------------------------------------------------------- toolkit (cuda_api.c) */
+
+/* The CUDA toolkit (NVRTC, fatbinary): $CUDA_HOME, else the build's default. */
+const char *kvf_cuda_home(void);
 
 /* -------------------------------------------------------------- cache (cache.c) */
 

@@ -12,7 +12,4 @@ int kvf_jit_image(const struct kvf_scheme *s, const char *arch, int want_ptx, vo
 /* Export: cubins for each arch (+ PTX of the newest) in one fatbin written by
  * the toolkit's `fatbinary`, and C + header embedding it (export.c). */
 int kvf_export(const struct kvf_scheme *s, const char *const *archs, int n_archs, const char *dir);
-
-/* Deep copy of a scheme (free with kvf_scheme_free). */
-int kvf_scheme_clone(const struct kvf_scheme *s, struct kvf_scheme **out);
 #endif

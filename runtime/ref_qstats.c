@@ -106,25 +106,32 @@ static int header_mismatch(const char *field, uint32_t got, uint32_t want) {
                          got, want);
 }
 
+/* Copy a host buffer's header and check its size, magic and version (the
+ * checks kvf_qstats_check and kvf_qstats_skipped share); `who` starts the
+ * messages. */
+static int read_header(const void *buf, size_t bytes, const char *who, qstats_header *h) {
+    if (bytes < QSTATS_HEADER_BYTES)
+        return kvf_set_error(KVF_ERANGE, "%s: %zu bytes given, the header is %u", who, bytes, QSTATS_HEADER_BYTES);
+    memcpy(h, buf, sizeof *h);
+    if (h->magic != KVF_QSTATS_MAGIC)
+        return kvf_set_error(KVF_EFORMAT,
+                             "%s: not a kvforge query-statistics buffer: magic 0x%08" PRIx32 ", expected 0x%08" PRIx32
+                             " (\"KVFQ\"; was kvf_qstats_init called?)",
+                             who, h->magic, (uint32_t)KVF_QSTATS_MAGIC);
+    if (h->version != KVF_QSTATS_VERSION)
+        return kvf_set_error(KVF_EFORMAT,
+                             "%s: version %" PRIu32 ", this library reads %u (make them again with kvf_qstats_init)",
+                             who, h->version, KVF_QSTATS_VERSION);
+    return KVF_OK;
+}
+
 int kvf_qstats_check(const struct kvf_scheme *s, const void *qstats, size_t bytes, int32_t n_heads) {
     if (!s || !qstats) return kvf_set_error(KVF_EINVAL, "query statistics: NULL scheme or buffer");
     if ((uintptr_t)qstats & 15u)
         return kvf_set_error(KVF_EINVAL, "query statistics buffer must be 16-byte aligned");
-    if (bytes < QSTATS_HEADER_BYTES)
-        return kvf_set_error(KVF_ERANGE, "query statistics: %zu bytes given, the header alone is %u", bytes,
-                             QSTATS_HEADER_BYTES);
     qstats_header h;
-    memcpy(&h, qstats, sizeof h);
-    if (h.magic != KVF_QSTATS_MAGIC)
-        return kvf_set_error(KVF_EFORMAT,
-                             "not a kvforge query-statistics buffer: magic 0x%08" PRIx32 ", expected 0x%08" PRIx32
-                             " (\"KVFQ\"; was kvf_qstats_init called?)",
-                             h.magic, (uint32_t)KVF_QSTATS_MAGIC);
-    if (h.version != KVF_QSTATS_VERSION)
-        return kvf_set_error(KVF_EFORMAT,
-                             "query statistics have version %" PRIu32 ", this library reads %u (make them again "
-                             "with kvf_qstats_init)",
-                             h.version, KVF_QSTATS_VERSION);
+    int rc = read_header(qstats, bytes, "query statistics", &h);
+    if (rc) return rc;
     if (h.head_dim != (uint32_t)s->head_dim) return header_mismatch("head_dim", h.head_dim, (uint32_t)s->head_dim);
     if (h.rank != (uint32_t)s->key.psac_rank)
         return header_mismatch("rank (the scheme's key.psac_rank)", h.rank, (uint32_t)s->key.psac_rank);
@@ -135,8 +142,7 @@ int kvf_qstats_check(const struct kvf_scheme *s, const void *qstats, size_t byte
         if (h.reserved0 || h.reserved[i])
             return kvf_set_error(KVF_EFORMAT, "query statistics header: reserved words are not zero");
     kvf_qstats_layout l;
-    int rc = kvf_qstats_layout_compute(s, (int32_t)h.n_heads, &l);
-    if (rc) return rc;
+    if ((rc = kvf_qstats_layout_compute(s, (int32_t)h.n_heads, &l))) return rc;
     if (bytes < l.total_bytes)
         return kvf_set_error(KVF_ERANGE, "query statistics: buffer has %zu bytes, %" PRIu32 " heads need %zu", bytes,
                              h.n_heads, l.total_bytes);
@@ -145,16 +151,9 @@ int kvf_qstats_check(const struct kvf_scheme *s, const void *qstats, size_t byte
 
 int kvf_qstats_skipped(const void *header, size_t header_bytes, uint64_t *skipped) {
     if (!header || !skipped) return kvf_set_error(KVF_EINVAL, "kvf_qstats_skipped: NULL argument");
-    if (header_bytes < QSTATS_HEADER_BYTES)
-        return kvf_set_error(KVF_ERANGE, "kvf_qstats_skipped: %zu bytes given, the header is %u", header_bytes,
-                             QSTATS_HEADER_BYTES);
     qstats_header h;
-    memcpy(&h, header, sizeof h);
-    if (h.magic != KVF_QSTATS_MAGIC)
-        return kvf_set_error(KVF_EFORMAT, "kvf_qstats_skipped: not a kvforge query-statistics header");
-    if (h.version != KVF_QSTATS_VERSION)
-        return kvf_set_error(KVF_EFORMAT, "kvf_qstats_skipped: version %" PRIu32 ", this library reads %u",
-                             h.version, KVF_QSTATS_VERSION);
+    int rc = read_header(header, header_bytes, "kvf_qstats_skipped", &h);
+    if (rc) return rc;
     *skipped = h.skipped;
     return KVF_OK;
 }

@@ -1,4 +1,5 @@
-/* kvf_scheme_get_info: a scheme's fields for callers that cannot read struct kvf_scheme. */
+/* kvf_scheme_get_info: a scheme's fields for callers that cannot read struct kvf_scheme;
+ * kvf_rope_sections, shared with the GPU decode's RoPE argument. */
 #include "internal.h"
 
 #include <string.h>
@@ -19,10 +20,16 @@ int kvf_scheme_get_info(const kvf_scheme *s, kvf_scheme_info *out) {
     out->psac_rank = s->key.psac_rank;
     out->key_centroids = s->key.centroids;
     out->key_qsac_candidates = s->key.qsac_candidates;
-    out->rope_axes = s->rope.n_sections > 0 ? s->rope.n_sections : 1;
-    if (s->rope.n_sections > 0)
-        for (int i = 0; i < s->rope.n_sections && i < 4; i++) out->rope_sections[i] = s->rope.sections[i];
-    else
-        out->rope_sections[0] = s->head_dim / 2;
+    out->rope_axes = kvf_rope_sections(s, out->rope_sections);
     return KVF_OK;
+}
+
+int kvf_rope_sections(const struct kvf_scheme *s, int sections[KVF_MAX_ROPE_SECTIONS]) {
+    memset(sections, 0, sizeof(int) * KVF_MAX_ROPE_SECTIONS);
+    if (s->rope.n_sections < 1) {
+        sections[0] = s->head_dim / 2;
+        return 1;
+    }
+    for (int i = 0; i < s->rope.n_sections && i < KVF_MAX_ROPE_SECTIONS; i++) sections[i] = s->rope.sections[i];
+    return s->rope.n_sections;
 }
