@@ -184,7 +184,7 @@ int main(int argc, char **argv) {
         kvf_packed_size(s, tokens, heads, &c.packed_bytes);
         CK(cuMemAlloc(&c.packed, c.packed_bytes));
         c.qs = 0;
-        if (s->key.psac_rank > 0 || s->key.qsac_candidates > 1) { /* statistics from one chunk of queries */
+        if (kvf_scheme_reads_qstats(s)) { /* statistics from one chunk of queries */
             size_t qb;
             kvf_qstats_size(s, heads, &qb);
             CK(cuMemAlloc(&c.qs, qb));

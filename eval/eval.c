@@ -39,7 +39,6 @@ static double now_s(void) {
 
 static int n_axes_of(const kvf_scheme *s) { return s->rope.n_sections > 0 ? s->rope.n_sections : 1; }
 
-static int uses_qstats(const kvf_scheme *s) { return s->key.qsac_candidates > 1 || s->key.psac_rank > 0; }
 
 /* -------------------------------------------------------------- checks */
 
@@ -270,7 +269,7 @@ static void describe(kvf_eval_report *rep, const kvf_scheme *s, const kvf_dump *
     rep->kv_heads = d->kv_heads;
     rep->head_dim = d->head_dim;
     rep->tokens = d->tokens;
-    rep->uses_qstats = uses_qstats(s);
+    rep->uses_qstats = kvf_scheme_reads_qstats(s);
     rep->pre_rope = s->rope.placement == KVF_ROPE_PRE;
     rep->sink = s->chunk.sink;
     rep->recent = s->chunk.recent;

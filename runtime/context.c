@@ -396,7 +396,7 @@ static int encode_workspace(kvf_context *ctx, int t, const void *x, const kvf_sh
     qstats_arg q = {0};
     size_t q_total = 0;
     CUdeviceptr qs = (CUdeviceptr)(uintptr_t)qstats;
-    if ((t == 0 && (c->psac_rank > 0 || c->qsac_candidates > 1)) &&
+    if (t == 0 && kvf_scheme_reads_qstats(ctx->scheme) &&
         (rc = qstats_arg_of(ctx->scheme, nh, &q, &q_total)))
         return rc;
     void *a_prep[] = {(void *)&x, (void *)&sh->token_stride, (void *)&sh->head_stride, &n, &nh, (void *)&ws.e};
@@ -437,8 +437,7 @@ static int encode_workspace(kvf_context *ctx, int t, const void *x, const kvf_sh
 
 /* A device buffer's header is not read here (that would synchronize): only its alignment. */
 static int check_qstats_arg(const kvf_context *ctx, const void *qstats) {
-    const kvf_tensor_cfg *k = &ctx->scheme->key;
-    if (!qstats || !(k->psac_rank > 0 || k->qsac_candidates > 1)) return KVF_OK;
+    if (!qstats || !kvf_scheme_reads_qstats(ctx->scheme)) return KVF_OK;
     if ((uintptr_t)qstats & 15u) return kvf_set_error(KVF_EINVAL, "kvf_encode: qstats must be 16-byte aligned");
     return KVF_OK;
 }

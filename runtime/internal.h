@@ -77,6 +77,9 @@ int kvf_scheme_finalize(struct kvf_scheme *s);
 /* RoPE position axes (>= 1) and their frequency pairs, unused entries 0; a
  * struct with no sections (not finalized) reads as one of head_dim / 2. */
 int kvf_rope_sections(const struct kvf_scheme *s, int sections[KVF_MAX_ROPE_SECTIONS]);
+/* Whether encoding reads query statistics: keys with QSAC (qsac_candidates > 1)
+ * or PSAC (psac_rank > 0). */
+int kvf_scheme_reads_qstats(const struct kvf_scheme *s);
 
 /* ------------------------------------------------------ embedded files (embed) */
 

@@ -24,6 +24,10 @@ int kvf_scheme_get_info(const kvf_scheme *s, kvf_scheme_info *out) {
     return KVF_OK;
 }
 
+int kvf_scheme_reads_qstats(const struct kvf_scheme *s) {
+    return s->key.psac_rank > 0 || s->key.qsac_candidates > 1;
+}
+
 int kvf_rope_sections(const struct kvf_scheme *s, int sections[KVF_MAX_ROPE_SECTIONS]) {
     memset(sections, 0, sizeof(int) * KVF_MAX_ROPE_SECTIONS);
     if (s->rope.n_sections < 1) {

@@ -96,7 +96,7 @@ static size_t tensor_elems(const run_case *c, int d, kvf_shape *sh) {
 }
 
 static int uses_qstats(const kvf_scheme *s) {
-    return s->key.psac_rank > 0 || s->key.qsac_candidates > 1;
+    return kvf_scheme_reads_qstats(s);
 }
 
 /* Bytes of [off, off+n) that differ. */

@@ -173,12 +173,6 @@ static double now_ms(void) {
 }
 
 /* Round trip through a device: copies in, encode, decode, copies out. */
-/* Does the scheme read query statistics (QSAC or PSAC)? */
-static int wants_qstats(const kvf_scheme *s) {
-    kvf_scheme_info in;
-    return kvf_scheme_get_info(s, &in) == KVF_OK && (in.psac_rank > 0 || in.key_qsac_candidates > 1);
-}
-
 static int demo_gpu(kvf_context *ctx, const uint16_t *k, const uint16_t *v, const uint16_t *q, const kvf_shape *sh,
                     size_t packed_bytes, uint16_t *k2, uint16_t *v2, double *ms) {
     const kvf_cuda_api *cu;
@@ -240,7 +234,7 @@ static int cmd_demo(int argc, char **argv) {
     kvf_synth_kv(k, tokens, heads, d, 1);
     kvf_synth_kv(v, tokens, heads, d, 2);
     uint16_t *q = NULL;
-    if (wants_qstats(s)) {
+    if (kvf_scheme_reads_qstats(s)) {
         q = malloc(n * 2);
         if (!q) return fail(kvf_set_error(KVF_ENOMEM, "demo buffers"));
         kvf_synth_kv(q, tokens, heads, d, 3);
