@@ -186,13 +186,12 @@ static char *gen_cuda(const struct kvf_scheme *s) {
 
 /* --------------------------------------------------------------- C header */
 
+/* Sizes of whole buffers: kvf_packed_size (a per-token constant could not count
+ * centroids, token scales or PSAC planes). */
 static void section_defines(kvf_buf *b, const char *up, const char *tag, const kvf_section_layout *l) {
-    size_t per_token = l->code_bytes_per_token + (l->scales_bytes ? 2u * (size_t)l->groups_per_token : 0) +
-                       (l->zeros_bytes ? 2u * (size_t)l->groups_per_token : 0);
     kvf_buf_printf(b, "#define %s_%s_BITS %d\n", up, tag, l->bits);
     kvf_buf_printf(b, "#define %s_%s_GROUP_SIZE %d\n", up, tag, l->group_size);
     kvf_buf_printf(b, "#define %s_%s_CODE_BYTES_PER_TOKEN_HEAD %zu\n", up, tag, l->code_bytes_per_token);
-    kvf_buf_printf(b, "#define %s_%s_BYTES_PER_TOKEN_HEAD %zu\n", up, tag, per_token);
 }
 
 static char *gen_h(const struct kvf_scheme *s, const kvf_layout *l) {
