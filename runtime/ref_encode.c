@@ -124,10 +124,12 @@ static int smooth_stage(const section_job *j, int stage, int32_t h, const void *
     uint8_t *table = packed + st->centroids_off + (size_t)h * (size_t)C * (size_t)d * 2;
     for (int k = 0; k < C; k++) /* rows past the n tokens repeat row 0 */
         for (int c = 0; c < d; c++) kvf_put_u16(table + ((size_t)k * d + c) * 2, b->cent[(size_t)(k < Ceff ? k : 0) * d + c]);
+    double norms[KVF_REF_MAX_CENTROIDS]; /* of the final table, once for every token */
+    if (!qsac) kvf_ref_centroid_norms(b->cent, Ceff, d, norms);
     for (int64_t t = 0; t < n; t++) {
         const float *et = b->e + t * d;
         int z = qsac ? kvf_ref_qsac(et, b->cent, Ceff, d, b->w, j->cfg->qsac_candidates, j->l->group_size)
-                     : kvf_ref_nearest(et, b->cent, Ceff, d);
+                     : kvf_ref_nearest_normed(et, b->cent, norms, Ceff, d);
         b->z[t] = z;
         packed[st->index_off + row_of(j->L, h, t)] = (uint8_t)z;
         const uint16_t *mu = b->cent + (size_t)z * d;
