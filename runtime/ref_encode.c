@@ -228,10 +228,9 @@ static void finish_head(const section_job *j, int32_t h, const uint8_t *packed, 
     for (int64_t t = 0; t < j->L->n_tokens; t++) {
         size_t row = row_of(j->L, h, t);
         float *y = b->y + t * d;
-        if (r > 0) {
-            uint16_t cs = kvf_get_u16(packed + l->cscale_off + row * 2);
-            if (cs != 0) kvf_ref_psac_apply(y, b->ubf, (const int8_t *)(packed + l->coef_off + row * (size_t)r), cs, d, r);
-        }
+        if (r > 0) /* skips a token whose coefficient scale is 0 */
+            kvf_ref_psac_apply(y, b->ubf, (const int8_t *)(packed + l->coef_off + row * (size_t)r),
+                               kvf_get_u16(packed + l->cscale_off + row * 2), d, r);
         if (l->rotation == KVF_ROTATION_HADAMARD) kvf_ref_hadamard(y, d);
         if (pos) kvf_ref_rope(y, d, &j->s->rope, pos + t * axes);
         uint16_t *dst = out + t * j->sh->token_stride + h * j->sh->head_stride;
