@@ -19,7 +19,13 @@ void kvf_ref_rope(float *x, int d, const kvf_rope_cfg *rope, const int32_t *pos)
  * (METHODS.md 3). KVF_OK, or KVF_ENOMEM for its work space. */
 int kvf_ref_kmeans(const float *e, int64_t n, int d, int c, int iters, int64_t seed, int stage,
                    int head, uint16_t *cent);
-/* Nearest centroid (f64 distance, ties to the lowest index). */
+/* Nearest centroid (f64 distance, ties to the lowest index). The norms
+ * ||mu_j||^2 (f64, channel order) depend on the table only: compute them once
+ * with kvf_ref_centroid_norms and assign every token with
+ * kvf_ref_nearest_normed; kvf_ref_nearest does both for one vector. */
+#define KVF_REF_MAX_CENTROIDS 256 /* the loader's limit (u8 indices) */
+void kvf_ref_centroid_norms(const uint16_t *cent, int c, int d, double *norms);
+int kvf_ref_nearest_normed(const float *x, const uint16_t *cent, const double *norms, int c, int d);
 int kvf_ref_nearest(const float *x, const uint16_t *cent, int c, int d);
 /* QSAC: the index chosen among the m best candidates by weighted distance
  * (w: d channel weights), scored by the residual ranges of groups of

@@ -22,14 +22,13 @@ typedef struct head_buf {
     float *r;        /* residual of the stage */
     float *rhat;     /* what decode gets back for it */
     uint16_t *cent;  /* bf16 [C][d] */
-    int *z;          /* [n] centroid index */
     float *w;        /* [d] QSAC weights */
     uint16_t *ubf;   /* bf16 [d][r] PSAC basis */
 } head_buf;
 
 static void head_buf_free(head_buf *b) {
     free(b->x0), free(b->e), free(b->y), free(b->r), free(b->rhat);
-    free(b->cent), free(b->z), free(b->w), free(b->ubf);
+    free(b->cent), free(b->w), free(b->ubf);
     memset(b, 0, sizeof *b);
 }
 
@@ -38,10 +37,9 @@ static int head_buf_alloc(head_buf *b, int64_t n, int d, int centroids, int rank
     memset(b, 0, sizeof *b);
     b->x0 = malloc(nd), b->e = malloc(nd), b->y = malloc(nd), b->r = malloc(nd), b->rhat = malloc(nd);
     b->cent = malloc((size_t)(centroids > 0 ? centroids : 1) * (size_t)d * 2);
-    b->z = malloc((size_t)n * sizeof(int));
     b->w = malloc((size_t)d * sizeof(float));
     b->ubf = malloc((size_t)d * (size_t)(rank > 0 ? rank : 1) * 2);
-    if (b->x0 && b->e && b->y && b->r && b->rhat && b->cent && b->z && b->w && b->ubf) return KVF_OK;
+    if (b->x0 && b->e && b->y && b->r && b->rhat && b->cent && b->w && b->ubf) return KVF_OK;
     head_buf_free(b);
     return kvf_set_error(KVF_ENOMEM, "CPU reference: out of memory for %lld tokens", (long long)n);
 }
@@ -53,7 +51,6 @@ typedef struct section_job {
     const kvf_layout *L;
     const kvf_section_layout *l;
     const kvf_shape *sh;
-    bool is_key;
 } section_job;
 
 static size_t row_of(const kvf_layout *L, int32_t h, int64_t t) {
@@ -124,11 +121,12 @@ static int smooth_stage(const section_job *j, int stage, int32_t h, const void *
     uint8_t *table = packed + st->centroids_off + (size_t)h * (size_t)C * (size_t)d * 2;
     for (int k = 0; k < C; k++) /* rows past the n tokens repeat row 0 */
         for (int c = 0; c < d; c++) kvf_put_u16(table + ((size_t)k * d + c) * 2, b->cent[(size_t)(k < Ceff ? k : 0) * d + c]);
+    double norms[KVF_REF_MAX_CENTROIDS]; /* of the final table, once for every token */
+    if (!qsac) kvf_ref_centroid_norms(b->cent, Ceff, d, norms);
     for (int64_t t = 0; t < n; t++) {
         const float *et = b->e + t * d;
         int z = qsac ? kvf_ref_qsac(et, b->cent, Ceff, d, b->w, j->cfg->qsac_candidates, j->l->group_size)
-                     : kvf_ref_nearest(et, b->cent, Ceff, d);
-        b->z[t] = z;
+                     : kvf_ref_nearest_normed(et, b->cent, norms, Ceff, d);
         packed[st->index_off + row_of(j->L, h, t)] = (uint8_t)z;
         const uint16_t *mu = b->cent + (size_t)z * d;
         for (int c = 0; c < d; c++) b->r[t * d + c] = et[c] - kvf_bf16_to_f32(mu[c]);
@@ -230,10 +228,9 @@ static void finish_head(const section_job *j, int32_t h, const uint8_t *packed, 
     for (int64_t t = 0; t < j->L->n_tokens; t++) {
         size_t row = row_of(j->L, h, t);
         float *y = b->y + t * d;
-        if (r > 0) {
-            uint16_t cs = kvf_get_u16(packed + l->cscale_off + row * 2);
-            if (cs != 0) kvf_ref_psac_apply(y, b->ubf, (const int8_t *)(packed + l->coef_off + row * (size_t)r), cs, d, r);
-        }
+        if (r > 0) /* skips a token whose coefficient scale is 0 */
+            kvf_ref_psac_apply(y, b->ubf, (const int8_t *)(packed + l->coef_off + row * (size_t)r),
+                               kvf_get_u16(packed + l->cscale_off + row * 2), d, r);
         if (l->rotation == KVF_ROTATION_HADAMARD) kvf_ref_hadamard(y, d);
         if (pos) kvf_ref_rope(y, d, &j->s->rope, pos + t * axes);
         uint16_t *dst = out + t * j->sh->token_stride + h * j->sh->head_stride;
@@ -268,7 +265,7 @@ static int prepare(const struct kvf_scheme *s, const kvf_shape *shape, kvf_layou
 }
 
 static section_job job_of(const struct kvf_scheme *s, const kvf_layout *L, const kvf_shape *sh, bool key) {
-    section_job j = {s, key ? &s->key : &s->value, L, key ? &L->key : &L->value, sh, key};
+    section_job j = {s, key ? &s->key : &s->value, L, key ? &L->key : &L->value, sh};
     return j;
 }
 

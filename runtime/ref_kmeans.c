@@ -41,20 +41,19 @@ static void strided_init(const float *e, int64_t n, int d, int c, int64_t seed, 
 
 /* ---------------------------------------------------------------- distances */
 
-/* ||mu||^2 and <x, mu> in f64, channel order. */
-static void norm_dot(const float *x, const uint16_t *mu, int d, double *norm, double *dot) {
-    double nn = 0.0, dd = 0.0;
-    for (int k = 0; k < d; k++) {
-        double m = (double)kvf_bf16_to_f32(mu[k]);
-        nn += m * m;
-        dd += (double)x[k] * m;
+void kvf_ref_centroid_norms(const uint16_t *cent, int c, int d, double *norms) {
+    for (int j = 0; j < c; j++) {
+        double nn = 0.0;
+        for (int k = 0; k < d; k++) {
+            double m = (double)kvf_bf16_to_f32(cent[(size_t)j * d + k]);
+            nn += m * m;
+        }
+        norms[j] = nn;
     }
-    *norm = nn;
-    *dot = dd;
 }
 
 /* argmin_j ||mu_j||^2 - 2 <x, mu_j>; ties (and NaN distances) keep the lower j. */
-static int nearest_with_norms(const float *x, const uint16_t *cent, const double *norms, int c, int d) {
+int kvf_ref_nearest_normed(const float *x, const uint16_t *cent, const double *norms, int c, int d) {
     int best = 0;
     double best_d = 0.0;
     for (int j = 0; j < c; j++) {
@@ -68,15 +67,10 @@ static int nearest_with_norms(const float *x, const uint16_t *cent, const double
 }
 
 int kvf_ref_nearest(const float *x, const uint16_t *cent, int c, int d) {
-    int best = 0;
-    double best_d = 0.0;
-    for (int j = 0; j < c; j++) {
-        double norm, dot;
-        norm_dot(x, cent + (size_t)j * d, d, &norm, &dot);
-        double dist = norm - 2.0 * dot;
-        if (j == 0 || dist < best_d) best = j, best_d = dist;
-    }
-    return best;
+    double norms[KVF_REF_MAX_CENTROIDS];
+    if (c > KVF_REF_MAX_CENTROIDS) c = KVF_REF_MAX_CENTROIDS;
+    kvf_ref_centroid_norms(cent, c, d, norms);
+    return kvf_ref_nearest_normed(x, cent, norms, c, d);
 }
 
 /* ---------------------------------------------------------------- Lloyd */
@@ -98,15 +92,8 @@ typedef struct lloyd_work {
 } lloyd_work;
 
 static void lloyd_step(const float *e, int64_t n, int d, int c, uint16_t *cent, lloyd_work *w) {
-    for (int j = 0; j < c; j++) {
-        double nn = 0.0;
-        for (int k = 0; k < d; k++) {
-            double m = (double)kvf_bf16_to_f32(cent[(size_t)j * d + k]);
-            nn += m * m;
-        }
-        w->norms[j] = nn;
-    }
-    for (int64_t i = 0; i < n; i++) w->z[i] = nearest_with_norms(e + i * d, cent, w->norms, c, d);
+    kvf_ref_centroid_norms(cent, c, d, w->norms);
+    for (int64_t i = 0; i < n; i++) w->z[i] = kvf_ref_nearest_normed(e + i * d, cent, w->norms, c, d);
     memset(w->acc, 0, (size_t)c * (size_t)d * sizeof *w->acc);
     memset(w->count, 0, (size_t)c * sizeof *w->count);
     for (int64_t i = 0; i < n; i++) {
@@ -183,8 +170,8 @@ static void keep_best(double *bd, int *bj, int *nb, int m, double dist, int j) {
 int kvf_ref_qsac(const float *x, const uint16_t *cent, int c, int d, const float *w, int m, int group_size) {
     if (m > c) m = c;
     if (m < 1) m = 1;
-    double bd[256];
-    int bj[256] = {0}, nb = 0;
+    double bd[KVF_REF_MAX_CENTROIDS];
+    int bj[KVF_REF_MAX_CENTROIDS] = {0}, nb = 0;
     for (int j = 0; j < c; j++) keep_best(bd, bj, &nb, m, weighted_dist(x, cent + (size_t)j * d, w, d), j);
     int best = bj[0];
     double best_s = 0.0;

@@ -42,7 +42,7 @@ typedef struct fdesc {
     const char *name;
     int kind;                  /* enum fkind */
     size_t off;                /* in the section's struct (kvf_scheme for top) */
-    int64_t lo, hi;            /* range; section index for F_SECTION */
+    int64_t lo, hi;            /* range (F_ENUM: from names); section index for F_SECTION */
     const int *set;            /* allowed values, 0-terminated, or NULL */
     const char *const *names;  /* enum spellings, NULL-terminated */
 } fdesc;
@@ -82,22 +82,22 @@ static const fdesc top_fields[N_TOP] = {
 };
 /* Nested sections: sorted by name (the canonical text relies on it). */
 static const fdesc tensor_fields[N_TENSOR] = {
-    {"axis", F_ENUM, TO(axis), 0, 1, NULL, axis_names},
+    {"axis", F_ENUM, TO(axis), 0, 0, NULL, axis_names},
     {"bits", F_INT, TO(bits), 2, 16, bits_set, NULL},
     {"centroids", F_INT, TO(centroids), 0, 256, NULL, NULL},
     {"group_size", F_INT, TO(group_size), 16, 256, group_set, NULL},
     {"kmeans_iters", F_INT, TO(kmeans_iters), 0, 100, NULL, NULL},
-    {"mode", F_ENUM, TO(mode), 0, 1, NULL, mode_names},
+    {"mode", F_ENUM, TO(mode), 0, 0, NULL, mode_names},
     {"psac_rank", F_INT, TO(psac_rank), 0, 64, NULL, NULL},
     {"qsac_candidates", F_INT, TO(qsac_candidates), 1, 256, NULL, NULL},
-    {"rotation", F_ENUM, TO(rotation), 0, 1, NULL, rotation_names},
-    {"scale_format", F_ENUM, TO(scale_format), 0, 1, NULL, scale_names},
+    {"rotation", F_ENUM, TO(rotation), 0, 0, NULL, rotation_names},
+    {"scale_format", F_ENUM, TO(scale_format), 0, 0, NULL, scale_names},
     {"seed", F_I64, TO(seed), 0, (int64_t)1 << 53, NULL, NULL},
     {"stages", F_INT, TO(stages), 1, 8, NULL, NULL},
 };
 static const fdesc rope_fields[N_ROPE] = {
-    {"layout", F_ENUM, offsetof(kvf_rope_cfg, layout), 0, 1, NULL, layout_names},
-    {"placement", F_ENUM, offsetof(kvf_rope_cfg, placement), 0, 2, NULL, placement_names},
+    {"layout", F_ENUM, offsetof(kvf_rope_cfg, layout), 0, 0, NULL, layout_names},
+    {"placement", F_ENUM, offsetof(kvf_rope_cfg, placement), 0, 0, NULL, placement_names},
     /* n_sections, then sections[]: an array of 1..KVF_MAX_ROPE_SECTIONS pair counts */
     {"sections", F_SECTIONS, offsetof(kvf_rope_cfg, n_sections), 1, 128, NULL, NULL},
     {"theta", F_NUM, offsetof(kvf_rope_cfg, theta), 0, 0, NULL, NULL},
@@ -170,6 +170,13 @@ static bool int_ok(const fdesc *d, int64_t v) {
     for (const int *p = d->set; *p; p++)
         if (*p == v) return true;
     return false;
+}
+
+/* An enum value indexes its spellings: 0 .. (number of names - 1). */
+static bool enum_ok(const fdesc *d, int64_t v) {
+    int64_t n = 0;
+    while (d->names[n]) n++;
+    return v >= 0 && v < n;
 }
 
 static bool num_ok(double v) { return isfinite(v) && v > 0 && v <= THETA_MAX; }
@@ -1280,7 +1287,7 @@ static int check_ranges(const struct kvf_scheme *s, const loader *ld) {
         bool ok = true;
         if (d->kind == F_INT || d->kind == F_ENUM) i = *(const int *)p;
         if (d->kind == F_INT || d->kind == F_I64) ok = int_ok(d, i);
-        if (d->kind == F_ENUM) ok = i >= d->lo && i <= d->hi;
+        if (d->kind == F_ENUM) ok = enum_ok(d, i);
         if (d->kind == F_NUM) ok = num_ok(x);
         if (d->kind == F_NAME) ok = valid_name(s->name, strlen(s->name));
         if (d->kind == F_SECTIONS) {

@@ -3,8 +3,9 @@
 --
 -- Where the settings come from: ANCHORS.md's QVG-Pro row ("4 stages, group 16, 5 iters",
 -- 4.84x, relative key error 0.240 against QVG's 0.375):
---   stages = 4             four rounds of k-means smoothing + INT2 residual, each with its
---                          own 256 centroids and index (docs/METHODS.md section 1);
+--   stages = 4             four rounds of k-means smoothing, each with its own 256
+--                          centroids and index, then one INT2 quantization of the last
+--                          residual (as QVG's prq.py; docs/METHODS.md section 1);
 --   group_size = 16        smaller groups, more scales;
 --   kmeans_iters = 5.
 -- Everything else comes from qvg_int2.

@@ -15,9 +15,6 @@ typedef long long i64;
 // The 64-byte packed-cache header, passed by value and written by one thread.
 struct kvf_header_words { u64 w[8]; };
 
-// Where one tensor section's planes start inside the packed buffer.
-struct kvf_planes { u64 codes, scales, zeros; };
-
 __device__ __forceinline__ float kvf_bf16_to_f32(u16 b) { return __uint_as_float((u32)b << 16); }
 
 __device__ __forceinline__ u16 kvf_f32_to_bf16(float f) {
@@ -76,10 +73,6 @@ __device__ __forceinline__ u32 kvf_fix_nan_bf16x2(u32 r, float lo, float hi) {
     r = hi != hi ? (r & 0x0000ffffu) | 0x7fc00000u : r;
     return r;
 }
-// lo and hi as output_bf16 each, packed (lo in the low half: the lower address).
-__device__ __forceinline__ u32 kvf_output_bf16x2(float lo, float hi) {
-    return kvf_fix_nan_bf16x2(kvf_cvt_bf16x2(lo, hi), lo, hi);
-}
 // Whether any of 8 values is a NaN: four setp.nan (each tests two values)
 // chained into one predicate.
 __device__ __forceinline__ bool kvf_any_nan8(const float y[8]) {
@@ -94,7 +87,6 @@ __device__ __forceinline__ bool kvf_any_nan8(const float y[8]) {
         : "f"(y[0]), "f"(y[1]), "f"(y[2]), "f"(y[3]), "f"(y[4]), "f"(y[5]), "f"(y[6]), "f"(y[7]));
     return r != 0;
 }
-__device__ __forceinline__ u16 kvf_output_bf16(float f) { return (u16)kvf_output_bf16x2(f, 0.0f); }
 
 // -0 and +0 compare equal and min/max may return either: the format stores +0.
 __device__ __forceinline__ float kvf_plus_zero(float f) { return f == 0.0f ? 0.0f : f; }
