@@ -37,8 +37,6 @@ static double now_s(void) {
     return (double)t.tv_sec + t.tv_nsec * 1e-9;
 }
 
-static int n_axes_of(const kvf_scheme *s) { return s->rope.n_sections > 0 ? s->rope.n_sections : 1; }
-
 
 /* -------------------------------------------------------------- checks */
 
@@ -47,9 +45,9 @@ static int check_rope(const kvf_scheme *s, const kvf_dump *d) {
     if (!d->pos)
         return kvf_set_error(KVF_EFORMAT, "%s: scheme %s caches keys before RoPE: the dump needs a \"pos\" tensor", lbl,
                              s->name);
-    if (d->pos_axes != n_axes_of(s))
+    if (d->pos_axes != kvf_rope_sections(s, NULL))
         return kvf_set_error(KVF_EFORMAT, "%s: \"pos\" has %d position axes, scheme %s's RoPE uses %d", lbl,
-                             d->pos_axes, s->name, n_axes_of(s));
+                             d->pos_axes, s->name, kvf_rope_sections(s, NULL));
     if (fabs(d->rope_theta - s->rope.theta) > 1e-9 * s->rope.theta)
         return kvf_set_error(KVF_EFORMAT, "%s: rope_theta = %g, scheme %s has rope.theta = %g", lbl, d->rope_theta,
                              s->name, s->rope.theta);
@@ -292,7 +290,7 @@ int kvf_eval_run(const kvf_scheme *s, const kvf_dump *d, const kvf_eval_options 
     describe(rep, s, d, be);
     layer_run r = {.s = s, .d = d, .be = be, .rep = rep, .threads = opt->threads > 0 ? opt->threads : default_threads(),
                    .key_role = rep->pre_rope ? KVF_DUMP_K_PRE : KVF_DUMP_K, .q_role = q_role_of(s, d),
-                   .n_axes = n_axes_of(s), .rows = (int64_t)d->chunks * d->tokens};
+                   .n_axes = kvf_rope_sections(s, NULL), .rows = (int64_t)d->chunks * d->tokens};
     rep->q_pre_used = r.q_role == KVF_DUMP_Q_PRE;
     rep->layer = calloc((size_t)d->layers, sizeof *rep->layer);
     rep->step = calloc((size_t)d->layers * d->chunks, sizeof *rep->step);

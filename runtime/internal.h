@@ -74,8 +74,9 @@ struct kvf_scheme {
 void kvf_scheme_defaults(struct kvf_scheme *s);
 /* Build canonical text, hash and id from the fields. */
 int kvf_scheme_finalize(struct kvf_scheme *s);
-/* RoPE position axes (>= 1) and their frequency pairs, unused entries 0; a
- * struct with no sections (not finalized) reads as one of head_dim / 2. */
+/* RoPE position axes (>= 1) and, when sections is not NULL, their frequency
+ * pairs, unused entries 0; a struct with no sections (not finalized) reads as
+ * one of head_dim / 2. */
 int kvf_rope_sections(const struct kvf_scheme *s, int sections[KVF_MAX_ROPE_SECTIONS]);
 /* Whether encoding reads query statistics: keys with QSAC (qsac_candidates > 1)
  * or PSAC (psac_rank > 0). */

@@ -72,7 +72,7 @@ static void bf16_encode(const section_job *j, const uint16_t *x, uint8_t *packed
 /* Bits 16: the stored values come back as they are, or through RoPE for keys
  * cached before it. */
 static void bf16_decode(const section_job *j, const uint8_t *packed, const int32_t *pos, uint16_t *y) {
-    int d = j->L->head_dim, axes = j->s->rope.n_sections > 0 ? j->s->rope.n_sections : 1;
+    int d = j->L->head_dim, axes = kvf_rope_sections(j->s, NULL);
     float v[1024];
     for (int32_t h = 0; h < j->L->n_heads; h++)
         for (int64_t t = 0; t < j->L->n_tokens; t++) {
@@ -220,7 +220,7 @@ static void sum_stages(const section_job *j, int32_t h, const uint8_t *packed, h
 static void finish_head(const section_job *j, int32_t h, const uint8_t *packed, const int32_t *pos,
                         head_buf *b, uint16_t *out) {
     const kvf_section_layout *l = j->l;
-    int d = j->L->head_dim, r = l->psac_rank, axes = j->s->rope.n_sections > 0 ? j->s->rope.n_sections : 1;
+    int d = j->L->head_dim, r = l->psac_rank, axes = kvf_rope_sections(j->s, NULL);
     if (r > 0) {
         const uint8_t *basis = packed + l->basis_off + (size_t)h * (size_t)d * (size_t)r * 2;
         for (int i = 0; i < d * r; i++) b->ubf[i] = kvf_get_u16(basis + 2 * i);

@@ -29,11 +29,10 @@ int kvf_scheme_reads_qstats(const struct kvf_scheme *s) {
 }
 
 int kvf_rope_sections(const struct kvf_scheme *s, int sections[KVF_MAX_ROPE_SECTIONS]) {
+    const int n = s->rope.n_sections < 1 ? 1 : s->rope.n_sections;
+    if (!sections) return n;
     memset(sections, 0, sizeof(int) * KVF_MAX_ROPE_SECTIONS);
-    if (s->rope.n_sections < 1) {
-        sections[0] = s->head_dim / 2;
-        return 1;
-    }
+    if (s->rope.n_sections < 1) sections[0] = s->head_dim / 2;
     for (int i = 0; i < s->rope.n_sections && i < KVF_MAX_ROPE_SECTIONS; i++) sections[i] = s->rope.sections[i];
-    return s->rope.n_sections;
+    return n;
 }

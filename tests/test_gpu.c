@@ -222,7 +222,7 @@ static void compare_case(kvf_context *gpu, kvf_context *cpu, const run_case *c, 
     qstats_pair q = {0};
     if (uses_qstats(s)) qstats_prepare(gpu, cpu, c->heads, &q);
     /* Positions for keys cached before RoPE: 3 axes (frame, row, column). */
-    int axes = s->rope.n_sections > 0 ? s->rope.n_sections : 1;
+    int axes = kvf_rope_sections(s, NULL);
     int32_t *pos = malloc(sizeof(int32_t) * (size_t)c->tokens * axes);
     for (int64_t t = 0; t < c->tokens; t++)
         for (int a = 0; a < axes; a++) pos[t * axes + a] = (int32_t)((t / (a + 1) * 7 + a * 3) % 977);
