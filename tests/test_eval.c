@@ -305,15 +305,8 @@ typedef struct synth_cfg {
     double q_align; /* queries = q_align * a key + noise */
 } synth_cfg;
 
-static uint64_t mix(uint64_t x) {
-    x += 0x9e3779b97f4a7c15ull;
-    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-    return x ^ (x >> 31);
-}
-
 static double gauss(uint64_t *st) {
-    double u = ((mix((*st)++) >> 11) + 0.5) * 0x1.0p-53, v = ((mix((*st)++) >> 11) + 0.5) * 0x1.0p-53;
+    double u = ((tu_splitmix((*st)++) >> 11) + 0.5) * 0x1.0p-53, v = ((tu_splitmix((*st)++) >> 11) + 0.5) * 0x1.0p-53;
     return sqrt(-2 * log(u)) * cos(2 * M_PI * v);
 }
 
@@ -328,11 +321,11 @@ typedef struct synth_dump {
 /* Queries of chunk c lean towards keys of chunks <= c of their KV head. */
 static void synth_queries(const synth_dump *s, int l, int c, uint16_t *q) {
     const synth_cfg *g = &s->c;
-    uint64_t st = mix(((uint64_t)l << 32) ^ ((uint64_t)c << 16) ^ 0x51ull);
+    uint64_t st = tu_splitmix(((uint64_t)l << 32) ^ ((uint64_t)c << 16) ^ 0x51ull);
     for (int j = 0; j < g->q_heads; j++) {
         int h = j / (g->q_heads / g->kv_heads);
         for (int i = 0; i < g->queries; i++) {
-            uint64_t pick = mix(st++) % ((uint64_t)(c + 1) * g->tokens);
+            uint64_t pick = tu_splitmix(st++) % ((uint64_t)(c + 1) * g->tokens);
             const uint16_t *kc = s->k[l * g->chunks + (int)(pick / g->tokens)];
             const uint16_t *key = kc + ((size_t)h * g->tokens + pick % g->tokens) * g->d;
             for (int x = 0; x < g->d; x++) {
@@ -530,13 +523,13 @@ static void test_dump_corrupted(void **state) {
     int ok = 0;
     for (int iter = 0; iter < 3000; iter++) {
         memcpy(bad, good, n);
-        int flips = 1 + (int)(mix(st++) % 4);
+        int flips = 1 + (int)(tu_splitmix(st++) % 4);
         for (int i = 0; i < flips; i++) {
-            size_t at = (size_t)(mix(st++) % (8 + hlen));
+            size_t at = (size_t)(tu_splitmix(st++) % (8 + hlen));
             static const char pool[] = "0123456789[]{}\",:-e. BF16I32";
-            bad[at] = mix(st++) & 1 ? (uint8_t)pool[mix(st++) % (sizeof pool - 1)] : (uint8_t)mix(st++);
+            bad[at] = tu_splitmix(st++) & 1 ? (uint8_t)pool[tu_splitmix(st++) % (sizeof pool - 1)] : (uint8_t)tu_splitmix(st++);
         }
-        size_t len = mix(st++) % 8 == 0 ? (size_t)(mix(st++) % n) : n;
+        size_t len = tu_splitmix(st++) % 8 == 0 ? (size_t)(tu_splitmix(st++) % n) : n;
         kvf_dump *d;
         if (kvf_dump_parse(bad, len, "fuzz", &d) == KVF_OK) {
             ok++;

@@ -11,10 +11,8 @@
 
 /* ------------------------------------------------------------ helpers */
 
-static uint64_t rng_next(uint64_t *st) { return tu_rng_next(st); }
-
 /* Uniform in [-1, 1). */
-static double rng_sym(uint64_t *st) { return (double)(rng_next(st) >> 11) * 0x1.0p-52 - 1.0; }
+static double rng_sym(uint64_t *st) { return (double)(tu_rng_next(st) >> 11) * 0x1.0p-52 - 1.0; }
 
 static kvf_scheme *load_text(const char *text) {
     kvf_scheme *s = NULL;
@@ -111,8 +109,6 @@ static void test_kmeans_separable(void **state) {
 /* Same seed, same centroids; another seed (or stage, or head) another start.
  * With 0 iterations the centroids are the strided sample of METHODS.md 3,
  * recomputed here independently. */
-static uint64_t splitmix_first(uint64_t x) { return rng_next(&x); }
-
 static void test_kmeans_seeded(void **state) {
     (void)state;
     enum { D = 128, N = 200, C = 16 };
@@ -134,7 +130,7 @@ static void test_kmeans_seeded(void **state) {
     int64_t seed = 12345;
     int stage = 2, head = 3;
     assert_int_equal(kvf_ref_kmeans(e, N, D, C, 0, seed, stage, head, a), KVF_OK);
-    uint64_t o = splitmix_first((uint64_t)seed ^ ((uint64_t)stage << 32) ^ ((uint64_t)head << 40)) % N;
+    uint64_t o = tu_splitmix((uint64_t)seed ^ ((uint64_t)stage << 32) ^ ((uint64_t)head << 40)) % N;
     for (int j = 0; j < C; j++) {
         uint64_t t = (o + (uint64_t)j * N / C) % N;
         assert_memory_equal(a + j * D, x + t * D, D * 2);

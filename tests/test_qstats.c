@@ -35,9 +35,7 @@ static void make_scheme(struct kvf_scheme *s, int d, int r) {
     strcpy(s->id, "t_89abcdef");
 }
 
-static uint64_t rng_next(uint64_t *st) { return tu_rng_next(st); }
-
-static double rng_unit(uint64_t *st) { return ((double)(rng_next(st) >> 11) + 0.5) * 0x1.0p-53; }
+static double rng_unit(uint64_t *st) { return ((double)(tu_rng_next(st) >> 11) + 0.5) * 0x1.0p-53; }
 
 static double rng_gauss(uint64_t *st) {
     double u = rng_unit(st), v = rng_unit(st);
@@ -837,8 +835,8 @@ static void test_rope_identity_and_norms(void **state) {
             kvf_ref_rope(y, D, &r, zero);
             assert_memory_equal(x, y, sizeof x); /* position 0 is the identity */
             for (int trial = 0; trial < 50; trial++) {
-                int32_t pos[3] = {(int32_t)(rng_next(&st) % 20000), (int32_t)(rng_next(&st) % 100),
-                                  (int32_t)(rng_next(&st) % 100)};
+                int32_t pos[3] = {(int32_t)(tu_rng_next(&st) % 20000), (int32_t)(tu_rng_next(&st) % 100),
+                                  (int32_t)(tu_rng_next(&st) % 100)};
                 random_vec(x, D, &st);
                 memcpy(y, x, sizeof x);
                 kvf_ref_rope(y, D, &r, pos);
@@ -894,8 +892,8 @@ static void test_rope_half_vs_interleaved(void **state) {
             float h[D], in[D];
             random_vec(h, D, &st);
             for (int p = 0; p < D / 2; p++) in[2 * p] = h[p], in[2 * p + 1] = h[p + D / 2];
-            int32_t pos[3] = {(int32_t)(rng_next(&st) % 5000), (int32_t)(rng_next(&st) % 64),
-                              (int32_t)(rng_next(&st) % 64)};
+            int32_t pos[3] = {(int32_t)(tu_rng_next(&st) % 5000), (int32_t)(tu_rng_next(&st) % 64),
+                              (int32_t)(tu_rng_next(&st) % 64)};
             kvf_ref_rope(h, D, &half, pos);
             kvf_ref_rope(in, D, &inter, pos);
             for (int p = 0; p < D / 2; p++) {

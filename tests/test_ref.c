@@ -39,9 +39,7 @@ static void make_scheme(struct kvf_scheme *s, int d, int kbits, int vbits, int g
     strcpy(s->id, "t_89abcdef");
 }
 
-static uint64_t rng_next(uint64_t *st) { return tu_rng_next(st); }
-
-static double rng_unit(uint64_t *st) { return (double)(rng_next(st) >> 11) * 0x1.0p-53; }
+static double rng_unit(uint64_t *st) { return (double)(tu_rng_next(st) >> 11) * 0x1.0p-53; }
 
 /* Random BF16 [H][N][d]: each group of g channels gets its own offset and
  * spread: offsets far from 0 with small spreads, and a few groups below fp16's
@@ -50,9 +48,9 @@ static void random_kv(uint16_t *x, int64_t n, int h, int d, int g, uint64_t seed
     uint64_t st = seed;
     for (int64_t r = 0; r < n * h; r++)
         for (int c0 = 0; c0 < d; c0 += g) {
-            double off = (rng_unit(&st) - 0.5) * 200.0 * (rng_next(&st) & 1);
+            double off = (rng_unit(&st) - 0.5) * 200.0 * (tu_rng_next(&st) & 1);
             double spread = pow(10.0, -3.0 + 5.0 * rng_unit(&st));
-            unsigned kind = rng_next(&st) % 16;
+            unsigned kind = tu_rng_next(&st) % 16;
             if (kind < 2) { /* fp16 subnormals: steps of 2^-24 */
                 off = (rng_unit(&st) - 0.5) * pow(10.0, -7.0 + 2.0 * rng_unit(&st));
                 spread = pow(10.0, -7.0 + 2.0 * rng_unit(&st));
@@ -408,9 +406,9 @@ static uint64_t fnv1a(uint64_t h, const void *p, size_t n) {
 static void golden_input(uint16_t *x, size_t n, int g, uint64_t seed) {
     uint64_t st = seed;
     for (size_t i = 0; i < n; i += g) {
-        unsigned e = 110 + rng_next(&st) % 28;
+        unsigned e = 110 + tu_rng_next(&st) % 28;
         for (int c = 0; c < g; c++) {
-            uint64_t r = rng_next(&st);
+            uint64_t r = tu_rng_next(&st);
             x[i + c] = (uint16_t)((r & 1) << 15 | (e - (r >> 1) % 8) << 7 | (r >> 8) % 128);
         }
     }

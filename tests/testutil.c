@@ -47,11 +47,17 @@ void tu_synth_kv(uint16_t *x, int64_t n_tokens, int n_heads, int head_dim, uint6
     kvf_synth_kv(x, n_tokens, n_heads, head_dim, seed);
 }
 
-uint64_t tu_rng_next(uint64_t *st) {
-    uint64_t z = (*st += 0x9e3779b97f4a7c15ull);
+uint64_t tu_splitmix(uint64_t x) {
+    uint64_t z = x + 0x9e3779b97f4a7c15ull;
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
     return z ^ (z >> 31);
+}
+
+uint64_t tu_rng_next(uint64_t *st) {
+    uint64_t z = tu_splitmix(*st);
+    *st += 0x9e3779b97f4a7c15ull;
+    return z;
 }
 
 /* NaN and Inf of every kind: quiet, +Inf, -Inf, negative with a payload, signalling. */

@@ -19,6 +19,8 @@ void tu_rmtree(const char *dir);
 void tu_synth_kv(uint16_t *x, int64_t n_tokens, int n_heads, int head_dim, uint64_t seed);
 /* splitmix64: the tests' deterministic generator (one step). */
 uint64_t tu_rng_next(uint64_t *state);
+/* splitmix64's output for state x (tu_rng_next without the state): a hash of x. */
+uint64_t tu_splitmix(uint64_t x);
 /* Load a shipped scheme by name, failing the test on error. */
 kvf_scheme *tu_scheme(const char *name);
 /*
