@@ -94,13 +94,6 @@ static void assert_miss(const char *arch, const kvf_cache_key *k) {
     assert_int_equal(got_n, 0);
 }
 
-static void write_file(const char *path, const void *data, size_t n) {
-    FILE *f = fopen(path, "wb");
-    assert_non_null(f);
-    assert_int_equal(fwrite(data, 1, n, f), n);
-    assert_int_equal(fclose(f), 0);
-}
-
 static bool exists(const char *path) {
     struct stat st;
     return lstat(path, &st) == 0;
@@ -282,7 +275,7 @@ static void make_empty(const char *path) { assert_int_equal(truncate(path, 0), 0
 static void write_garbage(const char *path) {
     uint8_t junk[5000];
     fill_payload(junk, sizeof junk, 99);
-    write_file(path, junk, sizeof junk);
+    tu_write_file(path, junk, sizeof junk);
 }
 static void grow_file(const char *path) {
     FILE *f = fopen(path, "ab");
@@ -314,7 +307,7 @@ static void test_uncreatable_dir(void **state) {
     fill_payload(payload, sizeof payload, 4);
     base_key(&k);
     snprintf(file, sizeof file, "%s/file", fx->tmp);
-    write_file(file, "x", 1);
+    tu_write_file(file, "x", 1);
     snprintf(dir, sizeof dir, "%s/sub", file);
     setenv("KVFORGE_CACHE_DIR", dir, 1);
 
@@ -777,7 +770,7 @@ static void test_killed_writer(void **state) {
     print_message("temp files left by killed writers: %d\n", count_names(arch_dir, ".tmp."));
     /* a stale temp file (as a kill -9 leaves) is ignored by get, put and list */
     snprintf(stale, sizeof stale, "%s/%s.bin.tmp.AbC123", arch_dir, k.hex);
-    write_file(stale, "KVFCACHE half", 13);
+    tu_write_file(stale, "KVFCACHE half", 13);
     put_ok(ARCH, &k, want, 1000);
     assert_hit(ARCH, &k, want, 1000);
     char *text;
@@ -848,9 +841,9 @@ static void test_clear(void **state) {
     put_ok("sm_80", &b, payload, sizeof payload);
     kvf_cache_unlock(kvf_cache_lock(ARCH, &a));
     snprintf(stale, sizeof stale, "%s/%s/%s.bin.tmp.xYz789", fx->cache, ARCH, a.hex);
-    write_file(stale, "half", 4);
+    tu_write_file(stale, "half", 4);
     snprintf(other, sizeof other, "%s/%s/README", fx->cache, ARCH);
-    write_file(other, "not ours", 8);
+    tu_write_file(other, "not ours", 8);
 
     assert_int_equal(kvf_cache_clear(), KVF_OK);
     assert_miss(ARCH, &a);

@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 const char *tu_src(void) {
@@ -41,6 +42,26 @@ kvf_scheme *tu_scheme(const char *name) {
     int rc = kvf_scheme_load_builtin(name, &s);
     if (rc) fail_msg("loading %s: %s", name, kvf_last_error());
     return s;
+}
+
+kvf_scheme *tu_scheme_text(const char *text) {
+    kvf_scheme *s = NULL;
+    int rc = kvf_scheme_load_string(text, strlen(text), "=test", &s);
+    if (rc) fail_msg("loading <%s>: %s", text, kvf_last_error());
+    return s;
+}
+
+void tu_write_file(const char *path, const void *data, size_t n) {
+    FILE *f = fopen(path, "wb");
+    assert_non_null(f);
+    assert_int_equal(fwrite(data, 1, n, f), n);
+    assert_int_equal(fclose(f), 0);
+}
+
+double tu_now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
 void tu_synth_kv(uint16_t *x, int64_t n_tokens, int n_heads, int head_dim, uint64_t seed) {
