@@ -138,6 +138,16 @@ static char *capture_end(capture *c) {
     return strdup(text);
 }
 
+/* What kvf_cache_list prints (malloc'ed, len bytes), checking it succeeds. */
+static char *list_text(size_t *len) {
+    char *text;
+    FILE *out = open_memstream(&text, len);
+    assert_non_null(out);
+    assert_int_equal(kvf_cache_list(out), KVF_OK);
+    fclose(out);
+    return text;
+}
+
 static int count_substr(const char *s, const char *part) {
     int n = 0;
     for (const char *p = s; (p = strstr(p, part)); p += strlen(part)) n++;
@@ -405,9 +415,7 @@ static void test_foreign_entry_refused(void **state) {
     snprintf(owned_by, sizeof owned_by, "refused: owned by uid %u", (unsigned)other);
     assert_miss(ARCH, &k);
     if (!strstr(kvf_last_error(), owned_by)) fail_msg("miss reason: %s", kvf_last_error());
-    FILE *out = open_memstream(&text, &len);
-    assert_int_equal(kvf_cache_list(out), KVF_OK);
-    fclose(out);
+    text = list_text(&len);
     snprintf(owned_by, sizeof owned_by, "%s refused (owned by uid %u", k.hex, (unsigned)other);
     if (!strstr(text, owned_by)) fail_msg("cache list: %s", text);
     free(text);
@@ -643,6 +651,17 @@ static int race_reader(const kvf_cache_key *k, const uint8_t *want) {
     return 0;
 }
 
+/* After a race: at most one racer compiled (the lock and double-check stopped
+ * the others), the entry is whole, one entry and no temp file are left. */
+static void check_race_end(const fixture *fx, const kvf_cache_key *k, const uint8_t *want, int compiled) {
+    assert_true(compiled <= 1);
+    assert_hit(ARCH, k, want, RACE_BYTES);
+    char arch_dir[PATH_MAX + 16];
+    snprintf(arch_dir, sizeof arch_dir, "%s/%s", fx->cache, ARCH);
+    assert_int_equal(count_names(arch_dir, ".tmp."), 0);
+    assert_int_equal(count_names(arch_dir, ".bin"), 1);
+}
+
 static void test_processes_race(void **state) {
     fixture *fx = *state;
     uint8_t *want = malloc(RACE_BYTES);
@@ -676,12 +695,7 @@ static void test_processes_race(void **state) {
         if (i < RACE_LOCKED && code == 1) { compiled++; continue; }
         if (code) fail_msg("child %d exited with %d", i, code);
     }
-    assert_true(compiled <= 1); /* the lock and double-check stopped the others */
-    assert_hit(ARCH, &k, want, RACE_BYTES);
-    char arch_dir[PATH_MAX + 16];
-    snprintf(arch_dir, sizeof arch_dir, "%s/%s", fx->cache, ARCH);
-    assert_int_equal(count_names(arch_dir, ".tmp."), 0);
-    assert_int_equal(count_names(arch_dir, ".bin"), 1);
+    check_race_end(fx, &k, want, compiled);
     free(want);
 }
 
@@ -727,12 +741,7 @@ static void test_threads_race(void **state) {
         if (args[i].code) fail_msg("thread %d returned %d", i, args[i].code);
     }
     pthread_barrier_destroy(&go);
-    assert_true(compiled <= 1);
-    assert_hit(ARCH, &k, want, RACE_BYTES);
-    char arch_dir[PATH_MAX + 16];
-    snprintf(arch_dir, sizeof arch_dir, "%s/%s", fx->cache, ARCH);
-    assert_int_equal(count_names(arch_dir, ".tmp."), 0);
-    assert_int_equal(count_names(arch_dir, ".bin"), 1);
+    check_race_end(fx, &k, want, compiled);
     free(want);
 }
 
@@ -773,11 +782,8 @@ static void test_killed_writer(void **state) {
     tu_write_file(stale, "KVFCACHE half", 13);
     put_ok(ARCH, &k, want, 1000);
     assert_hit(ARCH, &k, want, 1000);
-    char *text;
     size_t len;
-    FILE *out = open_memstream(&text, &len);
-    assert_int_equal(kvf_cache_list(out), KVF_OK);
-    fclose(out);
+    char *text = list_text(&len);
     assert_int_equal(count_substr(text, "\n"), 1);
     free(text);
     assert_int_equal(kvf_cache_clear(), KVF_OK);
@@ -802,9 +808,7 @@ static void test_list(void **state) {
     flip_payload_byte(entry_path(fx, ARCH, &c, ".bin"));
     kvf_cache_unlock(kvf_cache_lock(ARCH, &a)); /* a lock file: not an entry */
 
-    FILE *out = open_memstream(&text, &len);
-    assert_int_equal(kvf_cache_list(out), KVF_OK);
-    fclose(out);
+    text = list_text(&len);
     fputs(text, stderr);
     assert_int_equal(count_substr(text, "\n"), 3);
     /* sorted by arch: sm_80 first */
@@ -822,9 +826,7 @@ static void test_list(void **state) {
 
     /* an empty or missing cache lists nothing */
     setenv("KVFORGE_CACHE_DIR", "/nonexistent/kvforge-test", 1);
-    out = open_memstream(&text, &len);
-    assert_int_equal(kvf_cache_list(out), KVF_OK);
-    fclose(out);
+    text = list_text(&len);
     assert_int_equal(len, 0);
     free(text);
 }
