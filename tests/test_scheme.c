@@ -132,19 +132,23 @@ static void test_disk_schemes_match_builtin(void **state) {
     assert_int_equal(n, builtins);
 }
 
+/* A tensor of plain RTN: channel groups of 64, affine, fp16 scales, no
+ * centroids, QSAC, PSAC or stages. */
+static void check_rtn_tensor(const kvf_tensor_cfg *t, int bits) {
+    assert_int_equal(t->bits, bits);
+    assert_int_equal(t->group_size, 64);
+    assert_int_equal(t->axis, KVF_AXIS_CHANNEL);
+    assert_int_equal(t->mode, KVF_MODE_AFFINE);
+    assert_int_equal(t->scale_format, KVF_SCALE_FP16);
+    assert_int_equal(t->centroids, 0);
+    assert_int_equal(t->qsac_candidates, 1);
+    assert_int_equal(t->psac_rank, 0);
+    assert_int_equal(t->stages, 1);
+}
+
 static void check_rtn(const kvf_scheme *s, int bits) {
-    const kvf_tensor_cfg *t[2] = {&s->key, &s->value};
-    for (int i = 0; i < 2; i++) {
-        assert_int_equal(t[i]->bits, bits);
-        assert_int_equal(t[i]->group_size, 64);
-        assert_int_equal(t[i]->axis, KVF_AXIS_CHANNEL);
-        assert_int_equal(t[i]->mode, KVF_MODE_AFFINE);
-        assert_int_equal(t[i]->scale_format, KVF_SCALE_FP16);
-        assert_int_equal(t[i]->centroids, 0);
-        assert_int_equal(t[i]->qsac_candidates, 1);
-        assert_int_equal(t[i]->psac_rank, 0);
-        assert_int_equal(t[i]->stages, 1);
-    }
+    check_rtn_tensor(&s->key, bits);
+    check_rtn_tensor(&s->value, bits);
     assert_int_equal(s->head_dim, 128);
     assert_int_equal(s->rope.placement, KVF_ROPE_NONE);
 }
@@ -178,17 +182,9 @@ static void test_defaults(void **state) {
     assert_null(d.canonical);
     const kvf_tensor_cfg *t[3] = {&s->key, &s->value, &d.key};
     for (int i = 0; i < 3; i++) {
-        assert_int_equal(t[i]->bits, 2);
-        assert_int_equal(t[i]->group_size, 64);
-        assert_int_equal(t[i]->axis, KVF_AXIS_CHANNEL);
-        assert_int_equal(t[i]->mode, KVF_MODE_AFFINE);
-        assert_int_equal(t[i]->scale_format, KVF_SCALE_FP16);
-        assert_int_equal(t[i]->centroids, 0);
+        check_rtn_tensor(t[i], 2);
         assert_int_equal(t[i]->kmeans_iters, 2);
         assert_true(t[i]->seed == 0);
-        assert_int_equal(t[i]->qsac_candidates, 1);
-        assert_int_equal(t[i]->psac_rank, 0);
-        assert_int_equal(t[i]->stages, 1);
         assert_int_equal(t[i]->rotation, KVF_ROTATION_NONE);
     }
     assert_int_equal(s->head_dim, 128);
