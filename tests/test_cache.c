@@ -94,13 +94,6 @@ static void assert_miss(const char *arch, const kvf_cache_key *k) {
     assert_int_equal(got_n, 0);
 }
 
-static void write_file(const char *path, const void *data, size_t n) {
-    FILE *f = fopen(path, "wb");
-    assert_non_null(f);
-    assert_int_equal(fwrite(data, 1, n, f), n);
-    assert_int_equal(fclose(f), 0);
-}
-
 static bool exists(const char *path) {
     struct stat st;
     return lstat(path, &st) == 0;
@@ -143,6 +136,16 @@ static char *capture_end(capture *c) {
     text[n] = 0;
     fputs(text, stderr); /* keep the warnings visible in the test log */
     return strdup(text);
+}
+
+/* What kvf_cache_list prints (malloc'ed, len bytes), checking it succeeds. */
+static char *list_text(size_t *len) {
+    char *text;
+    FILE *out = open_memstream(&text, len);
+    assert_non_null(out);
+    assert_int_equal(kvf_cache_list(out), KVF_OK);
+    fclose(out);
+    return text;
 }
 
 static int count_substr(const char *s, const char *part) {
@@ -282,7 +285,7 @@ static void make_empty(const char *path) { assert_int_equal(truncate(path, 0), 0
 static void write_garbage(const char *path) {
     uint8_t junk[5000];
     fill_payload(junk, sizeof junk, 99);
-    write_file(path, junk, sizeof junk);
+    tu_write_file(path, junk, sizeof junk);
 }
 static void grow_file(const char *path) {
     FILE *f = fopen(path, "ab");
@@ -314,7 +317,7 @@ static void test_uncreatable_dir(void **state) {
     fill_payload(payload, sizeof payload, 4);
     base_key(&k);
     snprintf(file, sizeof file, "%s/file", fx->tmp);
-    write_file(file, "x", 1);
+    tu_write_file(file, "x", 1);
     snprintf(dir, sizeof dir, "%s/sub", file);
     setenv("KVFORGE_CACHE_DIR", dir, 1);
 
@@ -412,9 +415,7 @@ static void test_foreign_entry_refused(void **state) {
     snprintf(owned_by, sizeof owned_by, "refused: owned by uid %u", (unsigned)other);
     assert_miss(ARCH, &k);
     if (!strstr(kvf_last_error(), owned_by)) fail_msg("miss reason: %s", kvf_last_error());
-    FILE *out = open_memstream(&text, &len);
-    assert_int_equal(kvf_cache_list(out), KVF_OK);
-    fclose(out);
+    text = list_text(&len);
     snprintf(owned_by, sizeof owned_by, "%s refused (owned by uid %u", k.hex, (unsigned)other);
     if (!strstr(text, owned_by)) fail_msg("cache list: %s", text);
     free(text);
@@ -650,6 +651,17 @@ static int race_reader(const kvf_cache_key *k, const uint8_t *want) {
     return 0;
 }
 
+/* After a race: at most one racer compiled (the lock and double-check stopped
+ * the others), the entry is whole, one entry and no temp file are left. */
+static void check_race_end(const fixture *fx, const kvf_cache_key *k, const uint8_t *want, int compiled) {
+    assert_true(compiled <= 1);
+    assert_hit(ARCH, k, want, RACE_BYTES);
+    char arch_dir[PATH_MAX + 16];
+    snprintf(arch_dir, sizeof arch_dir, "%s/%s", fx->cache, ARCH);
+    assert_int_equal(count_names(arch_dir, ".tmp."), 0);
+    assert_int_equal(count_names(arch_dir, ".bin"), 1);
+}
+
 static void test_processes_race(void **state) {
     fixture *fx = *state;
     uint8_t *want = malloc(RACE_BYTES);
@@ -683,12 +695,7 @@ static void test_processes_race(void **state) {
         if (i < RACE_LOCKED && code == 1) { compiled++; continue; }
         if (code) fail_msg("child %d exited with %d", i, code);
     }
-    assert_true(compiled <= 1); /* the lock and double-check stopped the others */
-    assert_hit(ARCH, &k, want, RACE_BYTES);
-    char arch_dir[PATH_MAX + 16];
-    snprintf(arch_dir, sizeof arch_dir, "%s/%s", fx->cache, ARCH);
-    assert_int_equal(count_names(arch_dir, ".tmp."), 0);
-    assert_int_equal(count_names(arch_dir, ".bin"), 1);
+    check_race_end(fx, &k, want, compiled);
     free(want);
 }
 
@@ -734,12 +741,7 @@ static void test_threads_race(void **state) {
         if (args[i].code) fail_msg("thread %d returned %d", i, args[i].code);
     }
     pthread_barrier_destroy(&go);
-    assert_true(compiled <= 1);
-    assert_hit(ARCH, &k, want, RACE_BYTES);
-    char arch_dir[PATH_MAX + 16];
-    snprintf(arch_dir, sizeof arch_dir, "%s/%s", fx->cache, ARCH);
-    assert_int_equal(count_names(arch_dir, ".tmp."), 0);
-    assert_int_equal(count_names(arch_dir, ".bin"), 1);
+    check_race_end(fx, &k, want, compiled);
     free(want);
 }
 
@@ -777,14 +779,11 @@ static void test_killed_writer(void **state) {
     print_message("temp files left by killed writers: %d\n", count_names(arch_dir, ".tmp."));
     /* a stale temp file (as a kill -9 leaves) is ignored by get, put and list */
     snprintf(stale, sizeof stale, "%s/%s.bin.tmp.AbC123", arch_dir, k.hex);
-    write_file(stale, "KVFCACHE half", 13);
+    tu_write_file(stale, "KVFCACHE half", 13);
     put_ok(ARCH, &k, want, 1000);
     assert_hit(ARCH, &k, want, 1000);
-    char *text;
     size_t len;
-    FILE *out = open_memstream(&text, &len);
-    assert_int_equal(kvf_cache_list(out), KVF_OK);
-    fclose(out);
+    char *text = list_text(&len);
     assert_int_equal(count_substr(text, "\n"), 1);
     free(text);
     assert_int_equal(kvf_cache_clear(), KVF_OK);
@@ -809,9 +808,7 @@ static void test_list(void **state) {
     flip_payload_byte(entry_path(fx, ARCH, &c, ".bin"));
     kvf_cache_unlock(kvf_cache_lock(ARCH, &a)); /* a lock file: not an entry */
 
-    FILE *out = open_memstream(&text, &len);
-    assert_int_equal(kvf_cache_list(out), KVF_OK);
-    fclose(out);
+    text = list_text(&len);
     fputs(text, stderr);
     assert_int_equal(count_substr(text, "\n"), 3);
     /* sorted by arch: sm_80 first */
@@ -829,9 +826,7 @@ static void test_list(void **state) {
 
     /* an empty or missing cache lists nothing */
     setenv("KVFORGE_CACHE_DIR", "/nonexistent/kvforge-test", 1);
-    out = open_memstream(&text, &len);
-    assert_int_equal(kvf_cache_list(out), KVF_OK);
-    fclose(out);
+    text = list_text(&len);
     assert_int_equal(len, 0);
     free(text);
 }
@@ -848,9 +843,9 @@ static void test_clear(void **state) {
     put_ok("sm_80", &b, payload, sizeof payload);
     kvf_cache_unlock(kvf_cache_lock(ARCH, &a));
     snprintf(stale, sizeof stale, "%s/%s/%s.bin.tmp.xYz789", fx->cache, ARCH, a.hex);
-    write_file(stale, "half", 4);
+    tu_write_file(stale, "half", 4);
     snprintf(other, sizeof other, "%s/%s/README", fx->cache, ARCH);
-    write_file(other, "not ours", 8);
+    tu_write_file(other, "not ours", 8);
 
     assert_int_equal(kvf_cache_clear(), KVF_OK);
     assert_miss(ARCH, &a);

@@ -195,13 +195,6 @@ static void test_gqa_mapping(void **state) {
 
 /* ========================================================= safetensors */
 
-static void write_bytes(const char *path, const void *p, size_t n) {
-    FILE *f = fopen(path, "wb");
-    assert_non_null(f);
-    assert_int_equal(fwrite(p, 1, n, f), n);
-    assert_int_equal(fclose(f), 0);
-}
-
 /* 8-byte length, header text, then data. */
 static size_t make_file(uint8_t *buf, const char *header, const void *data, size_t data_len) {
     uint64_t h = strlen(header);
@@ -225,7 +218,7 @@ static void test_safetensors_hand_file(void **state) {
     uint8_t buf[1024];
     size_t n = make_file(buf, header, data, sizeof data);
     const char *path = tmp_file("hand.safetensors");
-    write_bytes(path, buf, n);
+    tu_write_file(path, buf, n);
 
     kvf_st_file *f;
     assert_int_equal(kvf_st_open(path, &f), KVF_OK);
@@ -294,7 +287,7 @@ static void test_safetensors_malformed(void **state) {
     memcpy(buf, &huge, 8);
     assert_error_has(kvf_st_parse(buf, 100, "x", &(kvf_st_file *){0}), KVF_EFORMAT, "exceeds");
     assert_error_has(kvf_st_open(tmp_file("none"), &(kvf_st_file *){0}), KVF_EIO, "cannot open");
-    write_bytes(tmp_file("empty"), "", 0);
+    tu_write_file(tmp_file("empty"), "", 0);
     assert_error_has(kvf_st_open(tmp_file("empty"), &(kvf_st_file *){0}), KVF_EFORMAT, "too short");
 }
 
@@ -305,15 +298,8 @@ typedef struct synth_cfg {
     double q_align; /* queries = q_align * a key + noise */
 } synth_cfg;
 
-static uint64_t mix(uint64_t x) {
-    x += 0x9e3779b97f4a7c15ull;
-    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-    return x ^ (x >> 31);
-}
-
 static double gauss(uint64_t *st) {
-    double u = ((mix((*st)++) >> 11) + 0.5) * 0x1.0p-53, v = ((mix((*st)++) >> 11) + 0.5) * 0x1.0p-53;
+    double u = ((tu_splitmix((*st)++) >> 11) + 0.5) * 0x1.0p-53, v = ((tu_splitmix((*st)++) >> 11) + 0.5) * 0x1.0p-53;
     return sqrt(-2 * log(u)) * cos(2 * M_PI * v);
 }
 
@@ -328,11 +314,11 @@ typedef struct synth_dump {
 /* Queries of chunk c lean towards keys of chunks <= c of their KV head. */
 static void synth_queries(const synth_dump *s, int l, int c, uint16_t *q) {
     const synth_cfg *g = &s->c;
-    uint64_t st = mix(((uint64_t)l << 32) ^ ((uint64_t)c << 16) ^ 0x51ull);
+    uint64_t st = tu_splitmix(((uint64_t)l << 32) ^ ((uint64_t)c << 16) ^ 0x51ull);
     for (int j = 0; j < g->q_heads; j++) {
         int h = j / (g->q_heads / g->kv_heads);
         for (int i = 0; i < g->queries; i++) {
-            uint64_t pick = mix(st++) % ((uint64_t)(c + 1) * g->tokens);
+            uint64_t pick = tu_splitmix(st++) % ((uint64_t)(c + 1) * g->tokens);
             const uint16_t *kc = s->k[l * g->chunks + (int)(pick / g->tokens)];
             const uint16_t *key = kc + ((size_t)h * g->tokens + pick % g->tokens) * g->d;
             for (int x = 0; x < g->d; x++) {
@@ -530,13 +516,13 @@ static void test_dump_corrupted(void **state) {
     int ok = 0;
     for (int iter = 0; iter < 3000; iter++) {
         memcpy(bad, good, n);
-        int flips = 1 + (int)(mix(st++) % 4);
+        int flips = 1 + (int)(tu_splitmix(st++) % 4);
         for (int i = 0; i < flips; i++) {
-            size_t at = (size_t)(mix(st++) % (8 + hlen));
+            size_t at = (size_t)(tu_splitmix(st++) % (8 + hlen));
             static const char pool[] = "0123456789[]{}\",:-e. BF16I32";
-            bad[at] = mix(st++) & 1 ? (uint8_t)pool[mix(st++) % (sizeof pool - 1)] : (uint8_t)mix(st++);
+            bad[at] = tu_splitmix(st++) & 1 ? (uint8_t)pool[tu_splitmix(st++) % (sizeof pool - 1)] : (uint8_t)tu_splitmix(st++);
         }
-        size_t len = mix(st++) % 8 == 0 ? (size_t)(mix(st++) % n) : n;
+        size_t len = tu_splitmix(st++) % 8 == 0 ? (size_t)(tu_splitmix(st++) % n) : n;
         kvf_dump *d;
         if (kvf_dump_parse(bad, len, "fuzz", &d) == KVF_OK) {
             ok++;
@@ -560,13 +546,6 @@ static kvf_eval_report run_eval(const kvf_scheme *s, const char *path, int devic
     if (rc) fail_msg("kvf_eval_run: %s: %s", kvf_status_name(rc), kvf_last_error());
     kvf_dump_close(d);
     return r;
-}
-
-static kvf_scheme *scheme_text(const char *text) {
-    kvf_scheme *s;
-    int rc = kvf_scheme_load_string(text, strlen(text), "=test", &s);
-    if (rc) fail_msg("scheme: %s", kvf_last_error());
-    return s;
 }
 
 static double packed_bytes(const kvf_scheme *s, int64_t tokens, int heads) {
@@ -642,7 +621,7 @@ static void test_bf16_scheme_exact(void **state) {
     synth_dump *sd = synth_make(&small_cfg);
     const char *path = tmp_file("bf16.safetensors");
     synth_write(sd, path, NULL);
-    kvf_scheme *s = scheme_text("return { base = 'rtn_int2', key = { bits = 16 }, value = { bits = 16 } }");
+    kvf_scheme *s = tu_scheme_text("return { base = 'rtn_int2', key = { bits = 16 }, value = { bits = 16 } }");
     kvf_eval_report r = run_eval(s, path, KVF_DEVICE_CPU);
     const kvf_eval_metrics *m = &r.overall;
     assert_true(m->top1_shift == 0 && m->top5_overlap == 1 && m->attn_out_rel_err == 0 && m->key_mse == 0 &&
@@ -666,7 +645,7 @@ static void test_chunk_policy(void **state) {
 
     /* sink 1, recent 1: chunk 1 is packed after step 2, chunk 2 after step 3;
      * chunks 0 and 3 stay BF16. Only step 3 sees a packed chunk. */
-    kvf_scheme *s = scheme_text("return { base = 'rtn_int2', chunk = { sink = 1, recent = 1 } }");
+    kvf_scheme *s = tu_scheme_text("return { base = 'rtn_int2', chunk = { sink = 1, recent = 1 } }");
     kvf_eval_report r = run_eval(s, path, KVF_DEVICE_CPU);
     for (int l = 0; l < 2; l++) {
         assert_float_equal(r.layer[l].compression, 4 * B / (2 * packed_bytes(s, 64, 2) + 2 * B), 1e-12);
@@ -681,7 +660,7 @@ static void test_chunk_policy(void **state) {
     kvf_scheme_free(s);
 
     /* span 2: chunks 0-1 packed after step 1, chunks 2-3 after step 3. */
-    s = scheme_text("return { base = 'rtn_int2', chunk = { span = 2 } }");
+    s = tu_scheme_text("return { base = 'rtn_int2', chunk = { span = 2 } }");
     r = run_eval(s, path, KVF_DEVICE_CPU);
     assert_float_equal(r.layer[0].compression, 4 * B / (2 * packed_bytes(s, 128, 2)), 1e-12);
     assert_true(r.step[1].key_tokens == 0 && r.step[2].key_tokens == 128 * 2 && r.step[3].key_tokens == 128 * 2);
@@ -689,7 +668,7 @@ static void test_chunk_policy(void **state) {
     kvf_scheme_free(s);
 
     /* span 3 over 4 chunks: chunks 0-2 packed after step 2, chunk 3 never. */
-    s = scheme_text("return { base = 'rtn_int2', chunk = { span = 3 } }");
+    s = tu_scheme_text("return { base = 'rtn_int2', chunk = { span = 3 } }");
     r = run_eval(s, path, KVF_DEVICE_CPU);
     assert_float_equal(r.layer[1].compression, 4 * B / (packed_bytes(s, 192, 2) + B), 1e-12);
     assert_true(r.step[3].key_tokens == 192 * 2);
@@ -707,10 +686,10 @@ static void test_mismatch_errors(void **state) {
     assert_int_equal(kvf_dump_open(path, &d), KVF_OK);
     kvf_eval_options opt = {KVF_DEVICE_CPU, 1};
     kvf_eval_report r;
-    kvf_scheme *s = scheme_text("return { base = 'rtn_int2', head_dim = 64 }");
+    kvf_scheme *s = tu_scheme_text("return { base = 'rtn_int2', head_dim = 64 }");
     assert_error_has(kvf_eval_run(s, d, &opt, &r), KVF_EINVAL, "head_dim = 128, scheme scheme has head_dim = 64");
     kvf_scheme_free(s);
-    s = scheme_text("return { base = 'rtn_int2', rope = { placement = 'pre', theta = 500.0 } }");
+    s = tu_scheme_text("return { base = 'rtn_int2', rope = { placement = 'pre', theta = 500.0 } }");
     int rc = kvf_eval_run(s, d, &opt, &r);
     assert_true(rc != KVF_OK && strstr(kvf_last_error(), "RoPE"));
     kvf_scheme_free(s);

@@ -11,16 +11,8 @@
 
 /* ------------------------------------------------------------ helpers */
 
-static uint64_t rng_next(uint64_t *st) { return tu_rng_next(st); }
-
 /* Uniform in [-1, 1). */
-static double rng_sym(uint64_t *st) { return (double)(rng_next(st) >> 11) * 0x1.0p-52 - 1.0; }
-
-static kvf_scheme *load_text(const char *text) {
-    kvf_scheme *s = NULL;
-    if (kvf_scheme_load_string(text, strlen(text), "=test", &s)) fail_msg("<%s>: %s", text, kvf_last_error());
-    return s;
-}
+static double rng_sym(uint64_t *st) { return (double)(tu_rng_next(st) >> 11) * 0x1.0p-52 - 1.0; }
 
 static uint16_t *bf16_alloc(size_t n) {
     uint16_t *p = calloc(n, 2);
@@ -111,8 +103,6 @@ static void test_kmeans_separable(void **state) {
 /* Same seed, same centroids; another seed (or stage, or head) another start.
  * With 0 iterations the centroids are the strided sample of METHODS.md 3,
  * recomputed here independently. */
-static uint64_t splitmix_first(uint64_t x) { return rng_next(&x); }
-
 static void test_kmeans_seeded(void **state) {
     (void)state;
     enum { D = 128, N = 200, C = 16 };
@@ -134,7 +124,7 @@ static void test_kmeans_seeded(void **state) {
     int64_t seed = 12345;
     int stage = 2, head = 3;
     assert_int_equal(kvf_ref_kmeans(e, N, D, C, 0, seed, stage, head, a), KVF_OK);
-    uint64_t o = splitmix_first((uint64_t)seed ^ ((uint64_t)stage << 32) ^ ((uint64_t)head << 40)) % N;
+    uint64_t o = tu_splitmix((uint64_t)seed ^ ((uint64_t)stage << 32) ^ ((uint64_t)head << 40)) % N;
     for (int j = 0; j < C; j++) {
         uint64_t t = (o + (uint64_t)j * N / C) % N;
         assert_memory_equal(a + j * D, x + t * D, D * 2);
@@ -222,7 +212,7 @@ static void test_kivi_token_groups(void **state) {
     (void)state;
     enum { D = 128, N = 70 }; /* groups of 32 tokens: 32, 32, 6 */
     kvf_scheme *kivi = tu_scheme("kivi_int2");
-    kvf_scheme *rtn = load_text("return { base = 'rtn_int2', name = 'r32', key = { group_size = 32 } }");
+    kvf_scheme *rtn = tu_scheme_text("return { base = 'rtn_int2', name = 'r32', key = { group_size = 32 } }");
     kvf_layout L;
     assert_int_equal(kvf_layout_compute(kivi, N, 1, &L), KVF_OK);
     assert_int_equal(L.key.axis, KVF_AXIS_TOKEN);
@@ -317,7 +307,7 @@ static void test_stages_monotonic(void **state) {
         snprintf(text, sizeof text,
                  "return { base = 'qvg_int2', name = 's%d', key = { centroids = 16, stages = %d },"
                  " value = { centroids = 16, stages = %d } }", st, st, st);
-        kvf_scheme *s = load_text(text);
+        kvf_scheme *s = tu_scheme_text(text);
         double ek, ev;
         round_trip_error(s, 256, 40, NULL, &ek, &ev);
         print_message("stages %d: relative MSE K %.4g V %.4g\n", st, ek, ev);
@@ -341,7 +331,7 @@ static void check_int8_fp16(int bits, const char *mode) {
              "return { name = 'i8', key = { bits = %d, group_size = %d, mode = '%s', scale_format = 'int8_fp16' },"
              " value = { bits = %d, group_size = %d, mode = '%s', scale_format = 'int8_fp16' } }",
              bits, G, mode, bits, G, mode);
-    kvf_scheme *s = load_text(text);
+    kvf_scheme *s = tu_scheme_text(text);
     uint16_t *k = bf16_alloc(N * D), *ko = bf16_alloc(N * D), *vo = bf16_alloc(N * D);
     uint64_t st = (uint64_t)bits;
     for (int t = 0; t < N; t++)
@@ -495,8 +485,8 @@ static double weighted_error(const uint16_t *k, const uint16_t *ko, int n, int d
 static void test_quantwm_with_stats(void **state) {
     (void)state;
     enum { D = 128, N = 300, R = 8 };
-    kvf_scheme *s = load_text("return { base = 'quantwm_int2', name = 'qw', key = { centroids = 32 },"
-                              " value = { centroids = 32 } }");
+    kvf_scheme *s = tu_scheme_text("return { base = 'quantwm_int2', name = 'qw', key = { centroids = 32 },"
+                                   " value = { centroids = 32 } }");
     float m[D];
     for (int c = 0; c < D; c++) m[c] = c < R ? 50.0f - 5.0f * (float)c : 0.1f; /* queries live in 8 channels */
     size_t qb, bytes;
@@ -537,8 +527,8 @@ static void test_quantwm_with_stats(void **state) {
 static void test_rope_pre(void **state) {
     (void)state;
     enum { D = 128, N = 40 };
-    kvf_scheme *pre = load_text("return { base = 'rtn_int2', name = 'p', rope = { placement = 'pre' } }");
-    kvf_scheme *none = load_text("return { base = 'rtn_int2', name = 'p' }");
+    kvf_scheme *pre = tu_scheme_text("return { base = 'rtn_int2', name = 'p', rope = { placement = 'pre' } }");
+    kvf_scheme *none = tu_scheme_text("return { base = 'rtn_int2', name = 'p' }");
     uint16_t *k = bf16_alloc(N * D), *v = bf16_alloc(N * D), *k1 = bf16_alloc(N * D), *v1 = bf16_alloc(N * D),
              *k2 = bf16_alloc(N * D), *v2 = bf16_alloc(N * D);
     kvf_synth_kv(k, N, 1, D, 31);
@@ -568,7 +558,7 @@ static void test_rope_pre(void **state) {
         assert_true(fabs(sqrt(n1) - sqrt(n2)) < 0.02 * sqrt(n2));
     }
     /* BF16 keys cached before RoPE: position 0 gives the stored bits back, others rotate. */
-    kvf_scheme *b16 = load_text("return { name = 'b', key = { bits = 16 }, rope = { placement = 'pre' } }");
+    kvf_scheme *b16 = tu_scheme_text("return { name = 'b', key = { bits = 16 }, rope = { placement = 'pre' } }");
     uint8_t *r = encode_with(b16, k, v, N, 1, NULL, &bytes);
     memset(pos, 0, sizeof pos);
     decode_with(b16, r, bytes, N, 1, pos, k1, v1);
@@ -610,7 +600,7 @@ static void test_heads_and_strides(void **state) {
     int32_t pos[N * 3];
     for (int i = 0; i < N * 3; i++) pos[i] = i % 17;
     for (int i = 0; i < 3; i++) {
-        kvf_scheme *s = load_text(texts[i]);
+        kvf_scheme *s = tu_scheme_text(texts[i]);
         size_t qb, bytes;
         void *q = make_qstats(s, H, m, s->key.psac_rank, &qb);
         uint8_t *a = encode_with(s, k, v, N, H, q, &bytes);

@@ -35,9 +35,7 @@ static void make_scheme(struct kvf_scheme *s, int d, int r) {
     strcpy(s->id, "t_89abcdef");
 }
 
-static uint64_t rng_next(uint64_t *st) { return tu_rng_next(st); }
-
-static double rng_unit(uint64_t *st) { return ((double)(rng_next(st) >> 11) + 0.5) * 0x1.0p-53; }
+static double rng_unit(uint64_t *st) { return ((double)(tu_rng_next(st) >> 11) + 0.5) * 0x1.0p-53; }
 
 static double rng_gauss(uint64_t *st) {
     double u = rng_unit(st), v = rng_unit(st);
@@ -75,19 +73,24 @@ static void update_ok(const struct kvf_scheme *s, void *q, size_t bytes, const u
     if (rc) fail_msg("update: %s", kvf_last_error());
 }
 
+/* Modified Gram-Schmidt on the c columns of a rows x c matrix (f64, column j = v[i*c + j]). */
+static void orthonormalize_columns(double *v, int rows, int c) {
+    for (int j = 0; j < c; j++) {
+        for (int k = 0; k < j; k++) {
+            double dot = 0;
+            for (int i = 0; i < rows; i++) dot += v[i * c + j] * v[i * c + k];
+            for (int i = 0; i < rows; i++) v[i * c + j] -= dot * v[i * c + k];
+        }
+        double nn = 0;
+        for (int i = 0; i < rows; i++) nn += v[i * c + j] * v[i * c + j];
+        for (int i = 0; i < rows; i++) v[i * c + j] /= sqrt(nn);
+    }
+}
+
 /* Random orthogonal n x n matrix (f64, column j = q[i*n + j]): MGS of a Gaussian matrix. */
 static void random_orthogonal(double *q, int n, uint64_t *st) {
     for (int i = 0; i < n * n; i++) q[i] = rng_gauss(st);
-    for (int j = 0; j < n; j++) {
-        for (int k = 0; k < j; k++) {
-            double dot = 0;
-            for (int i = 0; i < n; i++) dot += q[i * n + j] * q[i * n + k];
-            for (int i = 0; i < n; i++) q[i * n + j] -= dot * q[i * n + k];
-        }
-        double nn = 0;
-        for (int i = 0; i < n; i++) nn += q[i * n + j] * q[i * n + j];
-        for (int i = 0; i < n; i++) q[i * n + j] /= sqrt(nn);
-    }
+    orthonormalize_columns(q, n, n);
 }
 
 /* Eigenvalues with a gap after the r-th: 10, 9.2, ... (r of them) then the
@@ -474,16 +477,7 @@ static void perturbed_identity(float *u, int d, int r) {
     double *v = malloc(sizeof(double) * d * r);
     for (int i = 0; i < d; i++)
         for (int j = 0; j < r; j++) v[i * r + j] = (i == j) + 0.01 * (((i * 7 + j * 13) % 17) - 8) / 8.0;
-    for (int j = 0; j < r; j++) {
-        for (int k = 0; k < j; k++) {
-            double dot = 0;
-            for (int i = 0; i < d; i++) dot += v[i * r + j] * v[i * r + k];
-            for (int i = 0; i < d; i++) v[i * r + j] -= dot * v[i * r + k];
-        }
-        double n = 0;
-        for (int i = 0; i < d; i++) n += v[i * r + j] * v[i * r + j];
-        for (int i = 0; i < d; i++) v[i * r + j] /= sqrt(n);
-    }
+    orthonormalize_columns(v, d, r);
     for (int i = 0; i < d * r; i++) u[i] = (float)v[i];
     free(v);
 }
@@ -837,8 +831,8 @@ static void test_rope_identity_and_norms(void **state) {
             kvf_ref_rope(y, D, &r, zero);
             assert_memory_equal(x, y, sizeof x); /* position 0 is the identity */
             for (int trial = 0; trial < 50; trial++) {
-                int32_t pos[3] = {(int32_t)(rng_next(&st) % 20000), (int32_t)(rng_next(&st) % 100),
-                                  (int32_t)(rng_next(&st) % 100)};
+                int32_t pos[3] = {(int32_t)(tu_rng_next(&st) % 20000), (int32_t)(tu_rng_next(&st) % 100),
+                                  (int32_t)(tu_rng_next(&st) % 100)};
                 random_vec(x, D, &st);
                 memcpy(y, x, sizeof x);
                 kvf_ref_rope(y, D, &r, pos);
@@ -894,8 +888,8 @@ static void test_rope_half_vs_interleaved(void **state) {
             float h[D], in[D];
             random_vec(h, D, &st);
             for (int p = 0; p < D / 2; p++) in[2 * p] = h[p], in[2 * p + 1] = h[p + D / 2];
-            int32_t pos[3] = {(int32_t)(rng_next(&st) % 5000), (int32_t)(rng_next(&st) % 64),
-                              (int32_t)(rng_next(&st) % 64)};
+            int32_t pos[3] = {(int32_t)(tu_rng_next(&st) % 5000), (int32_t)(tu_rng_next(&st) % 64),
+                              (int32_t)(tu_rng_next(&st) % 64)};
             kvf_ref_rope(h, D, &half, pos);
             kvf_ref_rope(in, D, &inter, pos);
             for (int p = 0; p < D / 2; p++) {

@@ -5,7 +5,6 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #define HASH_A 0x0123456789abcdefull
 #define HASH_B 0xfedcba9876543210ull
@@ -39,9 +38,8 @@ static void make_scheme(struct kvf_scheme *s, int d, int kbits, int vbits, int g
     strcpy(s->id, "t_89abcdef");
 }
 
-static uint64_t rng_next(uint64_t *st) { return tu_rng_next(st); }
 
-static double rng_unit(uint64_t *st) { return (double)(rng_next(st) >> 11) * 0x1.0p-53; }
+static double rng_unit(uint64_t *st) { return (double)(tu_rng_next(st) >> 11) * 0x1.0p-53; }
 
 /* Random BF16 [H][N][d]: each group of g channels gets its own offset and
  * spread: offsets far from 0 with small spreads, and a few groups below fp16's
@@ -50,9 +48,9 @@ static void random_kv(uint16_t *x, int64_t n, int h, int d, int g, uint64_t seed
     uint64_t st = seed;
     for (int64_t r = 0; r < n * h; r++)
         for (int c0 = 0; c0 < d; c0 += g) {
-            double off = (rng_unit(&st) - 0.5) * 200.0 * (rng_next(&st) & 1);
+            double off = (rng_unit(&st) - 0.5) * 200.0 * (tu_rng_next(&st) & 1);
             double spread = pow(10.0, -3.0 + 5.0 * rng_unit(&st));
-            unsigned kind = rng_next(&st) % 16;
+            unsigned kind = tu_rng_next(&st) % 16;
             if (kind < 2) { /* fp16 subnormals: steps of 2^-24 */
                 off = (rng_unit(&st) - 0.5) * pow(10.0, -7.0 + 2.0 * rng_unit(&st));
                 spread = pow(10.0, -7.0 + 2.0 * rng_unit(&st));
@@ -408,9 +406,9 @@ static uint64_t fnv1a(uint64_t h, const void *p, size_t n) {
 static void golden_input(uint16_t *x, size_t n, int g, uint64_t seed) {
     uint64_t st = seed;
     for (size_t i = 0; i < n; i += g) {
-        unsigned e = 110 + rng_next(&st) % 28;
+        unsigned e = 110 + tu_rng_next(&st) % 28;
         for (int c = 0; c < g; c++) {
-            uint64_t r = rng_next(&st);
+            uint64_t r = tu_rng_next(&st);
             x[i + c] = (uint16_t)((r & 1) << 15 | (e - (r >> 1) % 8) << 7 | (r >> 8) % 128);
         }
     }
@@ -810,12 +808,6 @@ static void test_determinism(void **state) {
     free(k), free(v), free(a), free(b);
 }
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
 /* 8 heads x 4680 tokens x 128 (a 480p chunk of 3 latent frames). */
 static void test_speed(void **state) {
     (void)state;
@@ -830,11 +822,11 @@ static void test_speed(void **state) {
     kvf_shape sh = {n, h, 0, 0};
     assert_int_equal(kvf_packed_size(&s, n, h, &bytes), KVF_OK);
     uint8_t *p = malloc(bytes);
-    double t0 = now_s();
+    double t0 = tu_now_s();
     assert_int_equal(kvf_ref_encode(&s, k, v, &sh, NULL, p, bytes), KVF_OK);
-    double t1 = now_s();
+    double t1 = tu_now_s();
     assert_int_equal(kvf_ref_decode(&s, p, bytes, &sh, NULL, ko, vo), KVF_OK);
-    double t2 = now_s();
+    double t2 = tu_now_s();
     print_message("8 x 4680 x 128 K+V: encode %.3f s, decode %.3f s\n", t1 - t0, t2 - t1);
     assert_true(t1 - t0 < 1.0);
     assert_true(t2 - t1 < 1.0);

@@ -24,27 +24,11 @@ static void fmt(char *buf, size_t n, const char *f, ...) {
     if (k < 0 || (size_t)k >= n) fail_msg("test buffer too small for \"%s\"", f);
 }
 
-static kvf_scheme *load_str(const char *text) {
-    kvf_scheme *s = NULL;
-    int rc = kvf_scheme_load_string(text, strlen(text), "=test", &s);
-    if (rc) fail_msg("loading <%s>: %s", text, kvf_last_error());
-    return s;
-}
-
 static kvf_scheme *load_file(const char *path) {
     kvf_scheme *s = NULL;
     int rc = kvf_scheme_load(path, &s);
     if (rc) fail_msg("loading %s: %s", path, kvf_last_error());
     return s;
-}
-
-static void write_file(const char *dir, const char *name, const char *text) {
-    char path[1024];
-    fmt(path, sizeof path, "%s/%s", dir, name);
-    FILE *f = fopen(path, "wb");
-    assert_non_null(f);
-    fputs(text, f);
-    fclose(f);
 }
 
 static const char *join(const char *dir, const char *name) {
@@ -55,17 +39,15 @@ static const char *join(const char *dir, const char *name) {
     return b;
 }
 
+static void write_file(const char *dir, const char *name, const char *text) {
+    tu_write_file(join(dir, name), text, strlen(text));
+}
+
 /* CPU time of this thread: what the sandbox's time limit counts, and what a
  * loaded machine does not inflate. */
 static double cpu_s(void) {
     struct timespec ts;
     clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-    return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
     return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
@@ -150,19 +132,23 @@ static void test_disk_schemes_match_builtin(void **state) {
     assert_int_equal(n, builtins);
 }
 
+/* A tensor of plain RTN: channel groups of 64, affine, fp16 scales, no
+ * centroids, QSAC, PSAC or stages. */
+static void check_rtn_tensor(const kvf_tensor_cfg *t, int bits) {
+    assert_int_equal(t->bits, bits);
+    assert_int_equal(t->group_size, 64);
+    assert_int_equal(t->axis, KVF_AXIS_CHANNEL);
+    assert_int_equal(t->mode, KVF_MODE_AFFINE);
+    assert_int_equal(t->scale_format, KVF_SCALE_FP16);
+    assert_int_equal(t->centroids, 0);
+    assert_int_equal(t->qsac_candidates, 1);
+    assert_int_equal(t->psac_rank, 0);
+    assert_int_equal(t->stages, 1);
+}
+
 static void check_rtn(const kvf_scheme *s, int bits) {
-    const kvf_tensor_cfg *t[2] = {&s->key, &s->value};
-    for (int i = 0; i < 2; i++) {
-        assert_int_equal(t[i]->bits, bits);
-        assert_int_equal(t[i]->group_size, 64);
-        assert_int_equal(t[i]->axis, KVF_AXIS_CHANNEL);
-        assert_int_equal(t[i]->mode, KVF_MODE_AFFINE);
-        assert_int_equal(t[i]->scale_format, KVF_SCALE_FP16);
-        assert_int_equal(t[i]->centroids, 0);
-        assert_int_equal(t[i]->qsac_candidates, 1);
-        assert_int_equal(t[i]->psac_rank, 0);
-        assert_int_equal(t[i]->stages, 1);
-    }
+    check_rtn_tensor(&s->key, bits);
+    check_rtn_tensor(&s->value, bits);
     assert_int_equal(s->head_dim, 128);
     assert_int_equal(s->rope.placement, KVF_ROPE_NONE);
 }
@@ -187,7 +173,7 @@ static void test_rtn_schemes(void **state) {
 
 static void test_defaults(void **state) {
     (void)state;
-    kvf_scheme *s = load_str("return {}");
+    kvf_scheme *s = tu_scheme_text("return {}");
     struct kvf_scheme d;
     kvf_scheme_defaults(&d);
     assert_string_equal(s->name, "scheme");
@@ -196,17 +182,9 @@ static void test_defaults(void **state) {
     assert_null(d.canonical);
     const kvf_tensor_cfg *t[3] = {&s->key, &s->value, &d.key};
     for (int i = 0; i < 3; i++) {
-        assert_int_equal(t[i]->bits, 2);
-        assert_int_equal(t[i]->group_size, 64);
-        assert_int_equal(t[i]->axis, KVF_AXIS_CHANNEL);
-        assert_int_equal(t[i]->mode, KVF_MODE_AFFINE);
-        assert_int_equal(t[i]->scale_format, KVF_SCALE_FP16);
-        assert_int_equal(t[i]->centroids, 0);
+        check_rtn_tensor(t[i], 2);
         assert_int_equal(t[i]->kmeans_iters, 2);
         assert_true(t[i]->seed == 0);
-        assert_int_equal(t[i]->qsac_candidates, 1);
-        assert_int_equal(t[i]->psac_rank, 0);
-        assert_int_equal(t[i]->stages, 1);
         assert_int_equal(t[i]->rotation, KVF_ROTATION_NONE);
     }
     assert_int_equal(s->head_dim, 128);
@@ -228,13 +206,13 @@ static void test_defaults(void **state) {
     assert_memory_equal(&s->rope, &d.rope, sizeof d.rope);
     assert_memory_equal(&s->chunk, &d.chunk, sizeof d.chunk);
     free(d.canonical);
-    kvf_scheme *h64 = load_str("return { head_dim = 64 }");
+    kvf_scheme *h64 = tu_scheme_text("return { head_dim = 64 }");
     assert_int_equal(h64->rope.n_sections, 1);
     assert_int_equal(h64->rope.sections[0], 32);
     kvf_scheme_free(h64);
     /* Later options: absent, nil and false are all fine. */
-    kvf_scheme *l = load_str("return { outliers = false, anchors = nil, error_feedback = false,"
-                             " mixed_precision = false }");
+    kvf_scheme *l = tu_scheme_text("return { outliers = false, anchors = nil, error_feedback = false,"
+                                   " mixed_precision = false }");
     assert_string_equal(kvf_scheme_canonical(l), kvf_scheme_canonical(s));
     kvf_scheme_free(l);
     kvf_scheme_free(s);
@@ -243,7 +221,7 @@ static void test_defaults(void **state) {
 /* Every field read, with integral floats taken as integers. */
 static void test_all_fields_read(void **state) {
     (void)state;
-    kvf_scheme *s = load_str(
+    kvf_scheme *s = tu_scheme_text(
         "return { name = 'full', head_dim = 256,\n"
         " key = { bits = 4, group_size = 2^5, axis = 'channel', mode = 'symmetric',\n"
         "  scale_format = 'int8_fp16', centroids = 256, kmeans_iters = 10, seed = 2^53,\n"
@@ -289,14 +267,14 @@ static void test_finalize_programmatic(void **state) {
     kvf_scheme_defaults(&s);
     assert_int_equal(kvf_scheme_finalize(&s), KVF_OK);
     assert_string_equal(s.name, "scheme");
-    kvf_scheme *ref = load_str("return {}");
+    kvf_scheme *ref = tu_scheme_text("return {}");
     assert_string_equal(s.canonical, kvf_scheme_canonical(ref));
     assert_true(s.hash == kvf_scheme_hash(ref));
     kvf_scheme_free(ref);
     fmt(s.name, sizeof s.name, "prog");
     s.key.bits = 4;
     assert_int_equal(kvf_scheme_finalize(&s), KVF_OK); /* frees the old text */
-    ref = load_str("return { name = 'prog', key = { bits = 4 } }");
+    ref = tu_scheme_text("return { name = 'prog', key = { bits = 4 } }");
     assert_string_equal(s.canonical, kvf_scheme_canonical(ref));
     assert_string_equal(s.id, kvf_scheme_id(ref));
     kvf_scheme_free(ref);
@@ -361,7 +339,7 @@ static void test_inheritance(void **state) {
     expect_error(kvf_scheme_load(join(dir, "narrow.lua"), &bad), KVF_ESCHEME, want);
 
     /* Strings resolve bases among the shipped schemes only. */
-    s = load_str("return { base = 'rtn_int4', name = 'from_string' }");
+    s = tu_scheme_text("return { base = 'rtn_int4', name = 'from_string' }");
     check_rtn(s, 4);
     kvf_scheme_free(s);
     tu_rmtree(dir);
@@ -456,7 +434,7 @@ static void test_canonical_roundtrip(void **state) {
         kvf_scheme_free(s);
     }
     for (size_t i = 0; i < N_VARIANTS; i++) {
-        kvf_scheme *s = load_str(variants[i]);
+        kvf_scheme *s = tu_scheme_text(variants[i]);
         roundtrip(s);
         kvf_scheme_free(s);
     }
@@ -465,10 +443,10 @@ static void test_canonical_roundtrip(void **state) {
 static void test_canonical_deterministic(void **state) {
     (void)state;
     kvf_scheme *a = tu_scheme("rtn_int4"), *b = tu_scheme("rtn_int4");
-    kvf_scheme *c = load_str("return { name = 'rtn_int4', key = { bits = 4 }, value = { bits = 4 } }");
+    kvf_scheme *c = tu_scheme_text("return { name = 'rtn_int4', key = { bits = 4 }, value = { bits = 4 } }");
     /* Same configuration written another way: same text, same hash. */
-    kvf_scheme *d = load_str("return { value = { centroids = 0, bits = 2^2 }, name = 'rtn_int4',"
-                             " rope = { theta = 1e4 }, key = { bits = 4.0 } }");
+    kvf_scheme *d = tu_scheme_text("return { value = { centroids = 0, bits = 2^2 }, name = 'rtn_int4',"
+                                   " rope = { theta = 1e4 }, key = { bits = 4.0 } }");
     assert_string_equal(kvf_scheme_canonical(a), kvf_scheme_canonical(b));
     assert_string_equal(kvf_scheme_canonical(a), kvf_scheme_canonical(c));
     assert_string_equal(kvf_scheme_canonical(a), kvf_scheme_canonical(d));
@@ -482,11 +460,11 @@ static void test_canonical_deterministic(void **state) {
 static void test_hash_differs_per_field(void **state) {
     (void)state;
     uint64_t h[N_VARIANTS + 1];
-    kvf_scheme *base = load_str("return { name = 'v' }");
+    kvf_scheme *base = tu_scheme_text("return { name = 'v' }");
     h[N_VARIANTS] = kvf_scheme_hash(base);
     kvf_scheme_free(base);
     for (size_t i = 0; i < N_VARIANTS; i++) {
-        kvf_scheme *s = load_str(variants[i]);
+        kvf_scheme *s = tu_scheme_text(variants[i]);
         h[i] = kvf_scheme_hash(s);
         kvf_scheme_free(s);
     }
@@ -622,9 +600,9 @@ static void check_bad(const bad_case *c) {
     fmt(rel, sizeof rel, "tests/schemes_bad/%s", c->at ? c->at : c->file);
     fmt(prefix, sizeof prefix, "%s:%d: ", tu_path(rel), c->line);
     kvf_scheme *s = (kvf_scheme *)1;
-    double t0 = cpu_s(), w0 = now_s();
+    double t0 = cpu_s(), w0 = tu_now_s();
     int rc = kvf_scheme_load(path, &s);
-    double dt = cpu_s() - t0, wall = now_s() - w0;
+    double dt = cpu_s() - t0, wall = tu_now_s() - w0;
     const char *msg = kvf_last_error();
     if (rc != KVF_ESCHEME) fail_msg("%s: status %s, message: %s", c->file, kvf_status_name(rc), msg);
     assert_null(s);
@@ -692,10 +670,7 @@ static void test_bytecode_rejected(void **state) {
                  "exported.bin:1: attempt to load a binary chunk (mode is 't')");
     assert_null(s);
     char *dir = tu_mkdtemp();
-    FILE *f = fopen(join(dir, "compiled.lua"), "wb");
-    assert_non_null(f);
-    fwrite(code, 1, len, f);
-    fclose(f);
+    tu_write_file(join(dir, "compiled.lua"), code, len);
     expect_error(kvf_scheme_load(join(dir, "compiled.lua"), &s), KVF_ESCHEME, "binary chunk");
     lua_close(L);
     tu_rmtree(dir);
@@ -712,7 +687,7 @@ static void test_hostile_strings(void **state) {
     char nested[4000] = "return ";
     for (int i = 0; i < 1000; i++) strcat(nested, "{");
     for (int i = 0; i < 1000; i++) strcat(nested, "}");
-    double t0 = now_s();
+    double t0 = tu_now_s();
     expect_str_error(deep, "str:1:");
     expect_str_error(nested, "str:1:");
     expect_str_error("local t = {} t[1] = t return t", "[1]: unknown field");
@@ -741,13 +716,13 @@ static void test_hostile_strings(void **state) {
     expect_str_error("return math.random(1)", "(field 'random')");
     expect_str_error("local s = getmetatable('').__index return s.dump(print)", "str:1:");
     /* __gc added after setmetatable never marks the object: closing does not hang. */
-    kvf_scheme *s = load_str("local t = setmetatable({}, {}) local mt = getmetatable(t)\n"
+    kvf_scheme *s = tu_scheme_text("local t = setmetatable({}, {}) local mt = getmetatable(t)\n"
                              "mt.__gc = function() while true do end end\nt = nil\nreturn {}");
     kvf_scheme_free(s);
     expect_str_error("local t = setmetatable({}, { __close = function() while true do end end })\n"
                      "do local x <close> = t end\nreturn {}",
                      "str:1: instruction limit exceeded");
-    assert_true(now_s() - t0 < 5 * time_limit());
+    assert_true(tu_now_s() - t0 < 5 * time_limit());
 }
 
 /* Lua shortens long chunk names to "...tail"; the loader's messages do not. */

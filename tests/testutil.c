@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 const char *tu_src(void) {
@@ -43,15 +44,41 @@ kvf_scheme *tu_scheme(const char *name) {
     return s;
 }
 
+kvf_scheme *tu_scheme_text(const char *text) {
+    kvf_scheme *s = NULL;
+    int rc = kvf_scheme_load_string(text, strlen(text), "=test", &s);
+    if (rc) fail_msg("loading <%s>: %s", text, kvf_last_error());
+    return s;
+}
+
+void tu_write_file(const char *path, const void *data, size_t n) {
+    FILE *f = fopen(path, "wb");
+    assert_non_null(f);
+    assert_int_equal(fwrite(data, 1, n, f), n);
+    assert_int_equal(fclose(f), 0);
+}
+
+double tu_now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
 void tu_synth_kv(uint16_t *x, int64_t n_tokens, int n_heads, int head_dim, uint64_t seed) {
     kvf_synth_kv(x, n_tokens, n_heads, head_dim, seed);
 }
 
-uint64_t tu_rng_next(uint64_t *st) {
-    uint64_t z = (*st += 0x9e3779b97f4a7c15ull);
+uint64_t tu_splitmix(uint64_t x) {
+    uint64_t z = x + 0x9e3779b97f4a7c15ull;
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
     return z ^ (z >> 31);
+}
+
+uint64_t tu_rng_next(uint64_t *st) {
+    uint64_t z = tu_splitmix(*st);
+    *st += 0x9e3779b97f4a7c15ull;
+    return z;
 }
 
 /* NaN and Inf of every kind: quiet, +Inf, -Inf, negative with a payload, signalling. */

@@ -19,8 +19,16 @@ void tu_rmtree(const char *dir);
 void tu_synth_kv(uint16_t *x, int64_t n_tokens, int n_heads, int head_dim, uint64_t seed);
 /* splitmix64: the tests' deterministic generator (one step). */
 uint64_t tu_rng_next(uint64_t *state);
+/* splitmix64's output for state x (tu_rng_next without the state): a hash of x. */
+uint64_t tu_splitmix(uint64_t x);
 /* Load a shipped scheme by name, failing the test on error. */
 kvf_scheme *tu_scheme(const char *name);
+/* Load a scheme from Lua text (chunk name "=test", so its source is "test"), failing the test on error. */
+kvf_scheme *tu_scheme_text(const char *text);
+/* Write n bytes to path (created or truncated), failing the test on a short write. */
+void tu_write_file(const char *path, const void *data, size_t n);
+/* CLOCK_MONOTONIC in seconds. */
+double tu_now_s(void);
 /*
  * Non-finite query tests (test_faults, test_gpu): q [hq][n][d] = the synthetic
  * queries tu_synth_kv(seed) gives, with a NaN or an Inf in some rows. drop
