@@ -10,7 +10,7 @@ float kvf_bf16_to_f32(uint16_t b) { return bits_f32((uint32_t)b << 16); }
 
 uint16_t kvf_f32_to_bf16(float f) {
     uint32_t u = f32_bits(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x0040u); /* quiet NaN */
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u; /* canonical NaN (FORMAT.md) */
     u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
     return (uint16_t)(u >> 16);
 }

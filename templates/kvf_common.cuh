@@ -17,9 +17,11 @@ struct kvf_header_words { u64 w[8]; };
 
 __device__ __forceinline__ float kvf_bf16_to_f32(u16 b) { return __uint_as_float((u32)b << 16); }
 
+// Round to nearest even; a NaN is always 0x7FC0 (CPUs and GPUs make NaNs with
+// other sign and payload bits: stored planes must not depend on them).
 __device__ __forceinline__ u16 kvf_f32_to_bf16(float f) {
     u32 u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (u16)((u >> 16) | 0x0040u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u16)0x7fc0u;
     u += 0x7fffu + ((u >> 16) & 1u);
     return (u16)(u >> 16);
 }

@@ -64,7 +64,8 @@ __device__ __forceinline__ void encode8(const float v[8], lane_out &o) {
         return;
     }
     // Two-level: the token scale is the largest group scale over 127.
-    const float smax = kvf_group_max<LPR>(s);
+    // From 0, so NaN group scales (groups of only NaNs) are left out, as on the CPU.
+    const float smax = kvf_group_max<LPR>(fmaxf(0.0f, s));
     o.tscale = kvf_stored_f16(__fdiv_rn(smax, 127.0f));
     const float T = kvf_f16_to_f32(o.tscale);
     const float u = T > 0.0f ? kvf_clamp(ceilf(__fdiv_rn(s, T)), 1.0f, 127.0f) : 0.0f;

@@ -184,6 +184,72 @@ static void qstats_prepare(kvf_context *gpu, kvf_context *cpu, int heads, qstats
     cu->cuMemFree(qd);
 }
 
+/* What a plane mismatch looks like: bytes per plane, the first rows that
+ * differ (head, token, and for the index plane both indices), and the input
+ * row's kind (finite, or which non-finite/huge values it holds). With
+ * KVF_TEST_DUMP=dir both packed buffers go there for a closer look. */
+static const char *row_kind(const uint16_t *x, const kvf_shape *sh, int64_t t, int h, int d) {
+    const uint16_t *r = x + t * sh->token_stride + h * sh->head_stride;
+    int nan = 0, inf = 0, huge = 0;
+    for (int i = 0; i < d; i++) {
+        uint16_t e = (uint16_t)(r[i] & 0x7fffu);
+        nan += e > 0x7f80u;
+        inf += e == 0x7f80u;
+        huge += e >= 0x7000u && e < 0x7f80u;
+    }
+    return nan == d ? "NaN row" : nan ? "NaN" : inf ? "Inf" : huge ? "huge" : "finite";
+}
+
+static void report_planes(const uint8_t *pg, const uint8_t *pc, const kvf_stage_layout *g,
+                          const kvf_section_layout *sec, int t, int st, const run_case *c, const uint16_t *x,
+                          const kvf_shape *sh, int d) {
+    const size_t rows = (size_t)c->tokens * (size_t)c->heads; /* >= 1 */
+    const struct { const char *name; size_t off, bytes, row_bytes; } pl[] = {
+        {"codes", g->codes_off, g->codes_bytes, sec->code_bytes_per_token},
+        {"scales", g->scales_off, g->scales_bytes, g->scales_bytes / rows},
+        {"tscales", g->tscales_off, g->tscales_bytes, 2},
+        {"zeros", g->zeros_off, g->zeros_bytes, g->zeros_bytes / rows},
+        {"index", g->index_off, g->index_bytes, 1},
+        {"centroids", g->centroids_off, g->centroids_bytes, (size_t)d * 2}};
+    printf("  %s stage %d: plane bytes differ:", t ? "V" : "K", st);
+    for (size_t i = 0; i < sizeof pl / sizeof pl[0]; i++) {
+        size_t b = diff_bytes(pg, pc, pl[i].off, pl[i].bytes);
+        if (b) printf(" %s %zu", pl[i].name, b);
+    }
+    printf("\n");
+    for (size_t i = 0; i < sizeof pl / sizeof pl[0]; i++) {
+        if (!pl[i].row_bytes || sec->axis != KVF_AXIS_CHANNEL) continue;
+        int shown = 0;
+        for (size_t o = 0; o < pl[i].bytes && shown < 6; o++) {
+            if (pg[pl[i].off + o] == pc[pl[i].off + o]) continue;
+            size_t row = o / pl[i].row_bytes;
+            if (!strcmp(pl[i].name, "centroids")) {
+                printf("    centroids: head %zu centroid %zu\n", row / (size_t)sec->centroids, row % (size_t)sec->centroids);
+            } else {
+                int h = (int)(row / (size_t)c->tokens);
+                int64_t tok = (int64_t)(row % (size_t)c->tokens);
+                printf("    %s: head %d token %lld (%s)", pl[i].name, h, (long long)tok, row_kind(x, sh, tok, h, d));
+                if (!strcmp(pl[i].name, "index")) printf(": GPU %u, CPU %u", pg[pl[i].off + o], pc[pl[i].off + o]);
+                printf("\n");
+            }
+            shown++;
+            o = (row + 1) * pl[i].row_bytes - 1; /* next row */
+        }
+    }
+    const char *dir = getenv("KVF_TEST_DUMP");
+    if (dir && *dir) {
+        char path[1024];
+        size_t total = g->centroids_off + g->centroids_bytes > g->codes_off + g->codes_bytes
+                           ? g->centroids_off + g->centroids_bytes : g->codes_off + g->codes_bytes;
+        snprintf(path, sizeof path, "%s/gpu_%c%d.bin", dir, t ? 'v' : 'k', st);
+        tu_write_file(path, pg, total);
+        snprintf(path, sizeof path, "%s/cpu_%c%d.bin", dir, t ? 'v' : 'k', st);
+        tu_write_file(path, pc, total);
+        snprintf(path, sizeof path, "%s/input_%c.bin", dir, t ? 'v' : 'k');
+        tu_write_file(path, x, (size_t)(c->token_major ? sh->token_stride * c->tokens : sh->head_stride * c->heads) * 2);
+    }
+}
+
 /* Encode and decode one case on both backends and compare. */
 static void compare_case(kvf_context *gpu, kvf_context *cpu, const run_case *c, int data, int verbose) {
     const kvf_scheme *s = kvf_context_scheme(gpu);
@@ -257,7 +323,7 @@ static void compare_case(kvf_context *gpu, kvf_context *cpu, const run_case *c, 
                        diff_bytes(pg, pc, g->tscales_off, g->tscales_bytes) + diff_bytes(pg, pc, g->zeros_off, g->zeros_bytes) +
                        diff_bytes(pg, pc, g->index_off, g->index_bytes) +
                        diff_bytes(pg, pc, g->centroids_off, g->centroids_bytes);
-            if (b) printf("  %s stage %d: %zu plane bytes differ\n", t ? "V" : "K", st, b);
+            if (b) report_planes(pg, pc, g, secs[t], t, st, c, t ? v : k, &sh, d);
             bad += b;
         }
     assert_int_equal(bad, 0); /* every method but PSAC's factors: identical bytes */

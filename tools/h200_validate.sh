@@ -16,7 +16,11 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --f
 if has tests; then
   echo "== tests"
   fails=0
-  for t in out/bin/test_*; do echo "--- $t"; "$t" 2>&1 | grep -vE '^\[ *(RUN|OK) ' || fails=$((fails+1)); done
+  for t in out/bin/test_*; do
+    echo "--- $t"
+    "$t" >"${OUT:-/tmp}/test.txt" 2>&1 || { fails=$((fails+1)); echo "FAILED: $t"; }
+    grep -vE '^\[ *(RUN|OK) ' "${OUT:-/tmp}/test.txt"
+  done
   echo "test binaries failed: $fails"
 fi
 if has demo; then
