@@ -144,9 +144,11 @@ static void gen_encode_section(kvf_buf *b, const struct kvf_scheme *s, int t) {
                        mode_macro(c->mode));
         break;
     case 'B':
-        kvf_buf_printf(b, "KVF_KMEANS_KERNELS(kvf_%s_%c, %d, %d, %d, %d, %d, %s, %s, %d)\n", s->id, t ? 'v' : 'k',
-                       s->head_dim, c->rotation == KVF_ROTATION_HADAMARD, g, t ? 1 : c->qsac_candidates, c->bits,
-                       mode_macro(c->mode), sfmt_macro(c->scale_format), c->centroids);
+        /* The last argument: stage 0 reads the BF16 input itself (no rotation, one stage). */
+        kvf_buf_printf(b, "KVF_KMEANS_KERNELS(kvf_%s_%c, %d, %d, %d, %d, %d, %s, %s, %d, %d)\n", s->id,
+                       t ? 'v' : 'k', s->head_dim, c->rotation == KVF_ROTATION_HADAMARD, g,
+                       t ? 1 : c->qsac_candidates, c->bits, mode_macro(c->mode), sfmt_macro(c->scale_format),
+                       c->centroids, c->rotation != KVF_ROTATION_HADAMARD && c->stages == 1);
         break;
     default:
         kvf_gen_kernel_name(s, KVF_R_ENCODE_K + t, name, sizeof name);

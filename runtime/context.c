@@ -19,7 +19,8 @@ struct kvf_context {
     CUmodule module;
     CUfunction fn[KVF_ROLE_COUNT]; /* NULL where the scheme has no such kernel */
     int sms;                       /* multiprocessors (sizes the k-means assignment grid) */
-    int assign_cfg[2][4];          /* per section: kvf_kmeans assign_cfg (smem plain, QSAC, threads, tokens) */
+    int assign_cfg[2][8];          /* per section: kvf_kmeans assign_cfg (smem, threads, tokens per block of
+                                      the plain and QSAC assignment; stage 0 reads the BF16 input) */
     CUdeviceptr ws;                /* workspace of the k-means/PSAC path, grown on demand */
     size_t ws_bytes;
 };
@@ -317,15 +318,29 @@ static int qstats_arg_of(const kvf_scheme *s, int32_t n_heads, qstats_arg *q, si
     return KVF_OK;
 }
 
-/* Workspace of the k-means path: e, idx, sums, counts, weights (docs/METHODS.md). */
+/* Workspace of the k-means path (docs/METHODS.md 3): the f32 working vectors
+ * e (absent when stage 0 reads the BF16 input and nothing needs the final
+ * error), indices, the Lloyd sums and counts of each part of the tokens,
+ * QSAC's weights. */
 typedef struct { CUdeviceptr e, idx, acc, cnt, w; } ws_parts;
 
+/* Token parts of the Lloyd sums: about 4 blocks per multiprocessor in all
+ * (one block per 16 channels, head and part), at least 256 tokens a part. */
+static int sum_parts(const kvf_context *ctx, const kvf_shape *sh) {
+    const int64_t per_part = (int64_t)(ctx->scheme->head_dim / 16) * sh->n_heads;
+    int64_t p = (4 * (int64_t)ctx->sms + per_part - 1) / per_part, most = (sh->n_tokens + 255) / 256;
+    if (p > most) p = most;
+    if (p > 64) p = 64;
+    return p < 1 ? 1 : (int)p;
+}
+
 /* Inside push_ctx, like launch3. */
-static int workspace(kvf_context *ctx, const kvf_shape *sh, ws_parts *p) {
+static int workspace(kvf_context *ctx, const kvf_shape *sh, int need_e, int parts, ws_parts *p) {
     const int64_t rows = (int64_t)sh->n_tokens * sh->n_heads, d = ctx->scheme->head_dim;
     size_t off[6], need = 0;
-    const size_t sizes[5] = {(size_t)(rows * d * 4), (size_t)rows * 4, (size_t)sh->n_heads * 256 * d * 8,
-                             (size_t)sh->n_heads * 256 * 4, (size_t)(sh->n_heads * d * 4)};
+    const size_t sizes[5] = {need_e ? (size_t)(rows * d * 4) : 0, (size_t)rows * 4,
+                             (size_t)parts * sh->n_heads * 256 * d * 8, (size_t)parts * sh->n_heads * 256 * 4,
+                             (size_t)(sh->n_heads * d * 4)};
     for (int i = 0; i < 5; i++) { off[i] = need; need += (sizes[i] + 255) & ~(size_t)255; }
     if (need > ctx->ws_bytes) {
         const kvf_cuda_api *cu = ctx->cu;
@@ -336,7 +351,7 @@ static int workspace(kvf_context *ctx, const kvf_shape *sh, ws_parts *p) {
         if (r != CUDA_SUCCESS) return kvf_cuda_fail(r, "cuMemAlloc(workspace)", __FILE__, __LINE__, ctx->device);
         ctx->ws_bytes = need;
     }
-    p->e = ctx->ws + off[0];
+    p->e = need_e ? ctx->ws + off[0] : 0;
     p->idx = ctx->ws + off[1];
     p->acc = ctx->ws + off[2];
     p->cnt = ctx->ws + off[3];
@@ -344,40 +359,55 @@ static int workspace(kvf_context *ctx, const kvf_shape *sh, ws_parts *p) {
     return KVF_OK;
 }
 
+/* Rows of a stage's working vectors: the BF16 input, or the f32 workspace. */
+typedef struct { CUdeviceptr p; int64_t ts, hs; } src_arg;
+
 /* k-means of one stage (METHODS.md 3): init, Lloyd steps, final assignment. */
-static int kmeans_stage(kvf_context *ctx, int t, int stage, const kvf_shape *sh, const ws_parts *ws, CUdeviceptr packed,
-                        const kvf_stage_layout *sl, CUdeviceptr weights, void *stream) {
+static int kmeans_stage(kvf_context *ctx, int t, int stage, const kvf_shape *sh, const src_arg *src,
+                        const ws_parts *ws, int parts, CUdeviceptr packed, const kvf_stage_layout *sl,
+                        CUdeviceptr weights, void *stream) {
     const kvf_tensor_cfg *c = t ? &ctx->scheme->value : &ctx->scheme->key;
     const int base = t * KVF_R_SECTION_STRIDE, d = ctx->scheme->head_dim;
     int nh = sh->n_heads;
     int n = (int)sh->n_tokens, c_alloc = c->centroids, c_eff = n < c_alloc ? n : c_alloc, rc;
     long long seed = (long long)c->seed;
     CUdeviceptr cent = packed + sl->centroids_off, idx_plane = packed + sl->index_off, nul = 0;
-    const int *ac = ctx->assign_cfg[t]; /* smem plain, smem QSAC, threads, tokens per block */
+    const int *ac = ctx->assign_cfg[t]; /* kvf_kmeans assign_cfg */
     /* The assignment's blocks loop over token tiles: about one block (its
      * shared memory allows one) per multiprocessor in all. */
-    unsigned g_cd = blocks_for((int64_t)nh * c_eff * d, BLOCK), g_tok = blocks_for(n, ac[3]);
-    unsigned per_head = ctx->sms > nh ? (unsigned)(ctx->sms / nh) : 1u;
-    if (g_tok > per_head) g_tok = per_head;
-    void *a_init[] = {(void *)&ws->e, &n, &nh, &c_eff, &seed, &stage, &cent, &c_alloc};
+    unsigned per_head = ctx->sms > nh ? (unsigned)(ctx->sms / nh) : 1u, g_tok[2];
+    for (int k = 0; k < 2; k++) {
+        g_tok[k] = blocks_for(n, ac[4 + k]);
+        if (g_tok[k] > per_head) g_tok[k] = per_head;
+    }
+    unsigned g_cd = blocks_for((int64_t)nh * c_eff * d, BLOCK);
+    int chunk = (int)((n + parts - 1) / parts);
+    void *a_init[] = {(void *)&src->p, (void *)&src->ts, (void *)&src->hs, &n, &nh, &c_eff, &seed, &stage, &cent,
+                      &c_alloc};
     if ((rc = launch(ctx, KVF_R_K_INIT + base, g_cd, a_init, stream))) return rc;
     for (int it = 0; it < c->kmeans_iters; it++) {
-        void *a_as[] = {(void *)&ws->e, &n, &c_eff, &cent, &c_alloc, (void *)&ws->idx, &nul};
-        void *a_ac[] = {(void *)&ws->e, (void *)&ws->idx, &n, &c_eff, (void *)&ws->acc, (void *)&ws->cnt};
-        void *a_fi[] = {&nh, &c_eff, (void *)&ws->acc, (void *)&ws->cnt, &cent, &c_alloc};
-        /* accumulate: one block per (16 channels, head), kvf_kmeans ACC_CH. */
-        if ((rc = launch3(ctx, KVF_R_K_ASSIGN + base, g_tok, (unsigned)nh, 1, (unsigned)ac[2], (unsigned)ac[0], a_as,
-                          stream)) ||
-            (rc = launch3(ctx, KVF_R_K_ACCUMULATE + base, (unsigned)d / 16, (unsigned)nh, 1, BLOCK, 0, a_ac, stream)) ||
+        void *a_as[] = {(void *)&src->p, (void *)&src->ts, (void *)&src->hs, &n, &c_eff, &cent, &c_alloc,
+                        (void *)&ws->idx, &nul};
+        void *a_ac[] = {(void *)&src->p, (void *)&src->ts, (void *)&src->hs, (void *)&ws->idx, &n, &c_eff, &chunk,
+                        (void *)&ws->acc, (void *)&ws->cnt};
+        void *a_fi[] = {&nh, &c_eff, &parts, (void *)&ws->acc, (void *)&ws->cnt, &cent, &c_alloc};
+        /* accumulate: one block per (16 channels, head, part), kvf_kmeans ACC_CH. */
+        if ((rc = launch3(ctx, KVF_R_K_ASSIGN + base, g_tok[0], (unsigned)nh, 1, (unsigned)ac[2], (unsigned)ac[0],
+                          a_as, stream)) ||
+            (rc = launch3(ctx, KVF_R_K_ACCUMULATE + base, (unsigned)d / 16, (unsigned)nh, (unsigned)parts, BLOCK, 0,
+                          a_ac, stream)) ||
             (rc = launch(ctx, KVF_R_K_FINALIZE + base, g_cd, a_fi, stream)))
             return rc;
     }
     if (t == 0 && stage == 0 && c->qsac_candidates > 1) {
-        void *a_q[] = {(void *)&ws->e, &n, &c_eff, &cent, &c_alloc, &idx_plane, &weights};
-        rc = launch3(ctx, KVF_R_K_ASSIGN_QSAC, g_tok, (unsigned)nh, 1, (unsigned)ac[2], (unsigned)ac[1], a_q, stream);
+        void *a_q[] = {(void *)&src->p, (void *)&src->ts, (void *)&src->hs, &n, &c_eff, &cent, &c_alloc, &idx_plane,
+                       &weights};
+        rc = launch3(ctx, KVF_R_K_ASSIGN_QSAC, g_tok[1], (unsigned)nh, 1, (unsigned)ac[3], (unsigned)ac[1], a_q,
+                     stream);
     } else {
-        void *a_as[] = {(void *)&ws->e, &n, &c_eff, &cent, &c_alloc, &nul, &idx_plane};
-        rc = launch3(ctx, KVF_R_K_ASSIGN + base, g_tok, (unsigned)nh, 1, (unsigned)ac[2], (unsigned)ac[0], a_as,
+        void *a_as[] = {(void *)&src->p, (void *)&src->ts, (void *)&src->hs, &n, &c_eff, &cent, &c_alloc, &nul,
+                        &idx_plane};
+        rc = launch3(ctx, KVF_R_K_ASSIGN + base, g_tok[0], (unsigned)nh, 1, (unsigned)ac[2], (unsigned)ac[0], a_as,
                      stream);
     }
     if (rc || c_eff == c_alloc) return rc;
@@ -385,44 +415,55 @@ static int kmeans_stage(kvf_context *ctx, int t, int stage, const kvf_shape *sh,
     return launch(ctx, KVF_R_K_PAD + base, blocks_for((int64_t)nh * (c_alloc - c_eff) * d, BLOCK), a_pad, stream);
 }
 
-/* The workspace path of one section: prep, stages, then PSAC for keys. */
+/* The k-means path of one section: stages (stage 0 on the BF16 input itself
+ * where assign_cfg says so, else on the prepared f32 workspace), the residual,
+ * then PSAC for keys. */
 static int encode_workspace(kvf_context *ctx, int t, const void *x, const kvf_shape *sh, const void *qstats,
                             CUdeviceptr packed, const kvf_section_layout *l, void *stream) {
     const kvf_tensor_cfg *c = t ? &ctx->scheme->value : &ctx->scheme->key;
-    const int base = t * KVF_R_SECTION_STRIDE;
+    const int base = t * KVF_R_SECTION_STRIDE, d = ctx->scheme->head_dim;
+    const int bf = ctx->assign_cfg[t][6], parts = sum_parts(ctx, sh);
     int n = (int)sh->n_tokens, nh = sh->n_heads, rc;
     ws_parts ws;
-    if ((rc = workspace(ctx, sh, &ws))) return rc;
+    if ((rc = workspace(ctx, sh, !bf || c->psac_rank > 0, parts, &ws))) return rc;
     qstats_arg q = {0};
     size_t q_total = 0;
     CUdeviceptr qs = (CUdeviceptr)(uintptr_t)qstats;
     if (t == 0 && kvf_scheme_reads_qstats(ctx->scheme) &&
         (rc = qstats_arg_of(ctx->scheme, nh, &q, &q_total)))
         return rc;
-    void *a_prep[] = {(void *)&x, (void *)&sh->token_stride, (void *)&sh->head_stride, &n, &nh, (void *)&ws.e};
-    if ((rc = launch(ctx, KVF_R_K_PREP + base, row_grid(ctx, sh), a_prep, stream))) return rc;
+    src_arg src = {ws.e, d, (int64_t)n * d};
+    if (bf) {
+        src.p = (CUdeviceptr)(uintptr_t)x;
+        src.ts = sh->token_stride;
+        src.hs = sh->head_stride;
+    } else {
+        void *a_prep[] = {(void *)&x, (void *)&sh->token_stride, (void *)&sh->head_stride, &n, &nh, (void *)&ws.e};
+        if ((rc = launch(ctx, KVF_R_K_PREP + base, row_grid(ctx, sh), a_prep, stream))) return rc;
+    }
     if (t == 0 && c->qsac_candidates > 1) {
         void *a_w[] = {&qs, &q, &nh, (void *)&ws.w};
-        if ((rc = launch(ctx, KVF_R_QSAC_WEIGHTS, blocks_for((int64_t)nh * ctx->scheme->head_dim, BLOCK), a_w, stream)))
+        if ((rc = launch(ctx, KVF_R_QSAC_WEIGHTS, blocks_for((int64_t)nh * d, BLOCK), a_w, stream)))
             return rc;
     }
     /* Every stage smooths with its own centroids; the last residual alone is
-     * quantized, into stage 0's planes (METHODS.md 1). */
+     * quantized, into stage 0's planes (METHODS.md 1). Only the workspace has
+     * later stages (a BF16 source means one stage). */
     const int last = c->stages - 1;
     for (int s = 0; s < c->stages && c->centroids > 0; s++) {
-        if ((rc = kmeans_stage(ctx, t, s, sh, &ws, packed, &l->stage[s], ws.w, stream))) return rc;
+        if ((rc = kmeans_stage(ctx, t, s, sh, &src, &ws, parts, packed, &l->stage[s], ws.w, stream))) return rc;
         if (s == last) break;
         stage_arg st = stage_of(&l->stage[s]);
         void *a_sub[] = {(void *)&ws.e, &n, &nh, &packed, &st};
-        if ((rc = launch(ctx, KVF_R_K_SUBTRACT + base, blocks_for((int64_t)n * nh * ctx->scheme->head_dim, BLOCK),
-                         a_sub, stream)))
+        if ((rc = launch(ctx, KVF_R_K_SUBTRACT + base, blocks_for((int64_t)n * nh * d, BLOCK), a_sub, stream)))
             return rc;
     }
     stage_arg planes = stage_of(&l->stage[0]);
     planes.index = l->stage[last].index_off;
     planes.centroids = l->stage[last].centroids_off;
     int write_e = c->psac_rank > 0;
-    void *a_res[] = {(void *)&ws.e, &n, &nh, &packed, &planes, &write_e};
+    void *a_res[] = {(void *)&src.p, (void *)&src.ts, (void *)&src.hs, (void *)&ws.e, &n, &nh, &packed, &planes,
+                     &write_e};
     if ((rc = launch(ctx, KVF_R_K_RESIDUAL + base, row_grid(ctx, sh), a_res, stream))) return rc;
     if (t == 1 || c->psac_rank == 0) return KVF_OK;
     const int r = c->psac_rank;
@@ -430,7 +471,7 @@ static int encode_workspace(kvf_context *ctx, int t, const void *x, const kvf_sh
     uint64_t basis_off = l->basis_off, coef_off = l->coef_off, cscale_off = l->cscale_off;
     void *a_b[] = {&qs, &q, &nh, &basis};
     void *a_p[] = {(void *)&ws.e, &n, &nh, &qs, &q, &packed, &basis_off, &coef_off, &cscale_off};
-    if ((rc = launch(ctx, KVF_R_PSAC_BASIS, blocks_for((int64_t)nh * ctx->scheme->head_dim * r, BLOCK), a_b, stream)))
+    if ((rc = launch(ctx, KVF_R_PSAC_BASIS, blocks_for((int64_t)nh * d * r, BLOCK), a_b, stream)))
         return rc;
     return launch(ctx, KVF_R_PSAC_ENCODE, blocks_for((int64_t)n * nh * r, BLOCK), a_p, stream);
 }

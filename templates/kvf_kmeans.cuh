@@ -3,10 +3,13 @@
 // centroid methods (METHODS.md 3 and 1). CPU reference: runtime/ref_kmeans.c,
 // runtime/ref_encode.c.
 //
-// The working vectors e (f32 [H][N][D]) live in a workspace: the rotated input
-// for stage 0, the remaining error for later stages. Distances are f64 sums in
-// channel order, centroid sums int64 fixed point: the same numbers as the CPU
-// reference, in any launch order, and the same bytes run after run.
+// The working vectors of a stage are rows of a source: the BF16 input itself
+// (BF = 1: stage 0 of an unrotated single-stage scheme, no copy made), or the
+// f32 workspace e [H][N][D] (the rotated input for stage 0, the remaining
+// error for later stages). Row (h, t) starts at src + t*ts + h*hs elements
+// (the workspace: ts = D, hs = N*D). Distances are f64 sums in channel order,
+// centroid sums int64 fixed point: the same numbers as the CPU reference, in
+// any launch order, and the same bytes run after run.
 #pragma once
 #include "kvf_quant.cuh"
 
@@ -16,12 +19,34 @@ constexpr int BLOCK = 256;
 constexpr double FIX = 1048576.0; // 2^20
 #define KVF_INF64 __longlong_as_double(0x7ff0000000000000LL)
 
-struct ws_args {
-    float *e;          // [H][N][D]
-    int *idx;          // [H][N] assignment of the last Lloyd step
-    long long *acc;    // [H][C][D] fixed-point sums
-    int *cnt;          // [H][C]
-};
+// Row (h, t) of a source, and its channels as floats (BF16 to f32 is exact).
+template <bool BF>
+__device__ __forceinline__ const void *src_row(const void *src, i64 ts, i64 hs, int h, int t) {
+    const i64 o = (i64)t * ts + (i64)h * hs;
+    return BF ? (const void *)((const u16 *)src + o) : (const void *)((const float *)src + o);
+}
+template <bool BF> __device__ __forceinline__ float2 ld2(const void *row, int c) {
+    if (BF) {
+        const u32 w = *(const u32 *)((const u16 *)row + c);
+        return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+    }
+    return *(const float2 *)((const float *)row + c);
+}
+template <bool BF> __device__ __forceinline__ void ld8(const void *row, int c, float (&v)[8]) {
+    if (BF) {
+        kvf_load8f((const u16 *)row + c, v);
+        return;
+    }
+    const float4 a = *(const float4 *)((const float *)row + c), b = *(const float4 *)((const float *)row + c + 4);
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+}
+template <bool BF> __device__ __forceinline__ void ld16(const void *row, int c, float (&v)[16]) {
+    float a[8], b[8];
+    ld8<BF>(row, c, a);
+    ld8<BF>(row, c + 8, b);
+#pragma unroll
+    for (int i = 0; i < 8; i++) { v[i] = a[i]; v[8 + i] = b[i]; }
+}
 
 __device__ __forceinline__ u64 splitmix64(u64 z) {
     z += 0x9e3779b97f4a7c15ull;
@@ -47,16 +72,18 @@ __device__ __forceinline__ void prep(const u16 *__restrict__ x, i64 ts, i64 hs, 
     dst[1] = make_float4(v[4], v[5], v[6], v[7]);
 }
 
-// Seeded strided sample: centroid j of head h = e of token (o + j*N/C) % N.
-template <int D>
-__device__ __forceinline__ void init(const float *e, int n_tokens, int n_heads, int c_eff, long long seed, int stage,
-                                     u16 *cent, int c_alloc) {
+// Seeded strided sample: centroid j of head h = the row of token (o + j*N/C) % N.
+template <int D, bool BF>
+__device__ __forceinline__ void init(const void *src, i64 ts, i64 hs, int n_tokens, int n_heads, int c_eff,
+                                     long long seed, int stage, u16 *cent, int c_alloc) {
     const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; // one (h, j, c)
     if (i >= (i64)n_heads * c_eff * D) return;
     const int c = (int)(i % D), j = (int)((i / D) % c_eff), h = (int)(i / ((i64)D * c_eff));
     const u64 o = splitmix64((u64)seed ^ ((u64)stage << 32) ^ ((u64)h << 40)) % (u64)n_tokens;
-    const i64 t = (i64)((o + (u64)j * (u64)n_tokens / (u64)c_eff) % (u64)n_tokens);
-    cent[((i64)h * c_alloc + j) * D + c] = kvf_f32_to_bf16(e[((i64)h * n_tokens + t) * D + c]);
+    const int t = (int)((o + (u64)j * (u64)n_tokens / (u64)c_eff) % (u64)n_tokens);
+    const void *row = src_row<BF>(src, ts, hs, h, t);
+    const float v = BF ? kvf_bf16_to_f32(((const u16 *)row)[c]) : ((const float *)row)[c];
+    cent[((i64)h * c_alloc + j) * D + c] = kvf_f32_to_bf16(v);
 }
 
 // ------------------------------------------------------------ assignment
@@ -88,8 +115,11 @@ constexpr int TPW = 16;         // tokens per warp (one m16 tile)
 constexpr int CAP = 32;         // candidates per token before the full scan
 constexpr float KAPPA = 2.44140625e-4f; // 2^-12
 
-template <int D> struct assign_geom {
-    static constexpr int WARPS = D >= 256 ? 4 : 8;
+// Warps per block: 16 for the nearest-centroid pass over a BF16 source (its
+// A fragments need no low half: registers and per-warp scratch small enough),
+// else 8 (4 at D = 256: the centroid rows fill shared memory).
+template <int D, int M, bool BF> struct assign_geom {
+    static constexpr int WARPS = D >= 256 ? 4 : (BF && M == 1 && D <= 128) ? 16 : 8;
     static constexpr int DP = D + 16; // centroid row pitch (bf16): conflict-free 8-byte B-fragment loads
 };
 template <int M> struct assign_lists {
@@ -99,10 +129,12 @@ template <int M> struct assign_lists {
 
 // Per-warp shared scratch (its size reaches runtime/context.c through assign_cfg).
 template <int M> struct assign_warp {
-    double cd[TPW][CAP];        // candidates' exact distances
-    double scr[256];            // full scan: every centroid's exact distance
+    union {
+        double cd[TPW][CAP];    // candidates' exact distances
+        double scr[256];        // full scan (after the candidates are done): every centroid's exact distance
+    };
     double fd[M], fs[M];        // full scan: the M nearest, their sensitivity scores
-    double sv[TPW][8];          // sensitivity scores of the M nearest (filtered path)
+    double sv[TPW][M > 1 ? 8 : 1]; // sensitivity scores of the M nearest (filtered path)
     float ls[TPW][4][assign_lists<M>::K];
     int lj[TPW][4][assign_lists<M>::K];
     float an[TPW];              // |a| of the token
@@ -111,13 +143,14 @@ template <int M> struct assign_warp {
     int off[TPW];               // first candidate of the token in the warp's flat order
     int again[TPW];             // filtered again
     int cj[TPW][CAP];
-    int pk[TPW][8];             // the M nearest (filtered path)
+    int pk[TPW][M > 1 ? 8 : 1]; // the M nearest (filtered path)
     int fj[M];
 };
 
-template <int D, int M> __host__ __device__ constexpr int assign_smem_bytes() {
-    return 256 * assign_geom<D>::DP * 2 + 256 * 4 + D * 4 + 16 +
-           assign_geom<D>::WARPS * (int)((sizeof(assign_warp<M>) + 15) / 16 * 16);
+// Block part: centroid rows, N_j, weights, QSAC's group weight sums, limits.
+template <int D, int M, bool BF> __host__ __device__ constexpr int assign_smem_bytes() {
+    return 256 * assign_geom<D, M, BF>::DP * 2 + 256 * 4 + D * 4 + 32 * 8 + 16 +
+           assign_geom<D, M, BF>::WARPS * (int)((sizeof(assign_warp<M>) + 15) / 16 * 16);
 }
 
 __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) { // lo -> bits 0..15
@@ -161,27 +194,34 @@ __device__ __forceinline__ void keep_k(float (&bs)[K], int (&bj)[K], float s, in
 }
 
 // The CPU's distances (ref_kmeans.c), f64 in channel order. Products of an
-// f32 and a bf16 are exact in f64, so the fma is the CPU's multiply-add.
-// Four channels of x (f32, global) and mu (bf16, shared) per load.
-__device__ __forceinline__ void load4(const float *x, const u16 *mu, int c, float (&xv)[4], float (&mv)[4]) {
-    const float4 a = *(const float4 *)(x + c);
-    const uint2 b = *(const uint2 *)(mu + c);
-    xv[0] = a.x; xv[1] = a.y; xv[2] = a.z; xv[3] = a.w;
-    mv[0] = __uint_as_float(b.x << 16); mv[1] = __uint_as_float(b.x & 0xffff0000u);
-    mv[2] = __uint_as_float(b.y << 16); mv[3] = __uint_as_float(b.y & 0xffff0000u);
+// f32 and a bf16 are exact in f64, so the fma is the CPU's multiply-add. The
+// row x comes from the source 16 channels per load; the centroid from its
+// permuted shared row (kblock_channel): of a 16-channel block's 8 words, word
+// 2q holds channels 2q, 2q+1 and word 2q+1 channels 2q+8, 2q+9.
+__device__ __forceinline__ void mu16(const u16 *crow, int kb, float (&m)[16]) {
+    const uint4 a = *(const uint4 *)(crow + kb * 16), b = *(const uint4 *)(crow + kb * 16 + 8);
+    const u32 w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        m[2 * q] = __uint_as_float(w[2 * q] << 16);
+        m[2 * q + 1] = __uint_as_float(w[2 * q] & 0xffff0000u);
+        m[2 * q + 8] = __uint_as_float(w[2 * q + 1] << 16);
+        m[2 * q + 9] = __uint_as_float(w[2 * q + 1] & 0xffff0000u);
+    }
 }
 
 // ||mu||^2 - 2 <x, mu>: both sums in one channel-order loop, the CPU's values
 // (lloyd_step's norms and kvf_ref_nearest's norm_dot are the same sums).
-template <int D>
-__device__ __forceinline__ double plain_dist(const float *x, const u16 *mu) {
+template <int D, bool BF>
+__device__ __forceinline__ double plain_dist(const void *x, const u16 *crow) {
     double nn = 0.0, dot = 0.0;
-#pragma unroll 4
-    for (int c = 0; c < D; c += 4) {
-        float xv[4], mv[4];
-        load4(x, mu, c, xv, mv);
+#pragma unroll 2
+    for (int kb = 0; kb < D / 16; kb++) {
+        float xv[16], mv[16];
+        ld16<BF>(x, kb * 16, xv);
+        mu16(crow, kb, mv);
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
+        for (int i = 0; i < 16; i++) {
             nn = __fma_rn((double)mv[i], (double)mv[i], nn);
             dot = __fma_rn((double)xv[i], (double)mv[i], dot);
         }
@@ -189,37 +229,45 @@ __device__ __forceinline__ double plain_dist(const float *x, const u16 *mu) {
     return __dsub_rn(nn, __dmul_rn(2.0, dot));
 }
 
-template <int D>
-__device__ __forceinline__ double weighted_dist(const float *x, const u16 *mu, const float *w) {
+template <int D, bool BF>
+__device__ __forceinline__ double weighted_dist(const void *x, const u16 *crow, const float *w) {
     double acc = 0.0;
-#pragma unroll 4
-    for (int c = 0; c < D; c += 4) {
-        float xv[4], mv[4];
-        load4(x, mu, c, xv, mv);
+#pragma unroll 2
+    for (int kb = 0; kb < D / 16; kb++) {
+        float xv[16], mv[16];
+        ld16<BF>(x, kb * 16, xv);
+        mu16(crow, kb, mv);
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
+        for (int i = 0; i < 16; i++) {
             const double d = __dsub_rn((double)xv[i], (double)mv[i]);
-            acc = __dadd_rn(acc, __dmul_rn((double)w[c + i], __dmul_rn(d, d)));
+            acc = __dadd_rn(acc, __dmul_rn((double)w[kb * 16 + i], __dmul_rn(d, d)));
         }
     }
     return acc;
 }
 
-// QSAC's score S of one candidate (ref_kmeans.c sensitivity_score).
-template <int D, int G>
-__device__ __forceinline__ double sensitivity(const float *x, const u16 *mu, const float *w) {
+// QSAC's score S of one candidate (ref_kmeans.c sensitivity_score); gw[g] is
+// the group's weight sum, the CPU's per-group f64 sum in channel order.
+template <int D, int G, bool BF>
+__device__ __forceinline__ double sensitivity(const void *x, const u16 *crow, const double *gw) {
     double score = 0.0;
-    for (int g = 0; g < D / G; g++) {
-        float lo = 0.0f, hi = 0.0f;
-        double wsum = 0.0;
-        for (int c = g * G; c < (g + 1) * G; c++) {
-            const float r = __fsub_rn(x[c], kvf_bf16_to_f32(mu[c]));
-            lo = c == g * G ? r : fminf(lo, r);
-            hi = c == g * G ? r : fmaxf(hi, r);
-            wsum = __dadd_rn(wsum, (double)w[c]);
+    float lo = 0.0f, hi = 0.0f;
+#pragma unroll 2
+    for (int kb = 0; kb < D / 16; kb++) {
+        float xv[16], mv[16];
+        ld16<BF>(x, kb * 16, xv);
+        mu16(crow, kb, mv);
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+            const int c = kb * 16 + i;
+            const float r = __fsub_rn(xv[i], mv[i]);
+            lo = c % G == 0 ? r : fminf(lo, r);
+            hi = c % G == 0 ? r : fmaxf(hi, r);
+            if (c % G == G - 1) {
+                const double range = (double)__fsub_rn(hi, lo);
+                score = __dadd_rn(score, __dmul_rn(gw[c / G], __dmul_rn(range, range)));
+            }
         }
-        const double range = (double)__fsub_rn(hi, lo);
-        score = __dadd_rn(score, __dmul_rn(wsum, __dmul_rn(range, range)));
     }
     return score;
 }
@@ -232,7 +280,7 @@ template <int D, int K, int M, bool COLLECT>
 __device__ __forceinline__ void filter(bool lo, const u32 (&ah)[D / 16][4], const u32 (&al)[D / 16][4],
                                        const u16 *cs, const float *nf, int cp, int g, int q, float (&bs0)[K],
                                        int (&bj0)[K], float (&bs1)[K], int (&bj1)[K], assign_warp<M> &wa) {
-    constexpr int DP = assign_geom<D>::DP;
+    constexpr int DP = D + 16; // assign_geom's pitch
     const float neg = __int_as_float(0xff800000);
     const float thr0 = COLLECT && wa.again[g] ? wa.thr[g] : neg, thr1 = COLLECT && wa.again[g + 8] ? wa.thr[g + 8] : neg;
     for (int nt = 0; nt < cp / 8; nt += 4) {
@@ -270,23 +318,29 @@ __device__ __forceinline__ void filter(bool lo, const u32 (&ah)[D / 16][4], cons
 // One block per (head, WARPS x 16 tokens). M = 1: nearest centroid; M > 1:
 // QSAC over the M nearest by the weighted distance (weights[h][D], or ones).
 // stats (optional, [3]): tokens, candidates scored in f64, full scans.
-template <int D, int G, int M>
-__device__ __forceinline__ void assign(const float *__restrict__ e, int n_tokens, int c_eff,
+template <int D, int G, int M, bool BF>
+__device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64 hs, int n_tokens, int c_eff,
                                        const u16 *__restrict__ cent, int c_alloc, int *idx_ws, u8 *idx_plane,
                                        const float *__restrict__ weights, unsigned long long *stats) {
-    constexpr int W = assign_geom<D>::WARPS, DP = assign_geom<D>::DP, KS = D / 16;
+    constexpr int W = assign_geom<D, M, BF>::WARPS, DP = assign_geom<D, M, BF>::DP, KS = D / 16;
     constexpr int MF = assign_lists<M>::MF, K = assign_lists<M>::K;
     constexpr int WB = (int)((sizeof(assign_warp<M>) + 15) / 16 * 16);
+    constexpr int SMEM = assign_smem_bytes<D, M, BF>();
+    static_assert(SMEM <= 227 * 1024, "assign: shared memory past the sm_80/sm_90 limit");
+    // A BF16 source is its own high half: no low half, no second mma (plain distances only;
+    // QSAC's w * x is not BF16).
+    constexpr bool NO_LO = BF && M == 1;
     extern __shared__ __align__(16) unsigned char smem[];
     u32 have;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(have));
-    if (have < (u32)assign_smem_bytes<D, M>()) __trap(); // the launch's size disagrees with this file
+    if (have < (u32)SMEM) __trap(); // the launch's size disagrees with this file
     u16 *cs = (u16 *)smem;                      // [256][DP]
     float *nf = (float *)(cs + 256 * DP);       // [256] N_j in f32 (|mu|^2, or sum w mu^2 for QSAC), +inf past c_eff
     float *wv = nf + 256;                       // [D]
-    u32 *lim = (u32 *)(wv + D);                 // [0] max |mu|, [1] max |N| (f32 bits)
+    double *gw = (double *)(wv + D);            // [32] QSAC: weight sum of each group
+    u32 *lim = (u32 *)(gw + 32);                // [0] max |mu|, [1] max |N| (f32 bits)
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, q = lane & 3;
-    assign_warp<M> &wa = *(assign_warp<M> *)(smem + (assign_smem_bytes<D, M>() - (W - warp) * WB));
+    assign_warp<M> &wa = *(assign_warp<M> *)(smem + (SMEM - (W - warp) * WB));
     const int h = blockIdx.y, cp = (c_eff + 31) & ~31;
     const u16 *ch = cent + (i64)h * c_alloc * D;
     for (int i = threadIdx.x; i < cp * (D / 16); i += W * 32) { // one 16-channel k-block, permuted
@@ -299,6 +353,11 @@ __device__ __forceinline__ void assign(const float *__restrict__ e, int n_tokens
     for (int c = threadIdx.x; c < D; c += W * 32) wv[c] = (M > 1 && weights) ? weights[(i64)h * D + c] : 1.0f;
     if (threadIdx.x < 2) lim[threadIdx.x] = 0u;
     __syncthreads();
+    if (M > 1 && threadIdx.x < D / G) { // ref_kmeans.c sensitivity_score's wg: channel order from 0
+        double s = 0.0;
+        for (int c = threadIdx.x * G; c < (threadIdx.x + 1) * G; c++) s = __dadd_rn(s, (double)wv[c]);
+        gw[threadIdx.x] = s;
+    }
     // The filter's N_j and the bound's limits: 8 threads per centroid, f64
     // partial sums (any order: only the exact distances below need the CPU's).
     for (int i = threadIdx.x; i < cp * 8; i += W * 32) {
@@ -344,14 +403,24 @@ __device__ __forceinline__ void assign(const float *__restrict__ e, int n_tokens
         float ss0 = 0.0f, ss1 = 0.0f;
         bool any_lo = false;
         {
-            const float *r0 = e + ((i64)h * n_tokens + min(tw0 + g, n_tokens - 1)) * D;
-            const float *r1 = e + ((i64)h * n_tokens + min(tw0 + g + 8, n_tokens - 1)) * D;
+            const void *r0 = src_row<BF>(src, ts, hs, h, min(tw0 + g, n_tokens - 1));
+            const void *r1 = src_row<BF>(src, ts, hs, h, min(tw0 + g + 8, n_tokens - 1));
 #pragma unroll
             for (int ks = 0; ks < KS; ks++)
 #pragma unroll
                 for (int half = 0; half < 2; half++) {
                     const int c = ks * 16 + half * 8 + q * 2;
-                    float2 x0 = *(const float2 *)(r0 + c), x1 = *(const float2 *)(r1 + c);
+                    if (NO_LO) { // the pairs are the A registers as they are
+                        const u32 w0 = *(const u32 *)((const u16 *)r0 + c), w1 = *(const u32 *)((const u16 *)r1 + c);
+                        ah[ks][half * 2] = w0;
+                        ah[ks][half * 2 + 1] = w1;
+                        const float a0 = __uint_as_float(w0 << 16), b0 = __uint_as_float(w0 & 0xffff0000u);
+                        const float a1 = __uint_as_float(w1 << 16), b1 = __uint_as_float(w1 & 0xffff0000u);
+                        ss0 = __fmaf_rn(a0, a0, __fmaf_rn(b0, b0, ss0));
+                        ss1 = __fmaf_rn(a1, a1, __fmaf_rn(b1, b1, ss1));
+                        continue;
+                    }
+                    float2 x0 = ld2<BF>(r0, c), x1 = ld2<BF>(r1, c);
                     if (M > 1) {
                         x0.x = __fmul_rn(x0.x, wv[c]); x0.y = __fmul_rn(x0.y, wv[c + 1]);
                         x1.x = __fmul_rn(x1.x, wv[c]); x1.y = __fmul_rn(x1.y, wv[c + 1]);
@@ -363,7 +432,7 @@ __device__ __forceinline__ void assign(const float *__restrict__ e, int n_tokens
                     any_lo |= (al[ks][half * 2] | al[ks][half * 2 + 1]) != 0u;
                 }
         }
-        const bool lo = __any_sync(0xffffffffu, any_lo);
+        const bool lo = NO_LO ? false : __any_sync(0xffffffffu, any_lo);
         ss0 = __fadd_rn(ss0, __shfl_xor_sync(0xffffffffu, ss0, 1));
         ss0 = __fadd_rn(ss0, __shfl_xor_sync(0xffffffffu, ss0, 2));
         ss1 = __fadd_rn(ss1, __shfl_xor_sync(0xffffffffu, ss1, 1));
@@ -436,9 +505,9 @@ __device__ __forceinline__ void assign(const float *__restrict__ e, int n_tokens
             for (int i = 1; i < TPW; i++)
                 if (wa.off[i] <= f && (M > 1 ? wa.nc[i] > 0 : wa.nc[i] > 1)) tl = i;
             const int k = f - wa.off[tl];
-            const float *x = e + ((i64)h * n_tokens + tw0 + tl) * D;
-            const int j = wa.cj[tl][k];
-            wa.cd[tl][k] = M > 1 ? weighted_dist<D>(x, ch + (i64)j * D, wv) : plain_dist<D>(x, ch + (i64)j * D);
+            const void *x = src_row<BF>(src, ts, hs, h, tw0 + tl);
+            const u16 *mu = cs + wa.cj[tl][k] * DP;
+            wa.cd[tl][k] = M > 1 ? weighted_dist<D, BF>(x, mu, wv) : plain_dist<D, BF>(x, mu);
         }
         __syncwarp();
         // The CPU's rule over the candidates: the smallest (distance, j); for QSAC
@@ -480,8 +549,8 @@ __device__ __forceinline__ void assign(const float *__restrict__ e, int n_tokens
             for (int i = lane; i < TPW * MF; i += 32) {
                 const int tl = i / MF, k = i % MF;
                 if (wa.nc[tl] <= 0) continue;
-                const float *x = e + ((i64)h * n_tokens + tw0 + tl) * D;
-                wa.sv[tl][k] = sensitivity<D, G>(x, ch + (i64)wa.pk[tl][k] * D, wv);
+                const void *x = src_row<BF>(src, ts, hs, h, tw0 + tl);
+                wa.sv[tl][k] = sensitivity<D, G, BF>(x, cs + wa.pk[tl][k] * DP, gw);
             }
             __syncwarp();
             if (lane < TPW && wa.nc[lane] > 0) {
@@ -506,9 +575,9 @@ __device__ __forceinline__ void assign(const float *__restrict__ e, int n_tokens
         // sequential rules verbatim (a NaN distance never wins, except at j = 0).
         for (int tl = 0; tl < TPW; tl++) {
             if (wa.nc[tl] != -1) continue; // same value in every lane
-            const float *x = e + ((i64)h * n_tokens + tw0 + tl) * D;
+            const void *x = src_row<BF>(src, ts, hs, h, tw0 + tl);
             for (int j = lane; j < c_eff; j += 32)
-                wa.scr[j] = M > 1 ? weighted_dist<D>(x, ch + (i64)j * D, wv) : plain_dist<D>(x, ch + (i64)j * D);
+                wa.scr[j] = M > 1 ? weighted_dist<D, BF>(x, cs + j * DP, wv) : plain_dist<D, BF>(x, cs + j * DP);
             __syncwarp();
             int best = 0;
             if (M == 1) {
@@ -533,7 +602,7 @@ __device__ __forceinline__ void assign(const float *__restrict__ e, int n_tokens
                     }
                 }
                 __syncwarp();
-                for (int k = lane; k < m; k += 32) wa.fs[k] = sensitivity<D, G>(x, ch + (i64)wa.fj[k] * D, wv);
+                for (int k = lane; k < m; k += 32) wa.fs[k] = sensitivity<D, G, BF>(x, cs + wa.fj[k] * DP, gw);
                 __syncwarp();
                 if (lane == 0) {
                     best = wa.fj[0];
@@ -553,10 +622,15 @@ __device__ __forceinline__ void assign(const float *__restrict__ e, int n_tokens
     } // tiles
 }
 
-// Lloyd update, step 1: each cluster's fixed-point sum and count. One block
-// per (head, 16 channels): the sums stay in shared memory (integer adds, so
-// any order gives the same bytes) and are stored once, no global atomics.
-constexpr int ACC_CH = 16;
+// Lloyd update, step 1: each cluster's fixed-point sums and count. One block
+// per (16 channels, head, part of the tokens); its sums stay in shared memory
+// and are stored once per part (the finalize step adds the parts), no global
+// atomics. Integer sums give the same bytes in any order. A value
+// f = fixed_point(e), |f| <= 2^36, is added as its high part f >> 20 (signed,
+// |.| <= 2^16) and low part f & (2^20 - 1) into two 32-bit words with plain
+// shared adds; ACC_ROUND tokens at most between folds into the thread's int64
+// totals keep both words from overflowing (2^12 x 2^20 = 2^32).
+constexpr int ACC_CH = 16, ACC_ROUND = 4096;
 __device__ __forceinline__ long long fixed_point(float v) { // ref_kmeans.c fixed_point
     double x = __dmul_rn((double)v, FIX);
     if (x != x) return 0;
@@ -564,56 +638,80 @@ __device__ __forceinline__ long long fixed_point(float v) { // ref_kmeans.c fixe
     return __double2ll_rn(x);
 }
 
-template <int D>
-__device__ __forceinline__ void accumulate(const float *__restrict__ e, const int *__restrict__ idx, int n_tokens,
-                                           int c_eff, long long *acc, int *cnt) {
-    __shared__ u32 sa[256 * ACC_CH][2]; // int64 sums as (low, high) words: native 32-bit atomics
+template <int D, bool BF>
+__device__ __forceinline__ void accumulate(const void *__restrict__ src, i64 ts, i64 hs, const int *__restrict__ idx,
+                                           int n_tokens, int c_eff, int chunk, long long *acc, int *cnt) {
+    constexpr int PER = 256 * ACC_CH / BLOCK; // shared entries folded by each thread
+    __shared__ int sh_hi[256 * ACC_CH];
+    __shared__ u32 sh_lo[256 * ACC_CH];
     __shared__ int sc[256];
-    const int h = blockIdx.y, c0 = blockIdx.x * ACC_CH;
-    for (int i = threadIdx.x; i < c_eff * ACC_CH; i += blockDim.x) sa[i][0] = sa[i][1] = 0u;
-    for (int i = threadIdx.x; i < c_eff; i += blockDim.x) sc[i] = 0;
-    __syncthreads();
-    const int c = threadIdx.x % ACC_CH, rows = blockDim.x / ACC_CH;
-    const float *eh = e + (i64)h * n_tokens * D + c0 + c;
+    const int h = blockIdx.y, nh = gridDim.y, c0 = blockIdx.x * ACC_CH, part = blockIdx.z;
+    const int t_begin = min(n_tokens, part * chunk), t_end = min(n_tokens, t_begin + chunk);
+    const int c = threadIdx.x % ACC_CH, rows = BLOCK / ACC_CH;
     const int *ih = idx + (i64)h * n_tokens;
-    constexpr int U = 16; // loads in flight per thread
-    for (int t0 = threadIdx.x / ACC_CH; t0 < n_tokens; t0 += rows * U) {
-        float v[U];
-        int z[U];
+    long long tot[PER];
 #pragma unroll
-        for (int u = 0; u < U; u++) {
-            const int t = t0 + u * rows;
-            z[u] = t < n_tokens ? ih[t] : -1;
-            v[u] = t < n_tokens ? eh[(i64)t * D] : 0.0f;
-        }
+    for (int k = 0; k < PER; k++) tot[k] = 0;
+    int count = 0;
+    for (int r0 = t_begin; r0 < t_end; r0 += ACC_ROUND) {
+        for (int i = threadIdx.x; i < c_eff * ACC_CH; i += BLOCK) sh_hi[i] = 0, sh_lo[i] = 0u;
+        for (int i = threadIdx.x; i < c_eff; i += BLOCK) sc[i] = 0;
+        __syncthreads();
+        const int r1 = min(t_end, r0 + ACC_ROUND);
+        constexpr int U = 8; // loads in flight per thread
+        for (int t0 = r0 + threadIdx.x / ACC_CH; t0 < r1; t0 += rows * U) {
+            float v[U];
+            int z[U];
 #pragma unroll
-        for (int u = 0; u < U; u++)
-            if (z[u] >= 0) {
-                // Sums mod 2^64 in any order: the low word's carry goes to the high word.
-                const unsigned long long f = (unsigned long long)fixed_point(v[u]);
-                u32 *w = sa[z[u] * ACC_CH + c];
-                const u32 lo = (u32)f, old = atomicAdd(&w[0], lo);
-                atomicAdd(&w[1], (u32)(f >> 32) + (old + lo < old ? 1u : 0u));
-                if (c0 == 0 && c == 0) atomicAdd(&sc[z[u]], 1);
+            for (int u = 0; u < U; u++) {
+                const int t = t0 + u * rows;
+                z[u] = t < r1 ? ih[t] : -1;
+                const void *row = src_row<BF>(src, ts, hs, h, t < r1 ? t : r0);
+                v[u] = BF ? kvf_bf16_to_f32(((const u16 *)row)[c0 + c]) : ((const float *)row)[c0 + c];
             }
+#pragma unroll
+            for (int u = 0; u < U; u++)
+                if (z[u] >= 0) {
+                    const long long f = fixed_point(v[u]);
+                    atomicAdd(&sh_hi[z[u] * ACC_CH + c], (int)(f >> 20));
+                    atomicAdd(&sh_lo[z[u] * ACC_CH + c], (u32)(f & 0xfffff));
+                    if (c0 == 0 && c == 0) atomicAdd(&sc[z[u]], 1);
+                }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int k = 0; k < PER; k++) {
+            const int i = threadIdx.x + k * BLOCK;
+            if (i < c_eff * ACC_CH) tot[k] += (long long)sh_hi[i] * 1048576 + (long long)sh_lo[i];
+        }
+        if (threadIdx.x < c_eff) count += sc[threadIdx.x];
+        __syncthreads(); // the next round clears the words
     }
-    __syncthreads();
-    for (int i = threadIdx.x; i < c_eff * ACC_CH; i += blockDim.x)
-        acc[((i64)h * c_eff + i / ACC_CH) * D + c0 + i % ACC_CH] = (long long)(((u64)sa[i][1] << 32) | sa[i][0]);
-    if (c0 == 0)
-        for (int i = threadIdx.x; i < c_eff; i += blockDim.x) cnt[h * c_eff + i] = sc[i];
+    long long *ap = acc + ((i64)part * nh + h) * c_eff * D;
+#pragma unroll
+    for (int k = 0; k < PER; k++) {
+        const int i = threadIdx.x + k * BLOCK;
+        if (i < c_eff * ACC_CH) ap[(i64)(i / ACC_CH) * D + c0 + i % ACC_CH] = tot[k];
+    }
+    if (c0 == 0 && threadIdx.x < c_eff) cnt[((i64)part * nh + h) * c_eff + threadIdx.x] = count;
 }
 
-// Step 2: means to bf16 (empty clusters keep theirs).
+// Step 2: the parts' sums, means to bf16 (empty clusters keep theirs).
 template <int D>
-__device__ __forceinline__ void finalize(int n_heads, int c_eff, long long *acc, int *cnt, u16 *cent, int c_alloc) {
+__device__ __forceinline__ void finalize(int n_heads, int c_eff, int parts, const long long *acc, const int *cnt,
+                                         u16 *cent, int c_alloc) {
     const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; // one (h, j, c)
     if (i >= (i64)n_heads * c_eff * D) return;
     const int c = (int)(i % D);
-    const i64 hj = i / D, h = hj / c_eff, j = hj % c_eff;
-    const int n = cnt[hj];
+    const i64 hj = i / D, h = hj / c_eff, j = hj % c_eff, part_stride = (i64)n_heads * c_eff;
+    long long sum = 0;
+    int n = 0;
+    for (int p = 0; p < parts; p++) {
+        sum += acc[(p * part_stride + hj) * D + c];
+        n += cnt[p * part_stride + hj];
+    }
     if (n > 0)
-        cent[(h * c_alloc + j) * D + c] = kvf_f32_to_bf16((float)__ddiv_rn(__ddiv_rn((double)acc[i], FIX), (double)n));
+        cent[(h * c_alloc + j) * D + c] = kvf_f32_to_bf16((float)__ddiv_rn(__ddiv_rn((double)sum, FIX), (double)n));
 }
 
 // Rows c_eff..C-1 (span shorter than the centroid count) repeat row 0.
@@ -639,19 +737,18 @@ __device__ __forceinline__ void subtract(float *e, int n_tokens, int n_heads, co
     e[i] = __fsub_rn(e[i], kvf_bf16_to_f32(mu));
 }
 
-// Residual quantizer of a stage: r = e - mu[z]; planes; e <- e - (mu + r_hat).
-template <int D, int BITS, int G, int MODE, int SFMT, int NCENT, int WRITE_E>
-__device__ __forceinline__ void residual(float *e, int n_tokens, int n_heads, u8 *__restrict__ packed,
-                                         kvf_quant::stage_planes p) {
+// Residual quantizer of a stage: r = e - mu[z]; planes; e_out <- e - (mu + r_hat)
+// (e_out: the f32 workspace, PSAC's input; the source itself when that is the workspace).
+template <int D, int BITS, int G, int MODE, int SFMT, int NCENT, int WRITE_E, bool BF>
+__device__ __forceinline__ void residual(const void *src, i64 ts, i64 hs, float *e_out, int n_tokens, int n_heads,
+                                         u8 *__restrict__ packed, kvf_quant::stage_planes p) {
     constexpr int LPR = D / 8, LPG = G / 8, ROWS = BLOCK / LPR;
     const int lane = threadIdx.x % LPR;
     const i64 row = (i64)blockIdx.x * ROWS + threadIdx.x / LPR;
     const bool live = row < (i64)n_tokens * n_heads;
     const i64 r = live ? row : 0, h = r / n_tokens;
-    float *er = e + r * D + lane * 8;
     float v[8], mu[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    const float4 a = ((const float4 *)er)[0], b = ((const float4 *)er)[1];
-    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+    ld8<BF>(src_row<BF>(src, ts, hs, (int)h, (int)(r % n_tokens)), lane * 8, v);
     float res[8];
     if (NCENT) kvf_load8f((const u16 *)(packed + p.centroids) + (h * NCENT + packed[p.index + r]) * D + lane * 8, mu);
 #pragma unroll
@@ -665,48 +762,56 @@ __device__ __forceinline__ void residual(float *e, int n_tokens, int n_heads, u8
         kvf_quant::decode8<BITS, MODE, SFMT>(o.q, o.scale, o.zero, o.tscale, rh);
 #pragma unroll
         for (int i = 0; i < 8; i++) v[i] = __fsub_rn(v[i], NCENT ? __fadd_rn(mu[i], rh[i]) : rh[i]);
-        ((float4 *)er)[0] = make_float4(v[0], v[1], v[2], v[3]);
-        ((float4 *)er)[1] = make_float4(v[4], v[5], v[6], v[7]);
+        float4 *er = (float4 *)(e_out + r * D + lane * 8);
+        er[0] = make_float4(v[0], v[1], v[2], v[3]);
+        er[1] = make_float4(v[4], v[5], v[6], v[7]);
     }
 }
 
 } // namespace kvf_kmeans
 
-#define KVF_KMEANS_KERNELS(PREFIX, D, ROT, G, QSAC, BITS, MODE, SFMT, NCENT)                                  \
+// BF: stage 0 reads the BF16 input directly (runtime/context.c reads it from
+// assign_cfg); the generator sets it for unrotated single-stage sections.
+#define KVF_KMEANS_KERNELS(PREFIX, D, ROT, G, QSAC, BITS, MODE, SFMT, NCENT, BF)                              \
     extern "C" __global__ void __launch_bounds__(kvf_kmeans::BLOCK)                                            \
     PREFIX##_prep(const u16 *x, i64 ts, i64 hs, int n, int nh, float *e) {                                     \
         kvf_kmeans::prep<D, ROT>(x, ts, hs, n, nh, e);                                                         \
     }                                                                                                          \
-    extern "C" __global__ void PREFIX##_init(const float *e, int n, int nh, int c_eff, long long seed,         \
-                                             int stage, u16 *cent, int c_alloc) {                              \
-        kvf_kmeans::init<D>(e, n, nh, c_eff, seed, stage, cent, c_alloc);                                      \
+    extern "C" __global__ void PREFIX##_init(const void *src, i64 ts, i64 hs, int n, int nh, int c_eff,        \
+                                             long long seed, int stage, u16 *cent, int c_alloc) {              \
+        kvf_kmeans::init<D, BF>(src, ts, hs, n, nh, c_eff, seed, stage, cent, c_alloc);                        \
     }                                                                                                          \
-    /* What runtime/context.c launches the assignment with: dynamic shared bytes   */                      \
-    /* (plain, QSAC), threads per block, tokens per block.                         */                      \
-    extern "C" __device__ const int PREFIX##_assign_cfg[4] = {                                                \
-        kvf_kmeans::assign_smem_bytes<D, 1>(), kvf_kmeans::assign_smem_bytes<D, QSAC>(),                       \
-        kvf_kmeans::assign_geom<D>::WARPS * 32, kvf_kmeans::assign_geom<D>::WARPS * kvf_kmeans::TPW};          \
+    /* What runtime/context.c launches the assignment with: dynamic shared bytes */                        \
+    /* (plain, QSAC), threads per block (plain, QSAC), tokens per block (plain,  */                        \
+    /* QSAC), whether stage 0 reads the BF16 input, 0.                           */                        \
+    extern "C" __device__ const int PREFIX##_assign_cfg[8] = {                                                \
+        kvf_kmeans::assign_smem_bytes<D, 1, BF>(), kvf_kmeans::assign_smem_bytes<D, QSAC, BF>(),               \
+        kvf_kmeans::assign_geom<D, 1, BF>::WARPS * 32, kvf_kmeans::assign_geom<D, QSAC, BF>::WARPS * 32,        \
+        kvf_kmeans::assign_geom<D, 1, BF>::WARPS * kvf_kmeans::TPW,                                           \
+        kvf_kmeans::assign_geom<D, QSAC, BF>::WARPS * kvf_kmeans::TPW, BF, 0};                                \
     /* Filter statistics, counted while [0] != 0 (bench/bench.c sets it): per   */                      \
     /* kernel (plain, QSAC) tokens, f64 candidates, full scans, second filters.  */                      \
     extern "C" __device__ unsigned long long PREFIX##_assign_stats[9];                                       \
-    extern "C" __global__ void __launch_bounds__(kvf_kmeans::assign_geom<D>::WARPS * 32, 1)                     \
-    PREFIX##_assign(const float *e, int n, int c_eff, const u16 *cent, int c_alloc, int *idx_ws, u8 *idx_plane) { \
-        kvf_kmeans::assign<D, G, 1>(e, n, c_eff, cent, c_alloc, idx_ws, idx_plane, 0,                         \
-                                    PREFIX##_assign_stats[0] ? PREFIX##_assign_stats + 1 : 0);                \
+    extern "C" __global__ void __launch_bounds__(kvf_kmeans::assign_geom<D, 1, BF>::WARPS * 32, 1)              \
+    PREFIX##_assign(const void *src, i64 ts, i64 hs, int n, int c_eff, const u16 *cent, int c_alloc,           \
+                    int *idx_ws, u8 *idx_plane) {                                                              \
+        kvf_kmeans::assign<D, G, 1, BF>(src, ts, hs, n, c_eff, cent, c_alloc, idx_ws, idx_plane, 0,           \
+                                        PREFIX##_assign_stats[0] ? PREFIX##_assign_stats + 1 : 0);            \
     }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(kvf_kmeans::assign_geom<D>::WARPS * 32, 1)                     \
-    PREFIX##_assign_qsac(const float *e, int n, int c_eff, const u16 *cent, int c_alloc, u8 *idx_plane,       \
-                         const float *weights) {                                                               \
-        kvf_kmeans::assign<D, G, QSAC>(e, n, c_eff, cent, c_alloc, 0, idx_plane, weights,                     \
-                                       PREFIX##_assign_stats[0] ? PREFIX##_assign_stats + 5 : 0);             \
+    extern "C" __global__ void __launch_bounds__(kvf_kmeans::assign_geom<D, QSAC, BF>::WARPS * 32, 1)           \
+    PREFIX##_assign_qsac(const void *src, i64 ts, i64 hs, int n, int c_eff, const u16 *cent, int c_alloc,      \
+                         u8 *idx_plane, const float *weights) {                                                \
+        kvf_kmeans::assign<D, G, QSAC, BF>(src, ts, hs, n, c_eff, cent, c_alloc, 0, idx_plane, weights,       \
+                                           PREFIX##_assign_stats[0] ? PREFIX##_assign_stats + 5 : 0);         \
     }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(kvf_kmeans::BLOCK)                                            \
-    PREFIX##_accumulate(const float *e, const int *idx, int n, int c_eff, long long *acc, int *cnt) {          \
-        kvf_kmeans::accumulate<D>(e, idx, n, c_eff, acc, cnt);                                                 \
+    extern "C" __global__ void __launch_bounds__(kvf_kmeans::BLOCK, 3)                                         \
+    PREFIX##_accumulate(const void *src, i64 ts, i64 hs, const int *idx, int n, int c_eff, int chunk,          \
+                        long long *acc, int *cnt) {                                                            \
+        kvf_kmeans::accumulate<D, BF>(src, ts, hs, idx, n, c_eff, chunk, acc, cnt);                            \
     }                                                                                                          \
-    extern "C" __global__ void PREFIX##_finalize(int nh, int c_eff, long long *acc, int *cnt, u16 *cent,       \
-                                                 int c_alloc) {                                                \
-        kvf_kmeans::finalize<D>(nh, c_eff, acc, cnt, cent, c_alloc);                                           \
+    extern "C" __global__ void PREFIX##_finalize(int nh, int c_eff, int parts, const long long *acc,           \
+                                                 const int *cnt, u16 *cent, int c_alloc) {                     \
+        kvf_kmeans::finalize<D>(nh, c_eff, parts, acc, cnt, cent, c_alloc);                                    \
     }                                                                                                          \
     extern "C" __global__ void PREFIX##_pad(int nh, int c_eff, int c_alloc, u16 *cent) {                       \
         kvf_kmeans::pad<D>(nh, c_eff, c_alloc, cent);                                                          \
@@ -716,7 +821,8 @@ __device__ __forceinline__ void residual(float *e, int n_tokens, int n_heads, u8
         kvf_kmeans::subtract<D, (NCENT > 0 ? NCENT : 1)>(e, n, nh, packed, p);                                 \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(kvf_kmeans::BLOCK)                                            \
-    PREFIX##_residual(float *e, int n, int nh, u8 *packed, kvf_quant::stage_planes p, int write_e) {           \
-        if (write_e) kvf_kmeans::residual<D, BITS, G, MODE, SFMT, NCENT, 1>(e, n, nh, packed, p);              \
-        else kvf_kmeans::residual<D, BITS, G, MODE, SFMT, NCENT, 0>(e, n, nh, packed, p);                      \
+    PREFIX##_residual(const void *src, i64 ts, i64 hs, float *e_out, int n, int nh, u8 *packed,                \
+                      kvf_quant::stage_planes p, int write_e) {                                                \
+        if (write_e) kvf_kmeans::residual<D, BITS, G, MODE, SFMT, NCENT, 1, BF>(src, ts, hs, e_out, n, nh, packed, p); \
+        else kvf_kmeans::residual<D, BITS, G, MODE, SFMT, NCENT, 0, BF>(src, ts, hs, e_out, n, nh, packed, p); \
     }
