@@ -202,7 +202,7 @@ int main(int argc, char **argv) {
             for (int t = 0; t < 2; t++)
                 for (int k = 0; k < 2; k++)
                     if (st[t][4 * k])
-                        fprintf(stderr, "  %s %s assign%s: %llu tokens, %.2f f64 candidates/token, %.3f%% full scans, "
+                        fprintf(stderr, "  %s %s assign%s: %llu tokens, %.2f candidates/token (f64 for those with more than M), %.3f%% full scans, "
                                 "%.3f%% filtered twice\n", names[i], t ? "V" : "K", k ? " (QSAC)" : "",
                                 st[t][4 * k], (double)st[t][4 * k + 1] / st[t][4 * k],
                                 100.0 * st[t][4 * k + 2] / st[t][4 * k], 100.0 * st[t][4 * k + 3] / st[t][4 * k]);

@@ -100,6 +100,8 @@ void kvf_gen_roles(const struct kvf_scheme *s, int present[KVF_ROLE_COUNT]) {
     for (int t = 0; t < 2; t++) {
         if (kvf_section_path(sec[t]) != 'B') { present[KVF_R_ENCODE_K + t] = 1; continue; }
         for (int r = KVF_R_K_PREP; r <= KVF_R_K_RESIDUAL; r++) present[r + t * KVF_R_SECTION_STRIDE] = 1;
+        /* QSAC only where it chooses among more than one centroid (keys' stage 0). */
+        present[KVF_R_K_ASSIGN_QSAC + t * KVF_R_SECTION_STRIDE] = t == 0 && sec[t]->qsac_candidates > 1;
     }
     if (s->key.psac_rank > 0) present[KVF_R_PSAC_BASIS] = present[KVF_R_PSAC_ENCODE] = 1;
     if (s->key.qsac_candidates > 1) present[KVF_R_QSAC_WEIGHTS] = 1;
@@ -149,6 +151,9 @@ static void gen_encode_section(kvf_buf *b, const struct kvf_scheme *s, int t) {
                        t ? 'v' : 'k', s->head_dim, c->rotation == KVF_ROTATION_HADAMARD, g,
                        t ? 1 : c->qsac_candidates, c->bits, mode_macro(c->mode), sfmt_macro(c->scale_format),
                        c->centroids, c->rotation != KVF_ROTATION_HADAMARD && c->stages == 1);
+        if (t == 0 && c->qsac_candidates > 1) /* kvf_gen_roles' KVF_R_K_ASSIGN_QSAC */
+            kvf_buf_printf(b, "KVF_KMEANS_QSAC_KERNEL(kvf_%s_k, %d, %d, %d, %d)\n", s->id, s->head_dim, g,
+                           c->qsac_candidates, c->rotation != KVF_ROTATION_HADAMARD && c->stages == 1);
         break;
     default:
         kvf_gen_kernel_name(s, KVF_R_ENCODE_K + t, name, sizeof name);

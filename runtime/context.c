@@ -20,7 +20,8 @@ struct kvf_context {
     CUfunction fn[KVF_ROLE_COUNT]; /* NULL where the scheme has no such kernel */
     int sms;                       /* multiprocessors (sizes the k-means assignment grid) */
     int assign_cfg[2][8];          /* per section: kvf_kmeans assign_cfg (smem, threads, tokens per block of
-                                      the plain and QSAC assignment; stage 0 reads the BF16 input) */
+                                      the plain and QSAC assignment; stage 0 reads the BF16 input;
+                                      the residual's rows per thread) */
     CUdeviceptr ws;                /* workspace of the k-means/PSAC path, grown on demand */
     size_t ws_bytes;
 };
@@ -464,7 +465,8 @@ static int encode_workspace(kvf_context *ctx, int t, const void *x, const kvf_sh
     int write_e = c->psac_rank > 0;
     void *a_res[] = {(void *)&src.p, (void *)&src.ts, (void *)&src.hs, (void *)&ws.e, &n, &nh, &packed, &planes,
                      &write_e};
-    if ((rc = launch(ctx, KVF_R_K_RESIDUAL + base, row_grid(ctx, sh), a_res, stream))) return rc;
+    const unsigned res_grid = blocks_for((int64_t)n * nh, (int64_t)BLOCK / (d / VEC) * ctx->assign_cfg[t][7]);
+    if ((rc = launch(ctx, KVF_R_K_RESIDUAL + base, res_grid, a_res, stream))) return rc;
     if (t == 1 || c->psac_rank == 0) return KVF_OK;
     const int r = c->psac_rank;
     CUdeviceptr basis = packed + l->basis_off;

@@ -179,7 +179,7 @@ const char *const *kvf_nvrtc_options(void) {
     /* No CUDA headers are included (the templates need none), so no -I. FMA
      * contraction is off: the templates ask for fused ops where they want
      * them, and the rest rounds like the CPU reference. */
-    static const char *const opts[] = {"--std=c++17", "--fmad=false", "-default-device", NULL};
+    static const char *const opts[] = {"--std=c++17", "--fmad=false", "-default-device", "--split-compile=0", NULL};
     return opts;
 }
 

@@ -215,7 +215,7 @@ __device__ __forceinline__ void mu16(const u16 *crow, int kb, float (&m)[16]) {
 template <int D, bool BF>
 __device__ __forceinline__ double plain_dist(const void *x, const u16 *crow) {
     double nn = 0.0, dot = 0.0;
-#pragma unroll 2
+#pragma unroll 1
     for (int kb = 0; kb < D / 16; kb++) {
         float xv[16], mv[16];
         ld16<BF>(x, kb * 16, xv);
@@ -232,7 +232,7 @@ __device__ __forceinline__ double plain_dist(const void *x, const u16 *crow) {
 template <int D, bool BF>
 __device__ __forceinline__ double weighted_dist(const void *x, const u16 *crow, const float *w) {
     double acc = 0.0;
-#pragma unroll 2
+#pragma unroll 1
     for (int kb = 0; kb < D / 16; kb++) {
         float xv[16], mv[16];
         ld16<BF>(x, kb * 16, xv);
@@ -488,9 +488,10 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
             __syncwarp();
         }
         // The candidates of all 16 tokens, spread over the lanes (offsets by a scan).
-        // A nearest-centroid token with one candidate needs no f64 distance: it is
-        // the answer.
-        const int mine = lane < TPW && wa.nc[lane] > (M == 1 ? 1 : 0) ? wa.nc[lane] : 0;
+        // A token with exactly MF candidates needs no f64 distance: they are its
+        // MF nearest (for the nearest centroid, the answer; for QSAC their order
+        // matters only to break a tie of scores, settled below).
+        const int mine = lane < TPW && wa.nc[lane] > MF ? wa.nc[lane] : 0;
         int off = mine;
 #pragma unroll
         for (int o = 1; o < TPW; o <<= 1) {
@@ -503,7 +504,7 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
         for (int f = lane; f < total; f += 32) {
             int tl = 0; // the last token whose first candidate is at or before f, and that has some
             for (int i = 1; i < TPW; i++)
-                if (wa.off[i] <= f && (M > 1 ? wa.nc[i] > 0 : wa.nc[i] > 1)) tl = i;
+                if (wa.off[i] <= f && wa.nc[i] > MF) tl = i;
             const int k = f - wa.off[tl];
             const void *x = src_row<BF>(src, ts, hs, h, tw0 + tl);
             const u16 *mu = cs + wa.cj[tl][k] * DP;
@@ -515,7 +516,9 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
         // Both are independent of the candidates' order.
         if (lane < TPW && wa.nc[lane] > 0) {
             const int n = wa.nc[lane];
-            if (M == 1) {
+            if (M > 1 && n == MF) { // the MF nearest, unordered
+                for (int i = 0; i < MF; i++) wa.pk[lane][i] = wa.cj[lane][i];
+            } else if (M == 1) {
                 int bj = wa.cj[lane][0];
                 double bd = n > 1 ? wa.cd[lane][0] : 0.0;
                 for (int k = 1; k < n; k++) {
@@ -557,6 +560,27 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
                 int b = 0;
                 for (int k = 1; k < MF; k++)
                     if (wa.sv[lane][k] < wa.sv[lane][b]) b = k;
+                // Unordered: the pick is the order's only if one score is strictly the smallest.
+                bool unique = wa.nc[lane] > MF || wa.sv[lane][b] == wa.sv[lane][b];
+                for (int k = 0; k < MF && unique; k++) unique = k == b || wa.sv[lane][k] > wa.sv[lane][b];
+                if (!unique) { // rare: the CPU's order (distance, then j), then its rule over it
+                    const void *x = src_row<BF>(src, ts, hs, h, tw0 + lane);
+                    double td[MF];
+                    int tk[MF];
+                    for (int k = 0; k < MF; k++) {
+                        double d = weighted_dist<D, BF>(x, cs + wa.pk[lane][k] * DP, wv);
+                        int kk = k, i = k;
+                        for (; i > 0 && (d < td[i - 1] || (d == td[i - 1] && wa.pk[lane][kk] < wa.pk[lane][tk[i - 1]])); i--) {
+                            td[i] = td[i - 1];
+                            tk[i] = tk[i - 1];
+                        }
+                        td[i] = d;
+                        tk[i] = kk;
+                    }
+                    b = tk[0];
+                    for (int i = 1; i < MF; i++)
+                        if (wa.sv[lane][tk[i]] < wa.sv[lane][b]) b = tk[i];
+                }
                 wa.pk[lane][0] = wa.pk[lane][b];
             }
             __syncwarp();
@@ -626,16 +650,22 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
 // per (16 channels, head, part of the tokens); its sums stay in shared memory
 // and are stored once per part (the finalize step adds the parts), no global
 // atomics. Integer sums give the same bytes in any order. A value
-// f = fixed_point(e), |f| <= 2^36, is added as its high part f >> 20 (signed,
+// f = ref_kmeans.c's fixed_point(e), |f| <= 2^36, is added as its high part f >> 20 (signed,
 // |.| <= 2^16) and low part f & (2^20 - 1) into two 32-bit words with plain
 // shared adds; ACC_ROUND tokens at most between folds into the thread's int64
 // totals keep both words from overflowing (2^12 x 2^20 = 2^32).
 constexpr int ACC_CH = 16, ACC_ROUND = 4096;
-__device__ __forceinline__ long long fixed_point(float v) { // ref_kmeans.c fixed_point
-    double x = __dmul_rn((double)v, FIX);
-    if (x != x) return 0;
-    x = fmin(fmax(x, -68719476736.0), 68719476736.0);
-    return __double2ll_rn(x);
+// ref_kmeans.c's fixed_point(v) as f >> 20 and f & (2^20 - 1), in f32: v * 2^20 is exact in
+// f32 as in f64 (a power of two; past 2^128 it is Inf, clamped like the f64
+// value past 2^36), rintf of it is llrint's integer, and that integer (<= 2^36,
+// 24 significant bits) splits exactly into floor(r / 2^20) and the remainder.
+__device__ __forceinline__ void fixed_point_split(float v, int &hi, u32 &lo) {
+    float r = __fmul_rn(v, 1048576.0f);
+    r = r != r ? 0.0f : fminf(fmaxf(r, -68719476736.0f), 68719476736.0f);
+    r = rintf(r);
+    const float q = floorf(__fmul_rn(r, 9.5367431640625e-7f)); // r / 2^20
+    hi = __float2int_rn(q);
+    lo = __float2uint_rn(__fmaf_rn(-q, 1048576.0f, r));
 }
 
 template <int D, bool BF>
@@ -672,9 +702,11 @@ __device__ __forceinline__ void accumulate(const void *__restrict__ src, i64 ts,
 #pragma unroll
             for (int u = 0; u < U; u++)
                 if (z[u] >= 0) {
-                    const long long f = fixed_point(v[u]);
-                    atomicAdd(&sh_hi[z[u] * ACC_CH + c], (int)(f >> 20));
-                    atomicAdd(&sh_lo[z[u] * ACC_CH + c], (u32)(f & 0xfffff));
+                    int hi;
+                    u32 lo;
+                    fixed_point_split(v[u], hi, lo);
+                    atomicAdd(&sh_hi[z[u] * ACC_CH + c], hi);
+                    atomicAdd(&sh_lo[z[u] * ACC_CH + c], lo);
                     if (c0 == 0 && c == 0) atomicAdd(&sc[z[u]], 1);
                 }
         }
@@ -739,32 +771,50 @@ __device__ __forceinline__ void subtract(float *e, int n_tokens, int n_heads, co
 
 // Residual quantizer of a stage: r = e - mu[z]; planes; e_out <- e - (mu + r_hat)
 // (e_out: the f32 workspace, PSAC's input; the source itself when that is the workspace).
+// RES_RPT rows per thread, ROWS apart, every load issued before any use: the
+// centroid is a gather behind the index load, two latencies a batch.
+constexpr int RES_RPT = 4;
 template <int D, int BITS, int G, int MODE, int SFMT, int NCENT, int WRITE_E, bool BF>
 __device__ __forceinline__ void residual(const void *src, i64 ts, i64 hs, float *e_out, int n_tokens, int n_heads,
                                          u8 *__restrict__ packed, kvf_quant::stage_planes p) {
     constexpr int LPR = D / 8, LPG = G / 8, ROWS = BLOCK / LPR;
     const int lane = threadIdx.x % LPR;
-    const i64 row = (i64)blockIdx.x * ROWS + threadIdx.x / LPR;
-    const bool live = row < (i64)n_tokens * n_heads;
-    const i64 r = live ? row : 0, h = r / n_tokens;
-    float v[8], mu[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    ld8<BF>(src_row<BF>(src, ts, hs, (int)h, (int)(r % n_tokens)), lane * 8, v);
-    float res[8];
-    if (NCENT) kvf_load8f((const u16 *)(packed + p.centroids) + (h * NCENT + packed[p.index + r]) * D + lane * 8, mu);
+    const i64 rows = (i64)n_tokens * n_heads, row0 = (i64)blockIdx.x * ROWS * RES_RPT + threadIdx.x / LPR;
+    float v[RES_RPT][8], mu[RES_RPT][8];
+    int z[RES_RPT];
 #pragma unroll
-    for (int i = 0; i < 8; i++) res[i] = NCENT ? __fsub_rn(v[i], mu[i]) : v[i];
-    kvf_quant::lane_out o;
-    kvf_quant::encode8<BITS, LPG, LPR, MODE, SFMT>(res, o);
-    if (!live) return;
-    kvf_quant::store_row<D, BITS, G, MODE, SFMT>(packed, p, r, lane, o);
-    if (WRITE_E) {
-        float rh[8];
-        kvf_quant::decode8<BITS, MODE, SFMT>(o.q, o.scale, o.zero, o.tscale, rh);
+    for (int k = 0; k < RES_RPT; k++) {
+        const i64 row = row0 + k * ROWS, r = row < rows ? row : 0;
+        ld8<BF>(src_row<BF>(src, ts, hs, (int)(r / n_tokens), (int)(r % n_tokens)), lane * 8, v[k]);
+        z[k] = NCENT ? packed[p.index + r] : 0;
+    }
 #pragma unroll
-        for (int i = 0; i < 8; i++) v[i] = __fsub_rn(v[i], NCENT ? __fadd_rn(mu[i], rh[i]) : rh[i]);
-        float4 *er = (float4 *)(e_out + r * D + lane * 8);
-        er[0] = make_float4(v[0], v[1], v[2], v[3]);
-        er[1] = make_float4(v[4], v[5], v[6], v[7]);
+    for (int k = 0; k < RES_RPT; k++) {
+        const i64 row = row0 + k * ROWS, r = row < rows ? row : 0;
+        if (NCENT) kvf_load8f((const u16 *)(packed + p.centroids) + ((r / n_tokens) * NCENT + z[k]) * D + lane * 8, mu[k]);
+        else
+#pragma unroll
+            for (int i = 0; i < 8; i++) mu[k][i] = 0.0f;
+    }
+#pragma unroll
+    for (int k = 0; k < RES_RPT; k++) {
+        const i64 r = row0 + k * ROWS;
+        float res[8];
+#pragma unroll
+        for (int i = 0; i < 8; i++) res[i] = NCENT ? __fsub_rn(v[k][i], mu[k][i]) : v[k][i];
+        kvf_quant::lane_out o;
+        kvf_quant::encode8<BITS, LPG, LPR, MODE, SFMT>(res, o); // shuffles: every lane takes part
+        if (r >= rows) continue;
+        kvf_quant::store_row<D, BITS, G, MODE, SFMT>(packed, p, r, lane, o);
+        if (WRITE_E) {
+            float rh[8], w[8];
+            kvf_quant::decode8<BITS, MODE, SFMT>(o.q, o.scale, o.zero, o.tscale, rh);
+#pragma unroll
+            for (int i = 0; i < 8; i++) w[i] = __fsub_rn(v[k][i], NCENT ? __fadd_rn(mu[k][i], rh[i]) : rh[i]);
+            float4 *er = (float4 *)(e_out + r * D + lane * 8);
+            er[0] = make_float4(w[0], w[1], w[2], w[3]);
+            er[1] = make_float4(w[4], w[5], w[6], w[7]);
+        }
     }
 }
 
@@ -783,12 +833,13 @@ __device__ __forceinline__ void residual(const void *src, i64 ts, i64 hs, float 
     }                                                                                                          \
     /* What runtime/context.c launches the assignment with: dynamic shared bytes */                        \
     /* (plain, QSAC), threads per block (plain, QSAC), tokens per block (plain,  */                        \
-    /* QSAC), whether stage 0 reads the BF16 input, 0.                           */                        \
+    /* QSAC), whether stage 0 reads the BF16 input, the residual's rows per      */                        \
+    /* thread.                                                                   */                        \
     extern "C" __device__ const int PREFIX##_assign_cfg[8] = {                                                \
         kvf_kmeans::assign_smem_bytes<D, 1, BF>(), kvf_kmeans::assign_smem_bytes<D, QSAC, BF>(),               \
         kvf_kmeans::assign_geom<D, 1, BF>::WARPS * 32, kvf_kmeans::assign_geom<D, QSAC, BF>::WARPS * 32,        \
         kvf_kmeans::assign_geom<D, 1, BF>::WARPS * kvf_kmeans::TPW,                                           \
-        kvf_kmeans::assign_geom<D, QSAC, BF>::WARPS * kvf_kmeans::TPW, BF, 0};                                \
+        kvf_kmeans::assign_geom<D, QSAC, BF>::WARPS * kvf_kmeans::TPW, BF, kvf_kmeans::RES_RPT};             \
     /* Filter statistics, counted while [0] != 0 (bench/bench.c sets it): per   */                      \
     /* kernel (plain, QSAC) tokens, f64 candidates, full scans, second filters.  */                      \
     extern "C" __device__ unsigned long long PREFIX##_assign_stats[9];                                       \
@@ -797,12 +848,6 @@ __device__ __forceinline__ void residual(const void *src, i64 ts, i64 hs, float 
                     int *idx_ws, u8 *idx_plane) {                                                              \
         kvf_kmeans::assign<D, G, 1, BF>(src, ts, hs, n, c_eff, cent, c_alloc, idx_ws, idx_plane, 0,           \
                                         PREFIX##_assign_stats[0] ? PREFIX##_assign_stats + 1 : 0);            \
-    }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(kvf_kmeans::assign_geom<D, QSAC, BF>::WARPS * 32, 1)           \
-    PREFIX##_assign_qsac(const void *src, i64 ts, i64 hs, int n, int c_eff, const u16 *cent, int c_alloc,      \
-                         u8 *idx_plane, const float *weights) {                                                \
-        kvf_kmeans::assign<D, G, QSAC, BF>(src, ts, hs, n, c_eff, cent, c_alloc, 0, idx_plane, weights,       \
-                                           PREFIX##_assign_stats[0] ? PREFIX##_assign_stats + 5 : 0);         \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(kvf_kmeans::BLOCK, 3)                                         \
     PREFIX##_accumulate(const void *src, i64 ts, i64 hs, const int *idx, int n, int c_eff, int chunk,          \
@@ -825,4 +870,14 @@ __device__ __forceinline__ void residual(const void *src, i64 ts, i64 hs, float 
                       kvf_quant::stage_planes p, int write_e) {                                                \
         if (write_e) kvf_kmeans::residual<D, BITS, G, MODE, SFMT, NCENT, 1, BF>(src, ts, hs, e_out, n, nh, packed, p); \
         else kvf_kmeans::residual<D, BITS, G, MODE, SFMT, NCENT, 0, BF>(src, ts, hs, e_out, n, nh, packed, p); \
+    }
+
+// QSAC's assignment (keys with qsac_candidates > 1 only), after KVF_KMEANS_KERNELS
+// of the same PREFIX (its assign_cfg and assign_stats).
+#define KVF_KMEANS_QSAC_KERNEL(PREFIX, D, G, QSAC, BF)                                                        \
+    extern "C" __global__ void __launch_bounds__(kvf_kmeans::assign_geom<D, QSAC, BF>::WARPS * 32, 1)           \
+    PREFIX##_assign_qsac(const void *src, i64 ts, i64 hs, int n, int c_eff, const u16 *cent, int c_alloc,      \
+                         u8 *idx_plane, const float *weights) {                                                \
+        kvf_kmeans::assign<D, G, QSAC, BF>(src, ts, hs, n, c_eff, cent, c_alloc, 0, idx_plane, weights,       \
+                                           PREFIX##_assign_stats[0] ? PREFIX##_assign_stats + 5 : 0);         \
     }
