@@ -100,12 +100,15 @@ __device__ __forceinline__ void init(const void *src, i64 ts, i64 hs, int n_toke
 //     term, truncated to f32's 24 bits, plus the final rounding: the model
 //     measured on V100/T4/A100 by Fasi et al. 2021), 2^-15 S in
 //     all at D = 128; roundings of N_j and s_j 2^-23 (S + max|N|). So
-//     |s_j - exact| < 2^-13.9 (S + max|N|), and B = KAPPA (S + max|N|),
-//     KAPPA = 2^-12, keeps a factor 3.7 to spare;
-//  2. every j with s_j <= (M-th smallest s) + 2B is a candidate: the exact
-//     M nearest are among them. Per thread the K best s are kept; a token
-//     whose lists may have dropped a candidate is filtered again, collecting
-//     every j under its threshold;
+//     |s_j - exact| < 2^-13.9 (S + max|N|). The lists hold score keys
+//     (score_key: j in the low 8 mantissa bits), within 255 ulp < 2^-15 |s_j|
+//     of s_j, and |s_j| <= 2S + max|N|: another 2^-14 (S + max|N|). So
+//     |key_j - exact| < 2^-12.95 (S + max|N|), and B = KAPPA (S + max|N|),
+//     KAPPA = 2^-12, keeps a factor 1.9 to spare;
+//  2. every j with key_j <= (M-th smallest key) + 2B is a candidate: the
+//     exact M nearest are among them. Per thread the K smallest keys are
+//     kept; a token whose lists may have dropped a candidate is filtered
+//     again, collecting every j whose s_j is under its threshold;
 //  3. the candidates' f64 distances in channel order, as ref_kmeans.c, pick
 //     the result by the CPU's rule.
 // Tokens whose bound is not finite (NaN/Inf inputs or centroids) or with more
@@ -135,8 +138,7 @@ template <int M> struct assign_warp {
     };
     double fd[M], fs[M];        // full scan: the M nearest, their sensitivity scores
     double sv[TPW][M > 1 ? 8 : 1]; // sensitivity scores of the M nearest (filtered path)
-    float ls[TPW][4][assign_lists<M>::K];
-    int lj[TPW][4][assign_lists<M>::K];
+    float ls[TPW][4][assign_lists<M>::K]; // each thread's K smallest score keys
     float an[TPW];              // |a| of the token
     float thr[TPW];             // candidate threshold
     int nc[TPW];                // candidates; -1 full scan, -2 filter again
@@ -181,16 +183,24 @@ __device__ __forceinline__ int kblock_channel(int p) {
     return (p & ~15) + 2 * q + (r < 2 ? r : 6 + r);
 }
 
-// Keep the K smallest (s, j), ascending; an equal s keeps the earlier j first.
+// A filtered score with its centroid index in the low 8 mantissa bits: one
+// float that min/max order (within 255 ulp = 2^-15 relative of the score,
+// covered by the bound, see assign). Past-the-end centroids score +Inf, whose
+// key would be a NaN: keys are clamped to +Inf, so a list never holds a NaN.
+__device__ __forceinline__ float score_key(float s, int j) {
+    return fminf(__uint_as_float((__float_as_uint(s) & 0xffffff00u) | (u32)j), __int_as_float(0x7f800000));
+}
+__device__ __forceinline__ int key_index(float key) { return (int)(__float_as_uint(key) & 0xffu); }
+
+// Keep the K smallest keys, ascending (an insertion network of min/max).
 template <int K>
-__device__ __forceinline__ void keep_k(float (&bs)[K], int (&bj)[K], float s, int j) {
+__device__ __forceinline__ void keep_k(float (&bs)[K], float key) {
 #pragma unroll
-    for (int i = K - 1; i > 0; i--) {
-        const bool shift = s < bs[i - 1], place = !shift && s < bs[i];
-        bs[i] = shift ? bs[i - 1] : place ? s : bs[i];
-        bj[i] = shift ? bj[i - 1] : place ? j : bj[i];
+    for (int i = 0; i < K; i++) {
+        const float t = fmaxf(bs[i], key);
+        bs[i] = fminf(bs[i], key);
+        key = t;
     }
-    if (s < bs[0]) { bs[0] = s; bj[0] = j; }
 }
 
 // The CPU's distances (ref_kmeans.c), f64 in channel order. Products of an
@@ -279,7 +289,7 @@ __device__ __forceinline__ double sensitivity(const void *x, const u16 *crow, co
 template <int D, int K, int M, bool COLLECT>
 __device__ __forceinline__ void filter(bool lo, const u32 (&ah)[D / 16][4], const u32 (&al)[D / 16][4],
                                        const u16 *cs, const float *nf, int cp, int g, int q, float (&bs0)[K],
-                                       int (&bj0)[K], float (&bs1)[K], int (&bj1)[K], assign_warp<M> &wa) {
+                                       float (&bs1)[K], assign_warp<M> &wa) {
     constexpr int DP = D + 16; // assign_geom's pitch
     const float neg = __int_as_float(0xff800000);
     const float thr0 = COLLECT && wa.again[g] ? wa.thr[g] : neg, thr1 = COLLECT && wa.again[g + 8] ? wa.thr[g + 8] : neg;
@@ -308,8 +318,8 @@ __device__ __forceinline__ void filter(bool lo, const u32 (&ah)[D / 16][4], cons
                     if (s0 <= thr0) { const int k = atomicAdd(&wa.nc[g], 1); if (k < CAP) wa.cj[g][k] = j; }
                     if (s1 <= thr1) { const int k = atomicAdd(&wa.nc[g + 8], 1); if (k < CAP) wa.cj[g + 8][k] = j; }
                 } else {
-                    keep_k<K>(bs0, bj0, s0, j);
-                    keep_k<K>(bs1, bj1, s1, j);
+                    keep_k<K>(bs0, score_key(s0, j));
+                    keep_k<K>(bs1, score_key(s1, j));
                 }
             }
     }
@@ -438,16 +448,15 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
         ss1 = __fadd_rn(ss1, __shfl_xor_sync(0xffffffffu, ss1, 1));
         ss1 = __fadd_rn(ss1, __shfl_xor_sync(0xffffffffu, ss1, 2));
         if (q == 0) { wa.an[g] = sqrtf(ss0); wa.an[g + 8] = sqrtf(ss1); }
-        float bs0[K], bs1[K];
-        int bj0[K], bj1[K];
+        float bs0[K], bs1[K]; // score keys (score_key)
 #pragma unroll
-        for (int i = 0; i < K; i++) { bs0[i] = bs1[i] = __int_as_float(0x7f800000); bj0[i] = bj1[i] = 0; }
+        for (int i = 0; i < K; i++) bs0[i] = bs1[i] = __int_as_float(0x7f800000);
         if (M <= 8) {
-            filter<D, K, M, false>(lo, ah, al, cs, nf, cp, g, q, bs0, bj0, bs1, bj1, wa);
+            filter<D, K, M, false>(lo, ah, al, cs, nf, cp, g, q, bs0, bs1, wa);
 #pragma unroll
             for (int i = 0; i < K; i++) {
-                wa.ls[g][q][i] = bs0[i]; wa.lj[g][q][i] = bj0[i];
-                wa.ls[g + 8][q][i] = bs1[i]; wa.lj[g + 8][q][i] = bj1[i];
+                wa.ls[g][q][i] = bs0[i];
+                wa.ls[g + 8][q][i] = bs1[i];
             }
         }
         __syncwarp();
@@ -458,11 +467,10 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
             wa.again[lane] = 0;
             if (M <= 8) {
                 float top[MF];
-                int topj[MF];
 #pragma unroll
-                for (int i = 0; i < MF; i++) { top[i] = __int_as_float(0x7f800000); topj[i] = 0; }
+                for (int i = 0; i < MF; i++) top[i] = __int_as_float(0x7f800000);
                 for (int qq = 0; qq < 4; qq++)
-                    for (int i = 0; i < K; i++) keep_k<MF>(top, topj, wa.ls[lane][qq][i], 0);
+                    for (int i = 0; i < K; i++) keep_k<MF>(top, wa.ls[lane][qq][i]);
                 // + an absolute term for BF16/f32 subnormals the tensor cores may flush.
                 const float b = __fadd_rn(__fmul_rn(KAPPA, __fmaf_rn(wa.an[lane], cmax, nmax)),
                                           __fmul_rn(2e-36f, __fadd_rn(__fadd_rn(wa.an[lane], cmax), 1.0f)));
@@ -473,7 +481,7 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
                     for (int qq = 0; qq < 4 && n >= 0; qq++) {
                         if (wa.ls[lane][qq][K - 1] <= thr) n = -2; // this thread's list may have dropped one
                         for (int i = 0; i < K && n >= 0; i++)
-                            if (wa.ls[lane][qq][i] <= thr) wa.cj[lane][n++] = wa.lj[lane][qq][i];
+                            if (wa.ls[lane][qq][i] <= thr) wa.cj[lane][n++] = key_index(wa.ls[lane][qq][i]);
                     }
                     if (n == -2 && t < n_tokens) { wa.again[lane] = 1; n = 0; }
                 }
@@ -482,7 +490,7 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
         }
         __syncwarp();
         if (M <= 8 && __any_sync(0xffffffffu, lane < TPW && wa.again[lane])) {
-            filter<D, K, M, true>(lo, ah, al, cs, nf, cp, g, q, bs0, bj0, bs1, bj1, wa);
+            filter<D, K, M, true>(lo, ah, al, cs, nf, cp, g, q, bs0, bs1, wa);
             __syncwarp();
             if (lane < TPW && wa.nc[lane] > CAP) wa.nc[lane] = -1;
             __syncwarp();
