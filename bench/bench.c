@@ -224,6 +224,9 @@ int main(int argc, char **argv) {
            "bytes read + BF16 bytes written; 'of copy' = dec GB/s / copy ceiling; 'of write' = the memset of the\n"
            "same output bytes' time / decode time (1.0 = decode as fast as writing its output alone);\n"
            "'vs QVG' = QVG's time / ours (ANCHORS.md: 4.77 ms, 0.44 ms);\n"
-           "JIT cold = context creation with NVRTC and no disk cache; JIT hit = from the disk cache.\n", reps);
+           "JIT cold = context creation with NVRTC and no kvforge disk cache, in this process: on a host that\n"
+           "compiled the same source before it reads far lower than a first compile (docs/BENCHMARKS.md);\n"
+           "the cold-compile figure is `KVFORGE_CACHE=0 kvforge compile SCHEME` in a fresh process.\n"
+           "JIT hit = from the disk cache.\n", reps);
     return 0;
 }
