@@ -233,22 +233,30 @@ static int mkdir_p(const char *path, char *failed, size_t failed_len) {
     }
 }
 
+/* The cache's trust rule for the root, the arch directories and the entries:
+ * owned by the effective user and not writable by group or others. If not,
+ * false and the reason ("refused: ...") in what. */
+static bool is_private(const struct stat *st, char *what, size_t len) {
+    if (st->st_uid != geteuid()) {
+        snprintf(what, len, "refused: owned by uid %u, not by the current user (uid %u)",
+                 (unsigned)st->st_uid, (unsigned)geteuid());
+        return false;
+    }
+    if (st->st_mode & (S_IWGRP | S_IWOTH)) {
+        snprintf(what, len, "refused: writable by group or others (mode %03o)",
+                 (unsigned)(st->st_mode & 0777));
+        return false;
+    }
+    return true;
+}
+
 /* Refuse a directory that is not ours or that others can write into. */
 static int check_private_dir(int fd, const char *path) {
     struct stat st;
     char what[128];
     if (fstat(fd, &st) != 0) return dir_call_failed(path, "fstat", errno);
     if (!S_ISDIR(st.st_mode)) return dir_unusable(path, "not a directory");
-    if (st.st_uid != geteuid()) {
-        snprintf(what, sizeof what, "refused: owned by uid %u, not by the current user (uid %u)",
-                 (unsigned)st.st_uid, (unsigned)geteuid());
-        return dir_unusable(path, what);
-    }
-    if (st.st_mode & (S_IWGRP | S_IWOTH)) {
-        snprintf(what, sizeof what, "refused: writable by group or others (mode %03o)",
-                 (unsigned)(st.st_mode & 0777));
-        return dir_unusable(path, what);
-    }
+    if (!is_private(&st, what, sizeof what)) return dir_unusable(path, what);
     return KVF_OK;
 }
 
@@ -402,14 +410,8 @@ static int read_entry_fd(int fd, const char *dir, const char *name, entry *e) {
     uint64_t sum;
     if (fstat(fd, &st) != 0) return entry_miss(e, dir, name, "fstat", errno);
     if (!S_ISREG(st.st_mode)) return entry_miss(e, dir, name, "not a regular file", 0);
-    if (st.st_uid != geteuid()) {
-        char what[80];
-        snprintf(what, sizeof what, "refused: owned by uid %u, not by the current user",
-                 (unsigned)st.st_uid);
-        return entry_miss(e, dir, name, what, 0);
-    }
-    if (st.st_mode & (S_IWGRP | S_IWOTH))
-        return entry_miss(e, dir, name, "refused: writable by group or others", 0);
+    char what[80];
+    if (!is_private(&st, what, sizeof what)) return entry_miss(e, dir, name, what, 0);
     e->mtime = st.st_mtime;
     if (st.st_size < (off_t)ENTRY_HEADER_BYTES)
         return entry_miss(e, dir, name, "corrupt: shorter than the header", 0);
