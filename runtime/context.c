@@ -637,12 +637,8 @@ int kvf_qstats_update(kvf_context *ctx, void *qstats, size_t bytes, const void *
                       void *stream) {
     if (!ctx || !qstats || !q || !q_shape)
         return kvf_set_error(KVF_EINVAL, "kvf_qstats_update: NULL context, buffer, queries or shape");
-    if (ctx->device == KVF_DEVICE_CPU) {
-        kvf_shape sh;
-        int rc = kvf_shape_resolve(q_shape, ctx->scheme->head_dim, &sh);
-        if (rc) return kvf_wrap_error(rc, "kvf_qstats_update: queries");
-        return kvf_ref_qstats_update(ctx->scheme, qstats, bytes, q, &sh);
-    }
+    /* The CPU reference checks the buffer and resolves the query shape itself. */
+    if (ctx->device == KVF_DEVICE_CPU) return kvf_ref_qstats_update(ctx->scheme, qstats, bytes, q, q_shape);
     int rc = push_ctx(ctx);
     return rc ? rc : pop_ctx(ctx, qstats_update_device(ctx, qstats, bytes, q, q_shape, stream));
 }
