@@ -107,11 +107,11 @@ static void place(placer *p, size_t a, size_t b, size_t *off, size_t *bytes) {
     p->off = end;
 }
 
-/* The planes of one stage (METHODS.md section 7), in their order. */
-static void place_stage(placer *p, const kvf_section_layout *l, size_t rows, size_t heads,
-                        int head_dim, kvf_stage_layout *st, bool quant) {
+/* Stage 0's quantized planes: codes, then (below bits 16) scales, token scales
+ * and zeros. */
+static void place_quant(placer *p, const kvf_section_layout *l, size_t rows, size_t heads, int head_dim,
+                        kvf_stage_layout *st) {
     size_t gpt = (size_t)l->groups_per_token;
-    if (!quant) goto smoothing; /* later stages: centroids only (METHODS.md 1) */
     place(p, rows, l->code_bytes_per_token, &st->codes_off, &st->codes_bytes);
     if (l->bits == 16) return;
     bool affine = l->mode == KVF_MODE_AFFINE;
@@ -127,8 +127,15 @@ static void place_stage(placer *p, const kvf_section_layout *l, size_t rows, siz
         place(p, rows, 2, &st->tscales_off, &st->tscales_bytes);   /* fp16 token scales */
         if (affine) place(p, rows, gpt, &st->zeros_off, &st->zeros_bytes); /* int8 zero codes */
     }
-smoothing:
-    if (l->centroids > 0) {
+}
+
+/* The planes of one stage (METHODS.md section 7), in their order: the
+ * quantized planes for stage 0 only (the last residual is quantized into
+ * them, METHODS.md 1), then the stage's centroid indices and centroids. */
+static void place_stage(placer *p, const kvf_section_layout *l, size_t rows, size_t heads,
+                        int head_dim, kvf_stage_layout *st, bool quant) {
+    if (quant) place_quant(p, l, rows, heads, head_dim, st);
+    if (l->centroids > 0) { /* 0 at bits 16 */
         place(p, rows, 1, &st->index_off, &st->index_bytes);
         place(p, heads * (size_t)l->centroids, (size_t)head_dim * 2, &st->centroids_off,
               &st->centroids_bytes);
