@@ -136,10 +136,6 @@ typedef struct kvf_section_layout {
     size_t basis_off, basis_bytes;   /* PSAC: bf16 [H][d][r] */
     size_t coef_off, coef_bytes;     /* PSAC: int8 [H][N][r] */
     size_t cscale_off, cscale_bytes; /* PSAC: fp16 [H][N] */
-    /* Stage 0's codes, scales and zeros again (RTN code reads these). */
-    size_t codes_off, codes_bytes;
-    size_t scales_off, scales_bytes;
-    size_t zeros_off, zeros_bytes;
 } kvf_section_layout;
 
 typedef struct kvf_layout {

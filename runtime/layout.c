@@ -169,10 +169,6 @@ static void place_section(placer *p, const kvf_tensor_cfg *c, int head_dim, int6
         place(p, rows, r, &l->coef_off, &l->coef_bytes);
         place(p, rows, 2, &l->cscale_off, &l->cscale_bytes);
     }
-    const kvf_stage_layout *s0 = &l->stage[0];
-    l->codes_off = s0->codes_off, l->codes_bytes = s0->codes_bytes;
-    l->scales_off = s0->scales_off, l->scales_bytes = s0->scales_bytes;
-    l->zeros_off = s0->zeros_off, l->zeros_bytes = s0->zeros_bytes;
 }
 
 int kvf_layout_compute(const struct kvf_scheme *s, int64_t n_tokens, int32_t n_heads,

@@ -182,7 +182,7 @@ static void test_nan_inf_contained(void **state) {
         /* The packed bytes outside the marked rows are those of the clean encode. */
         kvf_layout L;
         assert_int_equal(kvf_layout_compute(kvf_context_scheme(ctx), n, h, &L), KVF_OK);
-        assert_memory_equal(p.p, clean, L.key.codes_off); /* header and padding */
+        assert_memory_equal(p.p, clean, L.key.stage[0].codes_off); /* header and padding */
         free(clean);
         gb_free(&p), gb_free(&ko), gb_free(&vo), gb_free(&kc), gb_free(&vc);
     }

@@ -97,12 +97,12 @@ static void check_section(const kvf_section_layout *l, const uint8_t *packed, co
     int L = (1 << l->bits) - 1, qmax = (1 << (l->bits - 1)) - 1, G = l->group_size;
     double worst = 0;
     for (int64_t r = 0; r < rows; r++) {
-        const uint8_t *codes = packed + l->codes_off + r * l->code_bytes_per_token;
+        const uint8_t *codes = packed + l->stage[0].codes_off + r * l->code_bytes_per_token;
         for (int g = 0; g < d / G; g++) {
             const uint16_t *xg = x + r * d + g * G, *yg = y + r * d + g * G;
-            double S = kvf_f16_to_f32(rd16(packed + l->scales_off + (r * (d / G) + g) * 2));
+            double S = kvf_f16_to_f32(rd16(packed + l->stage[0].scales_off + (r * (d / G) + g) * 2));
             double M = l->mode == KVF_MODE_AFFINE
-                           ? kvf_f16_to_f32(rd16(packed + l->zeros_off + (r * (d / G) + g) * 2))
+                           ? kvf_f16_to_f32(rd16(packed + l->stage[0].zeros_off + (r * (d / G) + g) * 2))
                            : 0;
             double mn = INFINITY, mx = -INFINITY, a = 0;
             for (int c = 0; c < G; c++) {
@@ -176,13 +176,13 @@ static void test_packed_size(void **state) {
     assert_int_equal(kvf_layout_compute(&s, 64, 1, &L), KVF_OK);
     assert_int_equal(L.key.code_bytes_per_token, 32);
     assert_int_equal(L.key.groups_per_token, 2);
-    assert_int_equal(L.key.codes_off, 256);
-    assert_int_equal(L.key.codes_bytes, 64 * 32);
-    assert_int_equal(L.key.scales_off, 256 + 2048);
-    assert_int_equal(L.key.scales_bytes, 64 * 4);
-    assert_int_equal(L.key.zeros_off, 256 + 2048 + 256);
-    assert_int_equal(L.key.zeros_bytes, 64 * 4);
-    assert_int_equal(L.value.codes_off, 256 + 64 * 40);
+    assert_int_equal(L.key.stage[0].codes_off, 256);
+    assert_int_equal(L.key.stage[0].codes_bytes, 64 * 32);
+    assert_int_equal(L.key.stage[0].scales_off, 256 + 2048);
+    assert_int_equal(L.key.stage[0].scales_bytes, 64 * 4);
+    assert_int_equal(L.key.stage[0].zeros_off, 256 + 2048 + 256);
+    assert_int_equal(L.key.stage[0].zeros_bytes, 64 * 4);
+    assert_int_equal(L.value.stage[0].codes_off, 256 + 64 * 40);
     assert_int_equal(L.total_bytes, 256 + 2 * 64 * 40);
     /* One token, one head: each of the six planes takes 256 bytes. */
     size_t b;
@@ -211,14 +211,14 @@ static void test_packed_size(void **state) {
     assert_true(fabs(f.compression - 256.0 / 72) < 0.001);
     make_scheme(&s, 128, 2, 2, 64, KVF_MODE_SYMMETRIC);
     assert_int_equal(kvf_layout_compute(&s, 64, 1, &L), KVF_OK);
-    assert_int_equal(L.key.zeros_bytes, 0);
+    assert_int_equal(L.key.stage[0].zeros_bytes, 0);
     assert_int_equal(L.total_bytes, 256 + 2 * 64 * 36); /* planes end at 2304, 2560, 4608, 4864 */
     /* BF16 values: only a codes plane of 256 bytes per token per head. */
     make_scheme(&s, 128, 2, 16, 64, KVF_MODE_AFFINE);
     assert_int_equal(kvf_layout_compute(&s, 64, 1, &L), KVF_OK);
     assert_int_equal(L.value.code_bytes_per_token, 256);
-    assert_int_equal(L.value.scales_bytes, 0);
-    assert_int_equal(L.value.zeros_bytes, 0);
+    assert_int_equal(L.value.stage[0].scales_bytes, 0);
+    assert_int_equal(L.value.stage[0].zeros_bytes, 0);
     assert_int_equal(L.total_bytes, 256 + 64 * 40 + 64 * 256);
     /* Bad sizes. */
     assert_int_equal(kvf_packed_size(&s, 0, 1, &b), KVF_EINVAL);
@@ -292,13 +292,13 @@ static void test_bit_order(void **state) {
     for (int c = 64; c < 128; c++) x[c] = kvf_f32_to_bf16((float)(3 - c % 4));
     make_scheme(&s, 128, 2, 2, 64, KVF_MODE_AFFINE);
     uint8_t *p = encode_one(&s, x, &L);
-    for (int i = 0; i < 16; i++) assert_int_equal(p[L.key.codes_off + i], 0xE4);
-    for (int i = 16; i < 32; i++) assert_int_equal(p[L.key.codes_off + i], 0x1B);
+    for (int i = 0; i < 16; i++) assert_int_equal(p[L.key.stage[0].codes_off + i], 0xE4);
+    for (int i = 16; i < 32; i++) assert_int_equal(p[L.key.stage[0].codes_off + i], 0x1B);
     for (int g = 0; g < 2; g++) {
-        assert_int_equal(rd16(p + L.key.scales_off + 2 * g), 0x3C00); /* fp16 1.0 */
-        assert_int_equal(rd16(p + L.key.zeros_off + 2 * g), 0x0000);  /* fp16 0.0 */
+        assert_int_equal(rd16(p + L.key.stage[0].scales_off + 2 * g), 0x3C00); /* fp16 1.0 */
+        assert_int_equal(rd16(p + L.key.stage[0].zeros_off + 2 * g), 0x0000);  /* fp16 0.0 */
     }
-    assert_memory_equal(p + L.key.codes_off, p + L.value.codes_off, 32);
+    assert_memory_equal(p + L.key.stage[0].codes_off, p + L.value.stage[0].codes_off, 32);
     free(p);
 
     /* INT4 affine: channel c = c % 16 (s = 1): byte i holds channel 2i in its
@@ -310,12 +310,12 @@ static void test_bit_order(void **state) {
     p = encode_one(&s, x, &L);
     for (int i = 0; i < 32; i++) {
         int lo = (2 * i) % 16, hi = (2 * i + 1) % 16;
-        assert_int_equal(p[L.key.codes_off + i], hi << 4 | lo);
-        assert_int_equal(p[L.key.codes_off + 32 + i], hi << 4 | lo);
+        assert_int_equal(p[L.key.stage[0].codes_off + i], hi << 4 | lo);
+        assert_int_equal(p[L.key.stage[0].codes_off + 32 + i], hi << 4 | lo);
     }
-    assert_int_equal(rd16(p + L.key.scales_off), 0x3C00);
-    assert_int_equal(rd16(p + L.key.scales_off + 2), 0x3800); /* 0.5 */
-    assert_int_equal(rd16(p + L.key.zeros_off + 2), 0x5640);  /* 100.0 */
+    assert_int_equal(rd16(p + L.key.stage[0].scales_off), 0x3C00);
+    assert_int_equal(rd16(p + L.key.stage[0].scales_off + 2), 0x3800); /* 0.5 */
+    assert_int_equal(rd16(p + L.key.stage[0].zeros_off + 2), 0x5640);  /* 100.0 */
     free(p);
 
     /* INT8 affine: one byte per code; x = 4c (c < 63) and 255: s = 1, q = x. */
@@ -323,7 +323,7 @@ static void test_bit_order(void **state) {
     make_scheme(&s, 128, 8, 8, 64, KVF_MODE_AFFINE);
     p = encode_one(&s, x, &L);
     for (int c = 0; c < 128; c++)
-        assert_int_equal(p[L.key.codes_off + c], (c % 64) == 63 ? 255 : 4 * (c % 64));
+        assert_int_equal(p[L.key.stage[0].codes_off + c], (c % 64) == 63 ? 255 : 4 * (c % 64));
     free(p);
 
     /* INT2 symmetric: -1,0,1,0 -> q -1,0,1,0 -> codes 0,1,2,1 -> 0b01100100 = 0x64. */
@@ -331,9 +331,9 @@ static void test_bit_order(void **state) {
     for (int c = 0; c < 128; c++) x[c] = kvf_f32_to_bf16(pat[c % 4]);
     make_scheme(&s, 128, 2, 2, 64, KVF_MODE_SYMMETRIC);
     p = encode_one(&s, x, &L);
-    for (int i = 0; i < 32; i++) assert_int_equal(p[L.key.codes_off + i], 0x64);
-    assert_int_equal(rd16(p + L.key.scales_off), 0x3C00);
-    assert_int_equal(L.key.zeros_bytes, 0);
+    for (int i = 0; i < 32; i++) assert_int_equal(p[L.key.stage[0].codes_off + i], 0x64);
+    assert_int_equal(rd16(p + L.key.stage[0].scales_off), 0x3C00);
+    assert_int_equal(L.key.stage[0].zeros_bytes, 0);
     uint16_t y[128], z[128];
     kvf_shape sh = {1, 1, 0, 0};
     assert_int_equal(kvf_ref_decode(&s, p, L.total_bytes, &sh, NULL, y, z), KVF_OK);
@@ -354,7 +354,7 @@ static void test_rounding_ties(void **state) {
     for (int c = 0; c < 128; c++) x[c] = kvf_f32_to_bf16(a[c % 64 < 6 ? c % 64 : 5]);
     make_scheme(&s, 128, 2, 2, 64, KVF_MODE_AFFINE);
     uint8_t *p = encode_one(&s, x, &L);
-    for (int c = 0; c < 6; c++) assert_int_equal(rd_code(p + L.key.codes_off, c, 2), qa[c]);
+    for (int c = 0; c < 6; c++) assert_int_equal(rd_code(p + L.key.stage[0].codes_off, c, 2), qa[c]);
     free(p);
     /* Symmetric INT4, max|x| 7 (S = 1, qmax 7): 0.5 -> 0, -1.5 -> -2, 2.5 -> 2, -3.5 -> -4. */
     static const float b[6] = {7, 0.5f, -1.5f, 2.5f, -3.5f, 0};
@@ -362,7 +362,7 @@ static void test_rounding_ties(void **state) {
     for (int c = 0; c < 128; c++) x[c] = kvf_f32_to_bf16(b[c % 64 < 6 ? c % 64 : 5]);
     make_scheme(&s, 128, 4, 4, 64, KVF_MODE_SYMMETRIC);
     p = encode_one(&s, x, &L);
-    for (int c = 0; c < 6; c++) assert_int_equal(rd_code(p + L.key.codes_off, c, 4), (unsigned)(qb[c] + 7));
+    for (int c = 0; c < 6; c++) assert_int_equal(rd_code(p + L.key.stage[0].codes_off, c, 4), (unsigned)(qb[c] + 7));
     free(p);
 }
 
@@ -381,9 +381,9 @@ static void test_codes_use_stored_scale(void **state) {
     for (int c = 0; c < 128; c++) x[c] = v[c % 64 < 6 ? c % 64 : 0];
     make_scheme(&s, 128, 2, 2, 64, KVF_MODE_AFFINE);
     uint8_t *p = encode_one(&s, x, &L);
-    assert_int_equal(rd16(p + L.key.scales_off), 8);
-    assert_int_equal(rd16(p + L.key.zeros_off), 50);
-    for (int c = 0; c < 6; c++) assert_int_equal(rd_code(p + L.key.codes_off, c, 2), want[c]);
+    assert_int_equal(rd16(p + L.key.stage[0].scales_off), 8);
+    assert_int_equal(rd16(p + L.key.stage[0].zeros_off), 50);
+    for (int c = 0; c < 6; c++) assert_int_equal(rd_code(p + L.key.stage[0].codes_off, c, 2), want[c]);
     free(p);
 }
 
@@ -515,7 +515,7 @@ static void test_constant_group(void **state) {
                 make_scheme(&s, 128, b, b, 64, mode);
                 uint8_t *p = encode_one(&s, x, &L);
                 /* Affine: s = 0 and the value is in M. Symmetric: s = |x|/qmax, exact at qmax. */
-                if (mode == KVF_MODE_AFFINE) assert_int_equal(rd16(p + L.key.scales_off), 0);
+                if (mode == KVF_MODE_AFFINE) assert_int_equal(rd16(p + L.key.stage[0].scales_off), 0);
                 kvf_shape sh = {1, 1, 0, 0};
                 assert_int_equal(kvf_ref_decode(&s, p, L.total_bytes, &sh, NULL, y, z), KVF_OK);
                 if (mode == KVF_MODE_AFFINE || b == 2) /* qmax = 1: S = |x| exactly */
@@ -537,8 +537,8 @@ static void test_signed_zero(void **state) {
     for (int c = 0; c < 128; c++) x[c] = (c & 1) ? 0x0000 : 0x8000;
     uint8_t *q = encode_one(&s, x, &L);
     assert_memory_equal(p, q, L.total_bytes);
-    assert_int_equal(rd16(p + L.key.scales_off), 0);
-    assert_int_equal(rd16(p + L.key.zeros_off), 0);
+    assert_int_equal(rd16(p + L.key.stage[0].scales_off), 0);
+    assert_int_equal(rd16(p + L.key.stage[0].zeros_off), 0);
     free(p), free(q);
 }
 
@@ -557,9 +557,9 @@ static void test_nan_inf(void **state) {
     x[5] = 0xffc1;      /* negative NaN with a payload, in group 0 */
     x[64 + 9] = 0x7f80; /* +Inf in group 1 */
     uint8_t *p = encode_one(&s, x, &L);
-    assert_int_equal(rd16(p + L.key.scales_off), 0x3C00); /* range 0..3 without the NaN */
-    assert_int_equal(rd_code(p + L.key.codes_off, 5, 2), 0);
-    assert_int_equal(rd16(p + L.key.scales_off + 2), 0x7C00); /* S = Inf */
+    assert_int_equal(rd16(p + L.key.stage[0].scales_off), 0x3C00); /* range 0..3 without the NaN */
+    assert_int_equal(rd_code(p + L.key.stage[0].codes_off, 5, 2), 0);
+    assert_int_equal(rd16(p + L.key.stage[0].scales_off + 2), 0x7C00); /* S = Inf */
     assert_int_equal(kvf_ref_decode(&s, p, L.total_bytes, &sh, NULL, y, z), KVF_OK);
     for (int c = 0; c < 64; c++) assert_int_equal(y[c], c == 5 ? 0x0000 : x[c]);
     for (int c = 64; c < 128; c++) assert_int_equal(y[c], 0x7fc0);
@@ -571,10 +571,10 @@ static void test_nan_inf(void **state) {
     for (int c = 0; c < 64; c++) x[c] = (c & 1) ? 0xffc0 : 0x7fd3;
     for (int c = 64; c < 128; c++) x[c] = 0x7f80;
     p = encode_one(&s, x, &L);
-    for (int g = 0; g < 2; g++) assert_int_equal(rd16(p + L.key.scales_off + 2 * g), 0x7E00);
-    assert_int_equal(rd16(p + L.key.zeros_off), 0x7E00);
-    assert_int_equal(rd16(p + L.key.zeros_off + 2), 0x7C00); /* M = Inf */
-    for (int i = 0; i < 32; i++) assert_int_equal(p[L.key.codes_off + i], 0);
+    for (int g = 0; g < 2; g++) assert_int_equal(rd16(p + L.key.stage[0].scales_off + 2 * g), 0x7E00);
+    assert_int_equal(rd16(p + L.key.stage[0].zeros_off), 0x7E00);
+    assert_int_equal(rd16(p + L.key.stage[0].zeros_off + 2), 0x7C00); /* M = Inf */
+    for (int i = 0; i < 32; i++) assert_int_equal(p[L.key.stage[0].codes_off + i], 0);
     assert_int_equal(kvf_ref_decode(&s, p, L.total_bytes, &sh, NULL, y, z), KVF_OK);
     for (int c = 0; c < 128; c++) assert_int_equal(y[c], 0x7fc0);
     free(p);
@@ -585,9 +585,9 @@ static void test_nan_inf(void **state) {
     x[3] = 0xff80;
     x[64] = 0x7fc0;
     p = encode_one(&s, x, &L);
-    assert_int_equal(rd16(p + L.key.scales_off), 0x7C00);
-    assert_int_equal(rd_code(p + L.key.codes_off, 3, 2), 0);
-    assert_int_equal(rd_code(p + L.key.codes_off, 64, 2), 0); /* NaN -> -qmax */
+    assert_int_equal(rd16(p + L.key.stage[0].scales_off), 0x7C00);
+    assert_int_equal(rd_code(p + L.key.stage[0].codes_off, 3, 2), 0);
+    assert_int_equal(rd_code(p + L.key.stage[0].codes_off, 64, 2), 0); /* NaN -> -qmax */
     assert_int_equal(kvf_ref_decode(&s, p, L.total_bytes, &sh, NULL, y, z), KVF_OK);
     for (int c = 0; c < 64; c++) assert_int_equal(y[c], c == 3 ? 0xff80 : 0x7fc0);
     free(p);
@@ -609,7 +609,7 @@ static void test_bf16_section(void **state) {
     uint8_t *p = encode_new(&s, k, v, &sh, &bytes);
     kvf_layout L;
     assert_int_equal(kvf_layout_compute(&s, n, h, &L), KVF_OK);
-    assert_memory_equal(p + L.value.codes_off, v, nel * 2);
+    assert_memory_equal(p + L.value.stage[0].codes_off, v, nel * 2);
     assert_int_equal(kvf_ref_decode(&s, p, bytes, &sh, NULL, ko, vo), KVF_OK);
     assert_memory_equal(vo, v, nel * 2);
     free(k), free(v), free(ko), free(vo), free(p);
