@@ -155,17 +155,11 @@ template <int D, int M, bool BF> __host__ __device__ constexpr int assign_smem_b
            assign_geom<D, M, BF>::WARPS * (int)((sizeof(assign_warp<M>) + 15) / 16 * 16);
 }
 
-__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) { // lo -> bits 0..15
-    u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
-// a = hi + lo + O(2^-18 |a|): both halves as packed BF16 pairs.
+// a = hi + lo + O(2^-18 |a|): both halves as packed BF16 pairs (x0 -> bits 0..15).
 __device__ __forceinline__ void split_pair(float x0, float x1, u32 &hi, u32 &lo) {
-    hi = pack_bf16x2(x0, x1);
+    hi = kvf_cvt_bf16x2(x0, x1);
     const float h0 = __uint_as_float(hi << 16), h1 = __uint_as_float(hi & 0xffff0000u);
-    lo = pack_bf16x2(__fsub_rn(x0, h0), __fsub_rn(x1, h1));
+    lo = kvf_cvt_bf16x2(__fsub_rn(x0, h0), __fsub_rn(x1, h1));
 }
 
 __device__ __forceinline__ void mma_bf16(float c[4], const u32 a[4], u32 b0, u32 b1) {
