@@ -111,7 +111,6 @@ __device__ __forceinline__ float code_magic(const code_word<BITS> &c, int i, u32
     return __uint_as_float(e | (w & (((1u << BITS) - 1u) << code_pos(BITS, i))));
 }
 
-template <int D>
 __device__ __forceinline__ float rope_inv_freq(int pair, const rope_args &r) {
     int start = 0, a = 0;
     while (a + 1 < r.n_sections && pair >= start + r.sections[a]) start += r.sections[a++];
@@ -119,7 +118,6 @@ __device__ __forceinline__ float rope_inv_freq(int pair, const rope_args &r) {
     return (float)exp2(-frac * r.log2_theta);
 }
 
-template <int D>
 __device__ __forceinline__ int rope_axis(int pair, const rope_args &r) {
     int start = 0, a = 0;
     while (a + 1 < r.n_sections && pair >= start + r.sections[a]) start += r.sections[a++];
@@ -135,7 +133,7 @@ __device__ __forceinline__ void apply_rope(float y[8], int lane, const int *pos_
         for (int i = 0; i < 8; i++) {
             const float other = __shfl_xor_sync(0xffffffffu, y[i], LPR / 2);
             const int c = lane * 8 + i, pair = first ? c : c - D / 2;
-            const float ang = __fmul_rn((float)pos_row[rope_axis<D>(pair, r)], rope_inv_freq<D>(pair, r));
+            const float ang = __fmul_rn((float)pos_row[rope_axis(pair, r)], rope_inv_freq(pair, r));
             const float cs = cosf(ang), sn = sinf(ang);
             const float x1 = first ? y[i] : other, x2 = first ? other : y[i];
             y[i] = first ? __fsub_rn(__fmul_rn(x1, cs), __fmul_rn(x2, sn)) : __fadd_rn(__fmul_rn(x2, cs), __fmul_rn(x1, sn));
@@ -144,7 +142,7 @@ __device__ __forceinline__ void apply_rope(float y[8], int lane, const int *pos_
 #pragma unroll
         for (int i = 0; i < 8; i += 2) {
             const int pair = (lane * 8 + i) / 2;
-            const float ang = __fmul_rn((float)pos_row[rope_axis<D>(pair, r)], rope_inv_freq<D>(pair, r));
+            const float ang = __fmul_rn((float)pos_row[rope_axis(pair, r)], rope_inv_freq(pair, r));
             const float cs = cosf(ang), sn = sinf(ang), x1 = y[i], x2 = y[i + 1];
             y[i] = __fsub_rn(__fmul_rn(x1, cs), __fmul_rn(x2, sn));
             y[i + 1] = __fadd_rn(__fmul_rn(x2, cs), __fmul_rn(x1, sn));
