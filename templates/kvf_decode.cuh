@@ -78,12 +78,12 @@ __device__ __forceinline__ T *opaque(T *p) {
     return p;
 }
 
-template <int BITS>
+// A lane-row's codes: 8 x BITS bits (hi: the upper word at BITS = 8).
 struct code_word { u32 lo, hi; };
 
 template <int BITS>
-__device__ __forceinline__ code_word<BITS> load_code_word(const u8 *p) {
-    code_word<BITS> c;
+__device__ __forceinline__ code_word load_code_word(const u8 *p) {
+    code_word c;
     if (BITS == 2) c.lo = kvf_ldg_u16(p), c.hi = 0;
     else if (BITS == 4) c.lo = kvf_ldg_u32(p), c.hi = 0;
     else {
@@ -105,7 +105,7 @@ __device__ __forceinline__ u32 magic_reg(u32 zero) {
 
 // Code i of a lane-row as 2^23 + q_i * 2^code_pos(BITS, i); e = magic_reg().
 template <int BITS>
-__device__ __forceinline__ float code_magic(const code_word<BITS> &c, int i, u32 e) {
+__device__ __forceinline__ float code_magic(const code_word &c, int i, u32 e) {
     u32 w = BITS == 8 && i >= 4 ? c.hi : c.lo;
     if (code_high(BITS, i)) w >>= 16;
     return __uint_as_float(e | (w & (((1u << BITS) - 1u) << code_pos(BITS, i))));
@@ -266,7 +266,7 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
         }
 
         // ---- every load of the RPT rows first
-        code_word<BITS> cw[RPT];
+        code_word cw[RPT];
         u32 sc[RPT], zr[RPT], ts[RPT];
         uint4 s8[RPT], z8[RPT];
         u32 idx[RPT][STAGES];
