@@ -170,19 +170,21 @@ __device__ __forceinline__ float int8_float(u32 w_biased, int k) {
     return __fsub_rn(kvf_magic((w_biased >> (8 * k)) & 0xffu), MAGIC + 128.0f);
 }
 
+// Eight bf16 values (one 16-byte load, lowest channel in the low half of .x) as f32.
+__device__ __forceinline__ void bf16x8_to_f32(uint4 w, float *out) {
+    const u32 a[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+        out[2 * e] = __uint_as_float(a[e] << 16);
+        out[2 * e + 1] = __uint_as_float(a[e] & 0xffff0000u);
+    }
+}
+
 // A lane's PSAC basis entries (8 channels x R, bf16, contiguous) as f32.
 template <int R>
 __device__ __forceinline__ void load_basis(const u8 *basis, float *out) {
 #pragma unroll
-    for (int k = 0; k < R; k++) {
-        const uint4 w = kvf_ldg16(basis + 16 * k);
-        const u32 a[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            out[8 * k + 2 * e] = __uint_as_float(a[e] << 16);
-            out[8 * k + 2 * e + 1] = __uint_as_float(a[e] & 0xffff0000u);
-        }
-    }
+    for (int k = 0; k < R; k++) bf16x8_to_f32(kvf_ldg16(basis + 16 * k), out + 8 * k);
 }
 
 template <int D, int BITS, int G, int MODE, int SFMT, int AXIS, int NCENT, int STAGES, int ROT, int PSAC_R, int ROPE>
@@ -252,13 +254,8 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
                     if (live[u]) kvf_st16(dst, raw[u].x, raw[u].y, raw[u].z, raw[u].w);
                     continue;
                 }
-                const u32 a[4] = {raw[u].x, raw[u].y, raw[u].z, raw[u].w};
                 float y[8];
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    y[2 * e] = __uint_as_float(a[e] << 16);
-                    y[2 * e + 1] = __uint_as_float(a[e] & 0xffff0000u);
-                }
+                bf16x8_to_f32(raw[u], y);
                 apply_rope<D, ROPE>(y, lane, positions + (u64)t[u] * rope.n_sections, rope);
                 if (live[u]) store_row(dst, y);
             }
