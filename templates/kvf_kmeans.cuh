@@ -25,6 +25,9 @@ __device__ __forceinline__ const void *src_row(const void *src, i64 ts, i64 hs, 
     const i64 o = (i64)t * ts + (i64)h * hs;
     return BF ? (const void *)((const u16 *)src + o) : (const void *)((const float *)src + o);
 }
+template <bool BF> __device__ __forceinline__ float ld1(const void *row, int c) {
+    return BF ? kvf_bf16_to_f32(((const u16 *)row)[c]) : ((const float *)row)[c];
+}
 template <bool BF> __device__ __forceinline__ float2 ld2(const void *row, int c) {
     if (BF) {
         const u32 w = *(const u32 *)((const u16 *)row + c);
@@ -81,9 +84,7 @@ __device__ __forceinline__ void init(const void *src, i64 ts, i64 hs, int n_toke
     const int c = (int)(i % D), j = (int)((i / D) % c_eff), h = (int)(i / ((i64)D * c_eff));
     const u64 o = splitmix64((u64)seed ^ ((u64)stage << 32) ^ ((u64)h << 40)) % (u64)n_tokens;
     const int t = (int)((o + (u64)j * (u64)n_tokens / (u64)c_eff) % (u64)n_tokens);
-    const void *row = src_row<BF>(src, ts, hs, h, t);
-    const float v = BF ? kvf_bf16_to_f32(((const u16 *)row)[c]) : ((const float *)row)[c];
-    cent[((i64)h * c_alloc + j) * D + c] = kvf_f32_to_bf16(v);
+    cent[((i64)h * c_alloc + j) * D + c] = kvf_f32_to_bf16(ld1<BF>(src_row<BF>(src, ts, hs, h, t), c));
 }
 
 // ------------------------------------------------------------ assignment
@@ -698,8 +699,7 @@ __device__ __forceinline__ void accumulate(const void *__restrict__ src, i64 ts,
             for (int u = 0; u < U; u++) {
                 const int t = t0 + u * rows;
                 z[u] = t < r1 ? ih[t] : -1;
-                const void *row = src_row<BF>(src, ts, hs, h, t < r1 ? t : r0);
-                v[u] = BF ? kvf_bf16_to_f32(((const u16 *)row)[c0 + c]) : ((const float *)row)[c0 + c];
+                v[u] = ld1<BF>(src_row<BF>(src, ts, hs, h, t < r1 ? t : r0), c0 + c);
             }
 #pragma unroll
             for (int u = 0; u < U; u++)
