@@ -299,6 +299,12 @@ static int gpu_check(const struct kvf_scheme *s) {
         return kvf_set_error(KVF_ENOTIMPL,
                              "key.psac_rank = %d: the GPU PSAC kernel needs a power of two up to 32 "
                              "(the CPU backend, KVF_DEVICE_CPU, takes any rank)", r);
+    /* gen_encode_section and kvf_gen_roles give values the plain nearest centroid. */
+    if (s->value.qsac_candidates > 1)
+        return kvf_set_error(KVF_ENOTIMPL,
+                             "value.qsac_candidates = %d: the GPU encoder runs QSAC for keys only "
+                             "(the CPU backend, KVF_DEVICE_CPU, has it for values, with w = 1)",
+                             s->value.qsac_candidates);
     return KVF_OK;
 }
 
