@@ -134,11 +134,16 @@ static void header_line(kvf_buf *b, const struct kvf_scheme *s, const char *comm
 
 /* ------------------------------------------------------------------ CUDA */
 
+/* The templates' G: bits 16 stores rows as they are, and takes 8 (one lane). */
+static int template_group(const kvf_tensor_cfg *c) { return c->bits == 16 ? 8 : c->group_size; }
+
 /* One tensor section's encode instantiation. */
 static void gen_encode_section(kvf_buf *b, const struct kvf_scheme *s, int t) {
     const kvf_tensor_cfg *c = t ? &s->value : &s->key;
     char name[160];
-    int g = c->bits == 16 ? 8 : c->group_size;
+    const int g = template_group(c);
+    /* Stage 0 reads the BF16 input itself (no rotation, one stage). */
+    const int bf = c->rotation != KVF_ROTATION_HADAMARD && c->stages == 1;
     switch (kvf_section_path(c)) {
     case 'T':
         kvf_gen_kernel_name(s, KVF_R_ENCODE_K + t, name, sizeof name);
@@ -146,14 +151,13 @@ static void gen_encode_section(kvf_buf *b, const struct kvf_scheme *s, int t) {
                        mode_macro(c->mode));
         break;
     case 'B':
-        /* The last argument: stage 0 reads the BF16 input itself (no rotation, one stage). */
         kvf_buf_printf(b, "KVF_KMEANS_KERNELS(kvf_%s_%c, %d, %d, %d, %d, %d, %s, %s, %d, %d)\n", s->id,
                        t ? 'v' : 'k', s->head_dim, c->rotation == KVF_ROTATION_HADAMARD, g,
                        t ? 1 : c->qsac_candidates, c->bits, mode_macro(c->mode), sfmt_macro(c->scale_format),
-                       c->centroids, c->rotation != KVF_ROTATION_HADAMARD && c->stages == 1);
+                       c->centroids, bf);
         if (t == 0 && c->qsac_candidates > 1) /* kvf_gen_roles' KVF_R_K_ASSIGN_QSAC */
             kvf_buf_printf(b, "KVF_KMEANS_QSAC_KERNEL(kvf_%s_k, %d, %d, %d, %d)\n", s->id, s->head_dim, g,
-                           c->qsac_candidates, c->rotation != KVF_ROTATION_HADAMARD && c->stages == 1);
+                           c->qsac_candidates, bf);
         break;
     default:
         kvf_gen_kernel_name(s, KVF_R_ENCODE_K + t, name, sizeof name);
@@ -167,7 +171,7 @@ static void gen_decode_section(kvf_buf *b, const struct kvf_scheme *s, int t) {
     char name[160];
     kvf_gen_kernel_name(s, KVF_R_DECODE_K + t, name, sizeof name);
     kvf_buf_printf(b, "KVF_DECODE_KERNEL(%s, %d, %d, %d, %s, %s, %s, %d, %d, %d, %d, %s)\n", name, s->head_dim,
-                   c->bits, c->bits == 16 ? 8 : c->group_size, mode_macro(c->mode), sfmt_macro(c->scale_format),
+                   c->bits, template_group(c), mode_macro(c->mode), sfmt_macro(c->scale_format),
                    c->axis == KVF_AXIS_TOKEN ? "KVF_AXIS_TOKEN" : "KVF_AXIS_CHANNEL", c->centroids, c->stages,
                    c->rotation == KVF_ROTATION_HADAMARD, c->psac_rank, rope_macro(s, t == 0));
 }
@@ -295,6 +299,12 @@ static int gpu_check(const struct kvf_scheme *s) {
         return kvf_set_error(KVF_ENOTIMPL,
                              "key.psac_rank = %d: the GPU PSAC kernel needs a power of two up to 32 "
                              "(the CPU backend, KVF_DEVICE_CPU, takes any rank)", r);
+    /* gen_encode_section and kvf_gen_roles give values the plain nearest centroid. */
+    if (s->value.qsac_candidates > 1)
+        return kvf_set_error(KVF_ENOTIMPL,
+                             "value.qsac_candidates = %d: the GPU encoder runs QSAC for keys only "
+                             "(the CPU backend, KVF_DEVICE_CPU, has it for values, with w = 1)",
+                             s->value.qsac_candidates);
     return KVF_OK;
 }
 

@@ -78,12 +78,12 @@ __device__ __forceinline__ T *opaque(T *p) {
     return p;
 }
 
-template <int BITS>
+// A lane-row's codes: 8 x BITS bits (hi: the upper word at BITS = 8).
 struct code_word { u32 lo, hi; };
 
 template <int BITS>
-__device__ __forceinline__ code_word<BITS> load_code_word(const u8 *p) {
-    code_word<BITS> c;
+__device__ __forceinline__ code_word load_code_word(const u8 *p) {
+    code_word c;
     if (BITS == 2) c.lo = kvf_ldg_u16(p), c.hi = 0;
     else if (BITS == 4) c.lo = kvf_ldg_u32(p), c.hi = 0;
     else {
@@ -105,13 +105,12 @@ __device__ __forceinline__ u32 magic_reg(u32 zero) {
 
 // Code i of a lane-row as 2^23 + q_i * 2^code_pos(BITS, i); e = magic_reg().
 template <int BITS>
-__device__ __forceinline__ float code_magic(const code_word<BITS> &c, int i, u32 e) {
+__device__ __forceinline__ float code_magic(const code_word &c, int i, u32 e) {
     u32 w = BITS == 8 && i >= 4 ? c.hi : c.lo;
     if (code_high(BITS, i)) w >>= 16;
     return __uint_as_float(e | (w & (((1u << BITS) - 1u) << code_pos(BITS, i))));
 }
 
-template <int D>
 __device__ __forceinline__ float rope_inv_freq(int pair, const rope_args &r) {
     int start = 0, a = 0;
     while (a + 1 < r.n_sections && pair >= start + r.sections[a]) start += r.sections[a++];
@@ -119,7 +118,6 @@ __device__ __forceinline__ float rope_inv_freq(int pair, const rope_args &r) {
     return (float)exp2(-frac * r.log2_theta);
 }
 
-template <int D>
 __device__ __forceinline__ int rope_axis(int pair, const rope_args &r) {
     int start = 0, a = 0;
     while (a + 1 < r.n_sections && pair >= start + r.sections[a]) start += r.sections[a++];
@@ -135,7 +133,7 @@ __device__ __forceinline__ void apply_rope(float y[8], int lane, const int *pos_
         for (int i = 0; i < 8; i++) {
             const float other = __shfl_xor_sync(0xffffffffu, y[i], LPR / 2);
             const int c = lane * 8 + i, pair = first ? c : c - D / 2;
-            const float ang = __fmul_rn((float)pos_row[rope_axis<D>(pair, r)], rope_inv_freq<D>(pair, r));
+            const float ang = __fmul_rn((float)pos_row[rope_axis(pair, r)], rope_inv_freq(pair, r));
             const float cs = cosf(ang), sn = sinf(ang);
             const float x1 = first ? y[i] : other, x2 = first ? other : y[i];
             y[i] = first ? __fsub_rn(__fmul_rn(x1, cs), __fmul_rn(x2, sn)) : __fadd_rn(__fmul_rn(x2, cs), __fmul_rn(x1, sn));
@@ -144,7 +142,7 @@ __device__ __forceinline__ void apply_rope(float y[8], int lane, const int *pos_
 #pragma unroll
         for (int i = 0; i < 8; i += 2) {
             const int pair = (lane * 8 + i) / 2;
-            const float ang = __fmul_rn((float)pos_row[rope_axis<D>(pair, r)], rope_inv_freq<D>(pair, r));
+            const float ang = __fmul_rn((float)pos_row[rope_axis(pair, r)], rope_inv_freq(pair, r));
             const float cs = cosf(ang), sn = sinf(ang), x1 = y[i], x2 = y[i + 1];
             y[i] = __fsub_rn(__fmul_rn(x1, cs), __fmul_rn(x2, sn));
             y[i + 1] = __fadd_rn(__fmul_rn(x2, cs), __fmul_rn(x1, sn));
@@ -172,19 +170,21 @@ __device__ __forceinline__ float int8_float(u32 w_biased, int k) {
     return __fsub_rn(kvf_magic((w_biased >> (8 * k)) & 0xffu), MAGIC + 128.0f);
 }
 
+// Eight bf16 values (one 16-byte load, lowest channel in the low half of .x) as f32.
+__device__ __forceinline__ void bf16x8_to_f32(uint4 w, float *out) {
+    const u32 a[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+        out[2 * e] = __uint_as_float(a[e] << 16);
+        out[2 * e + 1] = __uint_as_float(a[e] & 0xffff0000u);
+    }
+}
+
 // A lane's PSAC basis entries (8 channels x R, bf16, contiguous) as f32.
 template <int R>
 __device__ __forceinline__ void load_basis(const u8 *basis, float *out) {
 #pragma unroll
-    for (int k = 0; k < R; k++) {
-        const uint4 w = kvf_ldg16(basis + 16 * k);
-        const u32 a[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            out[8 * k + 2 * e] = __uint_as_float(a[e] << 16);
-            out[8 * k + 2 * e + 1] = __uint_as_float(a[e] & 0xffff0000u);
-        }
-    }
+    for (int k = 0; k < R; k++) bf16x8_to_f32(kvf_ldg16(basis + 16 * k), out + 8 * k);
 }
 
 template <int D, int BITS, int G, int MODE, int SFMT, int AXIS, int NCENT, int STAGES, int ROT, int PSAC_R, int ROPE>
@@ -254,13 +254,8 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
                     if (live[u]) kvf_st16(dst, raw[u].x, raw[u].y, raw[u].z, raw[u].w);
                     continue;
                 }
-                const u32 a[4] = {raw[u].x, raw[u].y, raw[u].z, raw[u].w};
                 float y[8];
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    y[2 * e] = __uint_as_float(a[e] << 16);
-                    y[2 * e + 1] = __uint_as_float(a[e] & 0xffff0000u);
-                }
+                bf16x8_to_f32(raw[u], y);
                 apply_rope<D, ROPE>(y, lane, positions + (u64)t[u] * rope.n_sections, rope);
                 if (live[u]) store_row(dst, y);
             }
@@ -268,7 +263,7 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
         }
 
         // ---- every load of the RPT rows first
-        code_word<BITS> cw[RPT];
+        code_word cw[RPT];
         u32 sc[RPT], zr[RPT], ts[RPT];
         uint4 s8[RPT], z8[RPT];
         u32 idx[RPT][STAGES];

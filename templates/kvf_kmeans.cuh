@@ -25,6 +25,9 @@ __device__ __forceinline__ const void *src_row(const void *src, i64 ts, i64 hs, 
     const i64 o = (i64)t * ts + (i64)h * hs;
     return BF ? (const void *)((const u16 *)src + o) : (const void *)((const float *)src + o);
 }
+template <bool BF> __device__ __forceinline__ float ld1(const void *row, int c) {
+    return BF ? kvf_bf16_to_f32(((const u16 *)row)[c]) : ((const float *)row)[c];
+}
 template <bool BF> __device__ __forceinline__ float2 ld2(const void *row, int c) {
     if (BF) {
         const u32 w = *(const u32 *)((const u16 *)row + c);
@@ -81,9 +84,7 @@ __device__ __forceinline__ void init(const void *src, i64 ts, i64 hs, int n_toke
     const int c = (int)(i % D), j = (int)((i / D) % c_eff), h = (int)(i / ((i64)D * c_eff));
     const u64 o = splitmix64((u64)seed ^ ((u64)stage << 32) ^ ((u64)h << 40)) % (u64)n_tokens;
     const int t = (int)((o + (u64)j * (u64)n_tokens / (u64)c_eff) % (u64)n_tokens);
-    const void *row = src_row<BF>(src, ts, hs, h, t);
-    const float v = BF ? kvf_bf16_to_f32(((const u16 *)row)[c]) : ((const float *)row)[c];
-    cent[((i64)h * c_alloc + j) * D + c] = kvf_f32_to_bf16(v);
+    cent[((i64)h * c_alloc + j) * D + c] = kvf_f32_to_bf16(ld1<BF>(src_row<BF>(src, ts, hs, h, t), c));
 }
 
 // ------------------------------------------------------------ assignment
@@ -155,17 +156,11 @@ template <int D, int M, bool BF> __host__ __device__ constexpr int assign_smem_b
            assign_geom<D, M, BF>::WARPS * (int)((sizeof(assign_warp<M>) + 15) / 16 * 16);
 }
 
-__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) { // lo -> bits 0..15
-    u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
-// a = hi + lo + O(2^-18 |a|): both halves as packed BF16 pairs.
+// a = hi + lo + O(2^-18 |a|): both halves as packed BF16 pairs (x0 -> bits 0..15).
 __device__ __forceinline__ void split_pair(float x0, float x1, u32 &hi, u32 &lo) {
-    hi = pack_bf16x2(x0, x1);
+    hi = kvf_cvt_bf16x2(x0, x1);
     const float h0 = __uint_as_float(hi << 16), h1 = __uint_as_float(hi & 0xffff0000u);
-    lo = pack_bf16x2(__fsub_rn(x0, h0), __fsub_rn(x1, h1));
+    lo = kvf_cvt_bf16x2(__fsub_rn(x0, h0), __fsub_rn(x1, h1));
 }
 
 __device__ __forceinline__ void mma_bf16(float c[4], const u32 a[4], u32 b0, u32 b1) {
@@ -327,7 +322,7 @@ __device__ __forceinline__ void filter(bool lo, const u32 (&ah)[D / 16][4], cons
 
 // One block per (head, WARPS x 16 tokens). M = 1: nearest centroid; M > 1:
 // QSAC over the M nearest by the weighted distance (weights[h][D], or ones).
-// stats (optional, [3]): tokens, candidates scored in f64, full scans.
+// stats (optional, [4]): tokens, candidates scored in f64, full scans, second filters.
 template <int D, int G, int M, bool BF>
 __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64 hs, int n_tokens, int c_eff,
                                        const u16 *__restrict__ cent, int c_alloc, int *idx_ws, u8 *idx_plane,
@@ -704,8 +699,7 @@ __device__ __forceinline__ void accumulate(const void *__restrict__ src, i64 ts,
             for (int u = 0; u < U; u++) {
                 const int t = t0 + u * rows;
                 z[u] = t < r1 ? ih[t] : -1;
-                const void *row = src_row<BF>(src, ts, hs, h, t < r1 ? t : r0);
-                v[u] = BF ? kvf_bf16_to_f32(((const u16 *)row)[c0 + c]) : ((const float *)row)[c0 + c];
+                v[u] = ld1<BF>(src_row<BF>(src, ts, hs, h, t < r1 ? t : r0), c0 + c);
             }
 #pragma unroll
             for (int u = 0; u < U; u++)

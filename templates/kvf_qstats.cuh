@@ -90,26 +90,29 @@ __device__ __forceinline__ float block_sum(float v, float *red) {
     return r;
 }
 
-// Modified Gram-Schmidt on the columns of z [D][R] (shared), into u.
+// Column j of z [D][R] (shared) minus its projections on columns 0..j-1, in
+// order; returns its norm.
+template <int D, int R>
+__device__ __forceinline__ float mgs_column(float *z, int j, float *red) {
+    const int c = threadIdx.x;
+    for (int k = 0; k < j; k++) {
+        const float dot = block_sum(c < D ? __fmul_rn(z[c * R + j], z[c * R + k]) : 0.0f, red);
+        if (c < D) z[c * R + j] = __fsub_rn(z[c * R + j], __fmul_rn(dot, z[c * R + k]));
+        __syncthreads();
+    }
+    return sqrtf(block_sum(c < D ? __fmul_rn(z[c * R + j], z[c * R + j]) : 0.0f, red));
+}
+
+// Modified Gram-Schmidt on the columns of z [D][R] (shared), in place.
 template <int D, int R>
 __device__ __forceinline__ void mgs(float *z, float *red) {
     const int c = threadIdx.x;
     for (int j = 0; j < R; j++) {
-        for (int k = 0; k < j; k++) {
-            const float dot = block_sum(c < D ? __fmul_rn(z[c * R + j], z[c * R + k]) : 0.0f, red);
-            if (c < D) z[c * R + j] = __fsub_rn(z[c * R + j], __fmul_rn(dot, z[c * R + k]));
-            __syncthreads();
-        }
-        float nrm = sqrtf(block_sum(c < D ? __fmul_rn(z[c * R + j], z[c * R + j]) : 0.0f, red));
+        float nrm = mgs_column<D, R>(z, j, red);
         if (!(nrm > 0.0f)) { // a zero column: the unit vector e_j instead, made orthogonal
             if (c < D) z[c * R + j] = c == j ? 1.0f : 0.0f;
             __syncthreads();
-            for (int k = 0; k < j; k++) {
-                const float dot = block_sum(c < D ? __fmul_rn(z[c * R + j], z[c * R + k]) : 0.0f, red);
-                if (c < D) z[c * R + j] = __fsub_rn(z[c * R + j], __fmul_rn(dot, z[c * R + k]));
-                __syncthreads();
-            }
-            nrm = sqrtf(block_sum(c < D ? __fmul_rn(z[c * R + j], z[c * R + j]) : 0.0f, red));
+            nrm = mgs_column<D, R>(z, j, red);
         }
         if (c < D) z[c * R + j] = __fdiv_rn(z[c * R + j], nrm);
         __syncthreads();

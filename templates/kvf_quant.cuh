@@ -116,13 +116,6 @@ __device__ __forceinline__ void store_codes(u8 *dst, const u32 q[8]) {
     else *(u64 *)dst = word;
 }
 
-template <int BITS>
-__device__ __forceinline__ void load_codes(const u8 *src, u32 q[8]) {
-    u64 word = BITS == 2 ? (u64)*(const u16 *)src : BITS == 4 ? (u64)*(const u32 *)src : *(const u64 *)src;
-#pragma unroll
-    for (int i = 0; i < 8; i++) q[i] = (u32)(word >> (i * BITS)) & ((1u << BITS) - 1u);
-}
-
 // Plane offsets of one stage of one tensor section (docs/METHODS.md 7).
 struct stage_planes { u64 codes, scales, tscales, zeros, index, centroids; };
 
@@ -141,24 +134,6 @@ __device__ __forceinline__ void store_row(u8 *packed, const stage_planes &p, i64
         if (MODE == KVF_MODE_AFFINE) packed[p.zeros + g] = (u8)o.zero;
         if (lane == 0) ((u16 *)(packed + p.tscales))[row] = o.tscale;
     }
-}
-
-template <int D, int BITS, int G, int MODE, int SFMT>
-__device__ __forceinline__ void load_row(const u8 *packed, const stage_planes &p, i64 row, int lane, float out[8]) {
-    constexpr int LPG = G / 8, GROUPS = D / G;
-    u32 q[8];
-    load_codes<BITS>(packed + p.codes + row * (D * BITS / 8) + lane * BITS, q);
-    const i64 g = row * GROUPS + lane / LPG;
-    u16 scale, zero = 0, tscale = 0;
-    if (SFMT == KVF_SCALE_FP16) {
-        scale = ((const u16 *)(packed + p.scales))[g];
-        if (MODE == KVF_MODE_AFFINE) zero = ((const u16 *)(packed + p.zeros))[g];
-    } else {
-        scale = packed[p.scales + g];
-        if (MODE == KVF_MODE_AFFINE) zero = packed[p.zeros + g];
-        tscale = ((const u16 *)(packed + p.tscales))[row];
-    }
-    decode8<BITS, MODE, SFMT>(q, scale, zero, tscale, out);
 }
 
 } // namespace kvf_quant

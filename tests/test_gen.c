@@ -97,12 +97,26 @@ static void unimplemented_method_refused(void **state) {
     kvf_scheme_free(s);
 }
 
+/* Values with QSAC: the CPU runs it (w = 1), the GPU encoder would take the
+ * plain nearest centroid; refused rather than decoded differently. */
+static void value_qsac_refused(void **state) {
+    (void)state;
+    const char *text = "return { base = 'qvg_int2', name = 'vq', value = { qsac_candidates = 4 } }";
+    kvf_scheme *s;
+    assert_int_equal(kvf_scheme_load_string(text, strlen(text), "=vq", &s), KVF_OK);
+    kvf_gen_output g;
+    assert_int_equal(kvf_gen(s, &g), KVF_ENOTIMPL);
+    assert_non_null(strstr(kvf_last_error(), "value.qsac_candidates = 4"));
+    kvf_scheme_free(s);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(generates_deterministically),
         cmocka_unit_test(names_and_headers),
         cmocka_unit_test(generated_c_compiles),
         cmocka_unit_test(unimplemented_method_refused),
+        cmocka_unit_test(value_qsac_refused),
     };
     return cmocka_run_group_tests_name("generator", tests, NULL, NULL);
 }
