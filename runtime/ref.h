@@ -65,7 +65,4 @@ static inline void kvf_put_u16(uint8_t *p, uint16_t v) {
 }
 static inline uint16_t kvf_get_u16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
 
-/* Decoded values: a NaN is always BF16 0x7FC0 (FORMAT.md, canonical NaNs). */
-static inline uint16_t kvf_output_bf16(float f) { return f != f ? 0x7fc0u : kvf_f32_to_bf16(f); }
-
 #endif

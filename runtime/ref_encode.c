@@ -84,7 +84,7 @@ static void bf16_decode(const section_job *j, const uint8_t *packed, const int32
             }
             for (int c = 0; c < d; c++) v[c] = kvf_bf16_to_f32(kvf_get_u16(src + 2 * c));
             kvf_ref_rope(v, d, &j->s->rope, pos + t * axes);
-            for (int c = 0; c < d; c++) dst[c] = kvf_output_bf16(v[c]);
+            for (int c = 0; c < d; c++) dst[c] = kvf_f32_to_bf16(v[c]);
         }
 }
 
@@ -234,7 +234,7 @@ static void finish_head(const section_job *j, int32_t h, const uint8_t *packed, 
         if (l->rotation == KVF_ROTATION_HADAMARD) kvf_ref_hadamard(y, d);
         if (pos) kvf_ref_rope(y, d, &j->s->rope, pos + t * axes);
         uint16_t *dst = out + t * j->sh->token_stride + h * j->sh->head_stride;
-        for (int c = 0; c < d; c++) dst[c] = kvf_output_bf16(y[c]);
+        for (int c = 0; c < d; c++) dst[c] = kvf_f32_to_bf16(y[c]);
     }
 }
 
