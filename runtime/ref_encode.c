@@ -134,7 +134,7 @@ static int smooth_stage(const section_job *j, int stage, int32_t h, const void *
     return KVF_OK;
 }
 
-/* y = ((0 + mu_0) + mu_1 ...) + r_hat: decode's order, for PSAC's error. */
+/* y += stage's centroid of every token of head h, read back from packed. */
 static void add_centroids(const section_job *j, int stage, const uint8_t *packed, int32_t h, float *y) {
     const kvf_stage_layout *st = &j->l->stage[stage];
     int64_t n = j->L->n_tokens;
@@ -144,6 +144,17 @@ static void add_centroids(const section_job *j, int stage, const uint8_t *packed
         const uint8_t *mu = table + (size_t)packed[st->index_off + row_of(j->L, h, t)] * (size_t)d * 2;
         for (int c = 0; c < d; c++) y[t * d + c] = y[t * d + c] + kvf_bf16_to_f32(kvf_get_u16(mu + 2 * c));
     }
+}
+
+/* y = ((0 + mu_0) + mu_1 ...) + r_hat (METHODS.md 1): decode's sum, and on
+ * encode what PSAC's error E = x0 - y is taken from. */
+static void sum_stages(const section_job *j, int32_t h, const uint8_t *packed, head_buf *b) {
+    int64_t n = j->L->n_tokens, nd = n * j->L->head_dim;
+    int d = j->L->head_dim;
+    memset(b->y, 0, (size_t)nd * sizeof(float));
+    for (int s = 0; s < j->l->stages && j->l->centroids > 0; s++) add_centroids(j, s, packed, h, b->y);
+    kvf_ref_quant_decode(j->l, &j->l->stage[0], n, h, d, packed, b->rhat);
+    for (int64_t i = 0; i < nd; i++) b->y[i] = b->y[i] + b->rhat[i];
 }
 
 /* PSAC of head h: the stored basis and per-token coefficients of E = x0 - y.
@@ -175,21 +186,19 @@ static int encode_head(const section_job *j, const uint16_t *x, int32_t h, const
     int64_t nd = j->L->n_tokens * j->L->head_dim;
     load_head(j, x, h, b);
     memcpy(b->e, b->x0, (size_t)nd * sizeof(float));
-    memset(b->y, 0, (size_t)nd * sizeof(float));
     /* QVG-Pro as QVG's code: every stage smooths the remaining residual with
      * its own centroids; only the last residual is quantized (METHODS.md 1). */
     const float *r = b->e;
     for (int s = 0; s < j->l->stages && j->l->centroids > 0; s++) {
         int rc = smooth_stage(j, s, h, qstats, b, packed);
         if (rc) return rc;
-        add_centroids(j, s, packed, h, b->y);
         if (s + 1 < j->l->stages) memcpy(b->e, b->r, (size_t)nd * sizeof(float));
         r = b->r;
     }
     kvf_ref_quant_encode(j->l, &j->l->stage[0], j->L->n_tokens, h, j->L->head_dim, r, packed);
-    kvf_ref_quant_decode(j->l, &j->l->stage[0], j->L->n_tokens, h, j->L->head_dim, packed, b->rhat);
-    for (int64_t i = 0; i < nd; i++) b->y[i] = b->y[i] + b->rhat[i];
-    return j->l->psac_rank > 0 ? psac_head(j, h, qstats, b, packed) : KVF_OK;
+    if (j->l->psac_rank == 0) return KVF_OK;
+    sum_stages(j, h, packed, b); /* y as decode gets it */
+    return psac_head(j, h, qstats, b, packed);
 }
 
 static int encode_section(const section_job *j, const uint16_t *x, const void *qstats, uint8_t *packed) {
@@ -205,16 +214,6 @@ static int encode_section(const section_job *j, const uint16_t *x, const void *q
 }
 
 /* ------------------------------------------------------------ decode */
-
-/* y = ((0 + mu_0) + mu_1 ...) + r_hat (METHODS.md 1). */
-static void sum_stages(const section_job *j, int32_t h, const uint8_t *packed, head_buf *b) {
-    int64_t n = j->L->n_tokens, nd = n * j->L->head_dim;
-    int d = j->L->head_dim;
-    memset(b->y, 0, (size_t)nd * sizeof(float));
-    for (int s = 0; s < j->l->stages && j->l->centroids > 0; s++) add_centroids(j, s, packed, h, b->y);
-    kvf_ref_quant_decode(j->l, &j->l->stage[0], n, h, d, packed, b->rhat);
-    for (int64_t i = 0; i < nd; i++) b->y[i] = b->y[i] + b->rhat[i];
-}
 
 /* PSAC correction, inverse rotation, RoPE, BF16 out, for every token of head h. */
 static void finish_head(const section_job *j, int32_t h, const uint8_t *packed, const int32_t *pos,
