@@ -72,8 +72,9 @@ static void bf16_encode(const section_job *j, const uint16_t *x, uint8_t *packed
 /* Bits 16: the stored values come back as they are, or through RoPE for keys
  * cached before it. */
 static void bf16_decode(const section_job *j, const uint8_t *packed, const int32_t *pos, uint16_t *y) {
-    int d = j->L->head_dim, axes = kvf_rope_sections(j->s, NULL);
-    float v[1024];
+    int d = j->L->head_dim, axes = kvf_rope_sections(j->s, NULL), axis[KVF_REF_MAX_DIM / 2];
+    float v[KVF_REF_MAX_DIM], inv[KVF_REF_MAX_DIM / 2];
+    if (pos) kvf_ref_rope_table(d, &j->s->rope, inv, axis);
     for (int32_t h = 0; h < j->L->n_heads; h++)
         for (int64_t t = 0; t < j->L->n_tokens; t++) {
             const uint8_t *src = packed + j->l->stage[0].codes_off + row_of(j->L, h, t) * j->l->code_bytes_per_token;
@@ -83,7 +84,7 @@ static void bf16_decode(const section_job *j, const uint8_t *packed, const int32
                 continue;
             }
             for (int c = 0; c < d; c++) v[c] = kvf_bf16_to_f32(kvf_get_u16(src + 2 * c));
-            kvf_ref_rope(v, d, &j->s->rope, pos + t * axes);
+            kvf_ref_rope_apply(v, d, j->s->rope.layout, inv, axis, pos + t * axes);
             for (int c = 0; c < d; c++) dst[c] = kvf_f32_to_bf16(v[c]);
         }
 }
@@ -219,7 +220,9 @@ static int encode_section(const section_job *j, const uint16_t *x, const void *q
 static void finish_head(const section_job *j, int32_t h, const uint8_t *packed, const int32_t *pos,
                         head_buf *b, uint16_t *out) {
     const kvf_section_layout *l = j->l;
-    int d = j->L->head_dim, r = l->psac_rank, axes = kvf_rope_sections(j->s, NULL);
+    int d = j->L->head_dim, r = l->psac_rank, axes = kvf_rope_sections(j->s, NULL), axis[KVF_REF_MAX_DIM / 2];
+    float inv[KVF_REF_MAX_DIM / 2];
+    if (pos) kvf_ref_rope_table(d, &j->s->rope, inv, axis);
     if (r > 0) {
         const uint8_t *basis = packed + l->basis_off + (size_t)h * (size_t)d * (size_t)r * 2;
         for (int i = 0; i < d * r; i++) b->ubf[i] = kvf_get_u16(basis + 2 * i);
@@ -231,7 +234,7 @@ static void finish_head(const section_job *j, int32_t h, const uint8_t *packed, 
             kvf_ref_psac_apply(y, b->ubf, (const int8_t *)(packed + l->coef_off + row * (size_t)r),
                                kvf_get_u16(packed + l->cscale_off + row * 2), d, r);
         if (l->rotation == KVF_ROTATION_HADAMARD) kvf_ref_hadamard(y, d);
-        if (pos) kvf_ref_rope(y, d, &j->s->rope, pos + t * axes);
+        if (pos) kvf_ref_rope_apply(y, d, j->s->rope.layout, inv, axis, pos + t * axes);
         uint16_t *dst = out + t * j->sh->token_stride + h * j->sh->head_stride;
         for (int c = 0; c < d; c++) dst[c] = kvf_f32_to_bf16(y[c]);
     }
@@ -258,8 +261,9 @@ static int decode_section(const section_job *j, const uint8_t *packed, const int
 static int prepare(const struct kvf_scheme *s, const kvf_shape *shape, kvf_layout *L, kvf_shape *sh) {
     int rc = kvf_shape_resolve(shape, s->head_dim, sh);
     if (!rc) rc = kvf_layout_compute(s, sh->n_tokens, sh->n_heads, L);
-    if (!rc && s->head_dim > 1024)
-        rc = kvf_set_error(KVF_ENOTIMPL, "head_dim = %d: the CPU reference handles at most 1024", s->head_dim);
+    if (!rc && s->head_dim > KVF_REF_MAX_DIM)
+        rc = kvf_set_error(KVF_ENOTIMPL, "head_dim = %d: the CPU reference handles at most %d", s->head_dim,
+                           KVF_REF_MAX_DIM);
     return rc;
 }
 
