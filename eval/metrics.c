@@ -90,7 +90,7 @@ void kvf_metric_qq_add(const float *q, int64_t n, int d, double *m) {
         const float *x = q + i * d;
         for (int a = 0; a < d; a++) {
             double xa = x[a], *row = m + (size_t)a * d;
-            for (int b = 0; b < d; b++) row[b] += xa * x[b];
+            for (int b = a; b < d; b++) row[b] += xa * x[b];
         }
     }
 }
@@ -226,7 +226,8 @@ static int kv_task(const kvf_eval_step *st, int h, kv_sums *out) {
     }
     for (int j = h * group; j < (h + 1) * group; j++) kvf_metric_qq_add(st->q + (size_t)j * st->nq * d, st->nq, d, m);
     const double inv = st->nq > 0 ? 1.0 / ((double)st->nq * group) : 0.0;
-    for (size_t i = 0; i < (size_t)d * d; i++) m[i] *= inv;
+    for (int a = 0; a < d; a++)
+        for (int b = a; b < d; b++) m[(size_t)a * d + b] *= inv;
     for (int64_t t = 0; t < st->n_keys; t++) {
         if (!st->packed[t]) continue;
         const float *kr = st->k_ref + kv + t * d, *kh = st->k_hat + kv + t * d;

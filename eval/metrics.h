@@ -26,7 +26,8 @@ double kvf_metric_topk_overlap(const int64_t *a, const int64_t *b, int k);
 void kvf_metric_softmax(double *p, int64_t n);
 /* out[b][c] = sum_j p[b * n + j] * v[j][c] for nb rows of n probabilities. */
 void kvf_metric_attend(const double *p, int nb, const float *v, int64_t n, int d, double *out);
-/* Sum of q q^T over n rows q [n][d], added to m [d][d]. */
+/* Sum of q q^T over n rows q [n][d], added to the upper triangle (b >= a) of
+ * m [d][d], the part kvf_metric_quad reads; the rest is left as it is. */
 void kvf_metric_qq_add(const float *q, int64_t n, int d, double *m);
 /* e^T M e for one vector e [d] and a symmetric M [d][d] (its upper triangle is read). */
 double kvf_metric_quad(const float *e, const double *m, int d);

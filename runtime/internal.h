@@ -155,7 +155,7 @@ int kvf_scheme_check_supported(const struct kvf_scheme *s);
 /* ------------------------------------------------- number formats (numfmt.c) */
 
 float kvf_bf16_to_f32(uint16_t b);
-uint16_t kvf_f32_to_bf16(float f);  /* round to nearest even; NaN stays NaN */
+uint16_t kvf_f32_to_bf16(float f);  /* round to nearest even; a NaN is 0x7FC0 (FORMAT.md) */
 float kvf_f16_to_f32(uint16_t h);
 uint16_t kvf_f32_to_f16(float f);   /* round to nearest even; saturates to +-65504 */
 

@@ -10,8 +10,15 @@
 /* ref_hadamard.c: normalized Walsh-Hadamard transform in place (METHODS.md 5). */
 void kvf_ref_hadamard(float *x, int d);
 
+#define KVF_REF_MAX_DIM 1024 /* head_dim bound of the CPU reference (its stack vectors) */
+
 /* ref_rope.c: apply RoPE in place to one key vector (METHODS.md 6); pos has
- * rope->n_sections (>= 1; 0 is read as 1) entries. */
+ * rope->n_sections (>= 1; 0 is read as 1) entries. The inverse frequency and
+ * the position axis of each of the d/2 pairs (-1: not turned) depend on the
+ * scheme only: kvf_ref_rope_table computes them once, kvf_ref_rope_apply turns
+ * every vector with them; kvf_ref_rope does both for one vector (d <= 1024). */
+void kvf_ref_rope_table(int d, const kvf_rope_cfg *rope, float *inv, int *axis);
+void kvf_ref_rope_apply(float *x, int d, int layout, const float *inv, const int *axis, const int32_t *pos);
 void kvf_ref_rope(float *x, int d, const kvf_rope_cfg *rope, const int32_t *pos);
 
 /* ref_kmeans.c: seeded strided init + Lloyd iterations over n vectors
@@ -64,8 +71,5 @@ static inline void kvf_put_u16(uint8_t *p, uint16_t v) {
     p[1] = (uint8_t)(v >> 8);
 }
 static inline uint16_t kvf_get_u16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
-
-/* Decoded values: a NaN is always BF16 0x7FC0 (FORMAT.md, canonical NaNs). */
-static inline uint16_t kvf_output_bf16(float f) { return f != f ? 0x7fc0u : kvf_f32_to_bf16(f); }
 
 #endif

@@ -72,8 +72,9 @@ static void bf16_encode(const section_job *j, const uint16_t *x, uint8_t *packed
 /* Bits 16: the stored values come back as they are, or through RoPE for keys
  * cached before it. */
 static void bf16_decode(const section_job *j, const uint8_t *packed, const int32_t *pos, uint16_t *y) {
-    int d = j->L->head_dim, axes = kvf_rope_sections(j->s, NULL);
-    float v[1024];
+    int d = j->L->head_dim, axes = kvf_rope_sections(j->s, NULL), axis[KVF_REF_MAX_DIM / 2];
+    float v[KVF_REF_MAX_DIM], inv[KVF_REF_MAX_DIM / 2];
+    if (pos) kvf_ref_rope_table(d, &j->s->rope, inv, axis);
     for (int32_t h = 0; h < j->L->n_heads; h++)
         for (int64_t t = 0; t < j->L->n_tokens; t++) {
             const uint8_t *src = packed + j->l->stage[0].codes_off + row_of(j->L, h, t) * j->l->code_bytes_per_token;
@@ -83,8 +84,8 @@ static void bf16_decode(const section_job *j, const uint8_t *packed, const int32
                 continue;
             }
             for (int c = 0; c < d; c++) v[c] = kvf_bf16_to_f32(kvf_get_u16(src + 2 * c));
-            kvf_ref_rope(v, d, &j->s->rope, pos + t * axes);
-            for (int c = 0; c < d; c++) dst[c] = kvf_output_bf16(v[c]);
+            kvf_ref_rope_apply(v, d, j->s->rope.layout, inv, axis, pos + t * axes);
+            for (int c = 0; c < d; c++) dst[c] = kvf_f32_to_bf16(v[c]);
         }
 }
 
@@ -134,7 +135,7 @@ static int smooth_stage(const section_job *j, int stage, int32_t h, const void *
     return KVF_OK;
 }
 
-/* y = ((0 + mu_0) + mu_1 ...) + r_hat: decode's order, for PSAC's error. */
+/* y += stage's centroid of every token of head h, read back from packed. */
 static void add_centroids(const section_job *j, int stage, const uint8_t *packed, int32_t h, float *y) {
     const kvf_stage_layout *st = &j->l->stage[stage];
     int64_t n = j->L->n_tokens;
@@ -144,6 +145,17 @@ static void add_centroids(const section_job *j, int stage, const uint8_t *packed
         const uint8_t *mu = table + (size_t)packed[st->index_off + row_of(j->L, h, t)] * (size_t)d * 2;
         for (int c = 0; c < d; c++) y[t * d + c] = y[t * d + c] + kvf_bf16_to_f32(kvf_get_u16(mu + 2 * c));
     }
+}
+
+/* y = ((0 + mu_0) + mu_1 ...) + r_hat (METHODS.md 1): decode's sum, and on
+ * encode what PSAC's error E = x0 - y is taken from. */
+static void sum_stages(const section_job *j, int32_t h, const uint8_t *packed, head_buf *b) {
+    int64_t n = j->L->n_tokens, nd = n * j->L->head_dim;
+    int d = j->L->head_dim;
+    memset(b->y, 0, (size_t)nd * sizeof(float));
+    for (int s = 0; s < j->l->stages && j->l->centroids > 0; s++) add_centroids(j, s, packed, h, b->y);
+    kvf_ref_quant_decode(j->l, &j->l->stage[0], n, h, d, packed, b->rhat);
+    for (int64_t i = 0; i < nd; i++) b->y[i] = b->y[i] + b->rhat[i];
 }
 
 /* PSAC of head h: the stored basis and per-token coefficients of E = x0 - y.
@@ -175,21 +187,19 @@ static int encode_head(const section_job *j, const uint16_t *x, int32_t h, const
     int64_t nd = j->L->n_tokens * j->L->head_dim;
     load_head(j, x, h, b);
     memcpy(b->e, b->x0, (size_t)nd * sizeof(float));
-    memset(b->y, 0, (size_t)nd * sizeof(float));
     /* QVG-Pro as QVG's code: every stage smooths the remaining residual with
      * its own centroids; only the last residual is quantized (METHODS.md 1). */
     const float *r = b->e;
     for (int s = 0; s < j->l->stages && j->l->centroids > 0; s++) {
         int rc = smooth_stage(j, s, h, qstats, b, packed);
         if (rc) return rc;
-        add_centroids(j, s, packed, h, b->y);
         if (s + 1 < j->l->stages) memcpy(b->e, b->r, (size_t)nd * sizeof(float));
         r = b->r;
     }
     kvf_ref_quant_encode(j->l, &j->l->stage[0], j->L->n_tokens, h, j->L->head_dim, r, packed);
-    kvf_ref_quant_decode(j->l, &j->l->stage[0], j->L->n_tokens, h, j->L->head_dim, packed, b->rhat);
-    for (int64_t i = 0; i < nd; i++) b->y[i] = b->y[i] + b->rhat[i];
-    return j->l->psac_rank > 0 ? psac_head(j, h, qstats, b, packed) : KVF_OK;
+    if (j->l->psac_rank == 0) return KVF_OK;
+    sum_stages(j, h, packed, b); /* y as decode gets it */
+    return psac_head(j, h, qstats, b, packed);
 }
 
 static int encode_section(const section_job *j, const uint16_t *x, const void *qstats, uint8_t *packed) {
@@ -206,21 +216,13 @@ static int encode_section(const section_job *j, const uint16_t *x, const void *q
 
 /* ------------------------------------------------------------ decode */
 
-/* y = ((0 + mu_0) + mu_1 ...) + r_hat (METHODS.md 1). */
-static void sum_stages(const section_job *j, int32_t h, const uint8_t *packed, head_buf *b) {
-    int64_t n = j->L->n_tokens, nd = n * j->L->head_dim;
-    int d = j->L->head_dim;
-    memset(b->y, 0, (size_t)nd * sizeof(float));
-    for (int s = 0; s < j->l->stages && j->l->centroids > 0; s++) add_centroids(j, s, packed, h, b->y);
-    kvf_ref_quant_decode(j->l, &j->l->stage[0], n, h, d, packed, b->rhat);
-    for (int64_t i = 0; i < nd; i++) b->y[i] = b->y[i] + b->rhat[i];
-}
-
 /* PSAC correction, inverse rotation, RoPE, BF16 out, for every token of head h. */
 static void finish_head(const section_job *j, int32_t h, const uint8_t *packed, const int32_t *pos,
                         head_buf *b, uint16_t *out) {
     const kvf_section_layout *l = j->l;
-    int d = j->L->head_dim, r = l->psac_rank, axes = kvf_rope_sections(j->s, NULL);
+    int d = j->L->head_dim, r = l->psac_rank, axes = kvf_rope_sections(j->s, NULL), axis[KVF_REF_MAX_DIM / 2];
+    float inv[KVF_REF_MAX_DIM / 2];
+    if (pos) kvf_ref_rope_table(d, &j->s->rope, inv, axis);
     if (r > 0) {
         const uint8_t *basis = packed + l->basis_off + (size_t)h * (size_t)d * (size_t)r * 2;
         for (int i = 0; i < d * r; i++) b->ubf[i] = kvf_get_u16(basis + 2 * i);
@@ -232,9 +234,9 @@ static void finish_head(const section_job *j, int32_t h, const uint8_t *packed, 
             kvf_ref_psac_apply(y, b->ubf, (const int8_t *)(packed + l->coef_off + row * (size_t)r),
                                kvf_get_u16(packed + l->cscale_off + row * 2), d, r);
         if (l->rotation == KVF_ROTATION_HADAMARD) kvf_ref_hadamard(y, d);
-        if (pos) kvf_ref_rope(y, d, &j->s->rope, pos + t * axes);
+        if (pos) kvf_ref_rope_apply(y, d, j->s->rope.layout, inv, axis, pos + t * axes);
         uint16_t *dst = out + t * j->sh->token_stride + h * j->sh->head_stride;
-        for (int c = 0; c < d; c++) dst[c] = kvf_output_bf16(y[c]);
+        for (int c = 0; c < d; c++) dst[c] = kvf_f32_to_bf16(y[c]);
     }
 }
 
@@ -259,8 +261,9 @@ static int decode_section(const section_job *j, const uint8_t *packed, const int
 static int prepare(const struct kvf_scheme *s, const kvf_shape *shape, kvf_layout *L, kvf_shape *sh) {
     int rc = kvf_shape_resolve(shape, s->head_dim, sh);
     if (!rc) rc = kvf_layout_compute(s, sh->n_tokens, sh->n_heads, L);
-    if (!rc && s->head_dim > 1024)
-        rc = kvf_set_error(KVF_ENOTIMPL, "head_dim = %d: the CPU reference handles at most 1024", s->head_dim);
+    if (!rc && s->head_dim > KVF_REF_MAX_DIM)
+        rc = kvf_set_error(KVF_ENOTIMPL, "head_dim = %d: the CPU reference handles at most %d", s->head_dim,
+                           KVF_REF_MAX_DIM);
     return rc;
 }
 

@@ -25,23 +25,32 @@ static void rotate_pair(float *x, int c0, int c1, float ang) {
     x[c1] = a * sn + b * cs;
 }
 
-/* Rotate the n pairs first, first + 1, ... of one section at position pos. */
-static void rotate_section(float *x, int d, const kvf_rope_cfg *rope, int first, int n, int32_t pos) {
-    for (int pa = 0; pa < n; pa++) {
-        int c0, c1;
-        pair_channels(rope->layout, d, first + pa, &c0, &c1);
-        rotate_pair(x, c0, c1, (float)pos * inv_frequency(rope->theta, pa, 2 * n));
-    }
-}
-
-void kvf_ref_rope(float *x, int d, const kvf_rope_cfg *rope, const int32_t *pos) {
+void kvf_ref_rope_table(int d, const kvf_rope_cfg *rope, float *inv, int *axis) {
     int half = d / 2, n_sections = rope->n_sections < 1 ? 1 : rope->n_sections, first = 0;
+    for (int p = 0; p < half; p++) axis[p] = -1;
     for (int a = 0; a < n_sections && first < half; a++) {
         /* One section is all d/2 pairs (1D RoPE) whatever sections[0] says;
          * pairs past the sections' sum (the loader forbids it) stay as they are. */
         int n = n_sections == 1 ? half : rope->sections[a];
         if (n > half - first) n = half - first;
-        if (n > 0) rotate_section(x, d, rope, first, n, pos[a]);
+        for (int pa = 0; pa < n; pa++) inv[first + pa] = inv_frequency(rope->theta, pa, 2 * n), axis[first + pa] = a;
         first += n > 0 ? n : 0;
     }
+}
+
+void kvf_ref_rope_apply(float *x, int d, int layout, const float *inv, const int *axis, const int32_t *pos) {
+    for (int p = 0; p < d / 2; p++) {
+        if (axis[p] < 0) continue;
+        int c0, c1;
+        pair_channels(layout, d, p, &c0, &c1);
+        rotate_pair(x, c0, c1, (float)pos[axis[p]] * inv[p]);
+    }
+}
+
+void kvf_ref_rope(float *x, int d, const kvf_rope_cfg *rope, const int32_t *pos) {
+    float inv[KVF_REF_MAX_DIM / 2];
+    int axis[KVF_REF_MAX_DIM / 2];
+    if (d > KVF_REF_MAX_DIM) return;
+    kvf_ref_rope_table(d, rope, inv, axis);
+    kvf_ref_rope_apply(x, d, rope->layout, inv, axis, pos);
 }
