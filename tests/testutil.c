@@ -37,6 +37,29 @@ void tu_rmtree(const char *dir) {
     if (dir) nftw(dir, rm_cb, 16, FTW_DEPTH | FTW_PHYS);
 }
 
+static void hand_tensor(kvf_tensor_cfg *c, int bits, int group, int mode) {
+    memset(c, 0, sizeof *c);
+    c->bits = bits;
+    c->group_size = group;
+    c->axis = KVF_AXIS_CHANNEL;
+    c->mode = mode;
+    c->scale_format = KVF_SCALE_FP16;
+    c->kmeans_iters = 2;
+    c->qsac_candidates = 1;
+    c->stages = 1;
+}
+
+void tu_hand_scheme(struct kvf_scheme *s, int d, int kbits, int vbits, int g, int mode) {
+    memset(s, 0, sizeof *s);
+    strcpy(s->name, "t");
+    strcpy(s->source, "<test>");
+    s->head_dim = d;
+    hand_tensor(&s->key, kbits, g, mode);
+    hand_tensor(&s->value, vbits, g, mode);
+    s->hash = TU_HAND_HASH;
+    strcpy(s->id, "t_89abcdef");
+}
+
 kvf_scheme *tu_scheme(const char *name) {
     kvf_scheme *s = NULL;
     int rc = kvf_scheme_load_builtin(name, &s);
