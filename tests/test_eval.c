@@ -33,13 +33,7 @@ static int teardown(void **state) {
     return 0;
 }
 
-static const char *tmp_file(const char *name) {
-    static char buf[4][1024];
-    static int slot;
-    char *b = buf[slot++ & 3];
-    snprintf(b, sizeof buf[0], "%s/%s", tmp_dir, name);
-    return b;
-}
+static const char *tmp_file(const char *name) { return tu_join(tmp_dir, name); }
 
 #define assert_error_has(rc, code, needle)                                                        \
     do {                                                                                          \

@@ -13,13 +13,16 @@ const char *tu_src(void) {
     return s && *s ? s : ".";
 }
 
-const char *tu_path(const char *rel) {
+const char *tu_join(const char *dir, const char *name) {
     static char buf[8][1024];
     static int slot;
     char *b = buf[slot++ & 7];
-    snprintf(b, sizeof buf[0], "%s/%s", tu_src(), rel);
+    int n = snprintf(b, sizeof buf[0], "%s/%s", dir, name);
+    if (n < 0 || (size_t)n >= sizeof buf[0]) fail_msg("path too long: %s/%s", dir, name);
     return b;
 }
+
+const char *tu_path(const char *rel) { return tu_join(tu_src(), rel); }
 
 char *tu_mkdtemp(void) {
     char tmpl[] = "/tmp/kvftest.XXXXXX";

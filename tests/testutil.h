@@ -10,7 +10,10 @@
 
 /* Source tree root (KVF_SRC, else "."), for schemes/ and tests/ data. */
 const char *tu_src(void);
-/* tu_src()/rel into a static buffer (rotating, 8 slots). */
+/* dir/name into a static buffer (rotating, 8 slots shared with tu_path);
+ * fails the test if it does not fit. */
+const char *tu_join(const char *dir, const char *name);
+/* tu_join(tu_src(), rel). */
 const char *tu_path(const char *rel);
 /* Fresh private temporary directory (mkdtemp); removed by tu_rmtree. */
 char *tu_mkdtemp(void);
