@@ -13,7 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static void die(const char *what) {
+static _Noreturn void die(const char *what) {
     fprintf(stderr, "mkseeds: %s: %s\n", what, kvf_last_error());
     exit(1);
 }
