@@ -4,7 +4,8 @@ CUDA_HOME ?= /usr/local/cuda
 O ?= out
 CC ?= cc
 PYTHON ?= python3
-WM_PYTHON ?= .venv/bin/python
+# The world-model scripts and tests run in the binding's virtual environment (PY, python/python.mk).
+WM_PYTHON ?= $(PY)
 include eval/data.mk
 
 LUA_CFLAGS := -I/usr/include/lua5.4

@@ -63,7 +63,7 @@ fuzz: fuzz-build
 	done; exit $$status
 
 # Seeds for the packed-cache targets: real caches encoded on the CPU (small: < 200 KB).
-$(FUZZ_O)/mkseeds: fuzz/mkseeds.c $(O)/lib/libkvforge.a
+$(FUZZ_O)/mkseeds: fuzz/mkseeds.c fuzz/fuzz_common.h $(O)/lib/libkvforge.a
 	@mkdir -p $(dir $@)
 	$(CC) $(ALL_CFLAGS) -o $@ $< $(O)/lib/libkvforge.a $(STATIC_DEPS)
 

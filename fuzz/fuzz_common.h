@@ -26,6 +26,18 @@
         if (!(cond)) FUZZ_FAIL(__FILE__ ":" FUZZ_STR(__LINE__) ": " #cond);           \
     } while (0)
 
+/* The two schemes the packed-cache targets use besides the shipped rtn_int2 and
+ * rtn_int4, to reach the other code paths (symmetric, 8 and 16 bits, head_dim
+ * 64 and 256): fuzz_packed.c and fuzz_roundtrip.c read them, mkseeds.c writes
+ * seeds for them (a seed's header holds the scheme's hash). */
+static const char *const fuzz_variant_text[2] = {
+    "return { name = 'fz_sym_d64', head_dim = 64,\n"
+    "  key = { bits = 4, mode = 'symmetric', group_size = 32 },\n"
+    "  value = { bits = 8, group_size = 16 } }\n",
+    "return { name = 'fz_bf16_d256', head_dim = 256, key = { bits = 16 },\n"
+    "  value = { bits = 2, mode = 'symmetric', group_size = 256 } }\n",
+};
+
 /* Little-endian reads of the packed header (the targets never cast the input). */
 static inline uint32_t fuzz_le32(const uint8_t *p) {
     return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;

@@ -22,14 +22,6 @@ typedef struct fp_scheme {
     kvf_context *ctx;
 } fp_scheme;
 
-static const char *const fp_variant_text[2] = {
-    "return { name = 'fz_sym_d64', head_dim = 64,\n"
-    "  key = { bits = 4, mode = 'symmetric', group_size = 32 },\n"
-    "  value = { bits = 8, group_size = 16 } }\n",
-    "return { name = 'fz_bf16_d256', head_dim = 256, key = { bits = 16 },\n"
-    "  value = { bits = 2, mode = 'symmetric', group_size = 256 } }\n",
-};
-
 static fp_scheme *fp_schemes(void) {
     static fp_scheme sch[FP_SCHEMES];
     static int ready;
@@ -37,7 +29,7 @@ static fp_scheme *fp_schemes(void) {
     FUZZ_CHECK(kvf_scheme_load_builtin("rtn_int2", &sch[0].s) == KVF_OK);
     FUZZ_CHECK(kvf_scheme_load_builtin("rtn_int4", &sch[1].s) == KVF_OK);
     for (int i = 0; i < 2; i++) {
-        const char *t = fp_variant_text[i];
+        const char *t = fuzz_variant_text[i];
         FUZZ_CHECK(kvf_scheme_load_string(t, strlen(t), "=fuzz_packed", &sch[2 + i].s) == KVF_OK);
     }
     for (int i = 0; i < FP_SCHEMES; i++)

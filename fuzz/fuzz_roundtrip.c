@@ -16,21 +16,13 @@
 #define FR_SCHEMES 4
 
 static kvf_context *fr_contexts(int i) {
-    static const char *const text[FR_SCHEMES] = {
-        NULL,
-        NULL,
-        "return { name = 'fz_sym_d64', head_dim = 64,\n"
-        "  key = { bits = 4, mode = 'symmetric', group_size = 32 },\n"
-        "  value = { bits = 8, group_size = 16 } }\n",
-        "return { name = 'fz_bf16_d256', head_dim = 256, key = { bits = 16 },\n"
-        "  value = { bits = 2, mode = 'symmetric', group_size = 256 } }\n",
-    };
     static kvf_context *ctx[FR_SCHEMES];
     if (!ctx[0]) {
         for (int j = 0; j < FR_SCHEMES; j++) {
             kvf_scheme *s = NULL;
-            int rc = text[j] ? kvf_scheme_load_string(text[j], strlen(text[j]), "=fuzz", &s)
-                             : kvf_scheme_load_builtin(j ? "rtn_int4" : "rtn_int2", &s);
+            const char *t = j >= 2 ? fuzz_variant_text[j - 2] : NULL;
+            int rc = t ? kvf_scheme_load_string(t, strlen(t), "=fuzz", &s)
+                       : kvf_scheme_load_builtin(j ? "rtn_int4" : "rtn_int2", &s);
             FUZZ_CHECK(rc == KVF_OK);
             FUZZ_CHECK(kvf_context_create(s, KVF_DEVICE_CPU, &ctx[j]) == KVF_OK);
             kvf_scheme_free(s);

@@ -7,21 +7,13 @@
  *
  *   out/fuzz/mkseeds fuzz/corpus
  */
-#include "internal.h"
+#include "fuzz_common.h" /* fuzz_variant_text */
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-static const char *const variants[2] = {
-    "return { name = 'fz_sym_d64', head_dim = 64,\n"
-    "  key = { bits = 4, mode = 'symmetric', group_size = 32 },\n"
-    "  value = { bits = 8, group_size = 16 } }\n",
-    "return { name = 'fz_bf16_d256', head_dim = 256, key = { bits = 16 },\n"
-    "  value = { bits = 2, mode = 'symmetric', group_size = 256 } }\n",
-};
-
-static void die(const char *what) {
+static _Noreturn void die(const char *what) {
     fprintf(stderr, "mkseeds: %s: %s\n", what, kvf_last_error());
     exit(1);
 }
@@ -88,7 +80,7 @@ int main(int argc, char **argv) {
     if (kvf_scheme_load_builtin("rtn_int2", &s[0]) || kvf_scheme_load_builtin("rtn_int4", &s[1]))
         die("builtin");
     for (int i = 0; i < 2; i++)
-        if (kvf_scheme_load_string(variants[i], strlen(variants[i]), "=fuzz_packed", &s[2 + i]))
+        if (kvf_scheme_load_string(fuzz_variant_text[i], strlen(fuzz_variant_text[i]), "=fuzz_packed", &s[2 + i]))
             die("variant");
     static const struct { int64_t n; int32_t h; } shapes[] = {{1, 1}, {3, 2}, {17, 3}, {64, 2}};
     for (int i = 0; i < 4; i++)

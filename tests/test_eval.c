@@ -33,13 +33,7 @@ static int teardown(void **state) {
     return 0;
 }
 
-static const char *tmp_file(const char *name) {
-    static char buf[4][1024];
-    static int slot;
-    char *b = buf[slot++ & 3];
-    snprintf(b, sizeof buf[0], "%s/%s", tmp_dir, name);
-    return b;
-}
+static const char *tmp_file(const char *name) { return tu_join(tmp_dir, name); }
 
 #define assert_error_has(rc, code, needle)                                                        \
     do {                                                                                          \
@@ -561,6 +555,14 @@ static void print_metrics(const char *name, const kvf_eval_metrics *m) {
            m->compression);
 }
 
+/* A JSON report's metrics object (overall or a layer's) holds every metric as a number. */
+static void assert_metrics_json(json_t *m) {
+    static const char *const keys[] = {"top1_shift", "top5_overlap", "attn_out_rel_err", "key_mse", "value_mse",
+                                       "qk_err", "compression"};
+    for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++)
+        if (!json_is_number(json_object_get(m, keys[i]))) fail_msg("report: \"%s\" is not a number", keys[i]);
+}
+
 static void test_int4_beats_int2(void **state) {
     (void)state;
     synth_dump *sd = synth_make(&small_cfg);
@@ -594,15 +596,13 @@ static void test_int4_beats_int2(void **state) {
     json_t *root = json_loads(json, 0, &err);
     assert_non_null(root);
     json_t *ov = json_object_get(root, "overall");
-    static const char *keys[] = {"top1_shift", "top5_overlap", "attn_out_rel_err", "key_mse", "value_mse", "qk_err",
-                                 "compression"};
-    for (size_t i = 0; i < 7; i++) assert_true(json_is_number(json_object_get(ov, keys[i])));
+    assert_metrics_json(ov);
     assert_float_equal(json_number_value(json_object_get(ov, "top1_shift")), a->top1_shift, 1e-9);
     json_t *layers = json_object_get(root, "layers");
     assert_int_equal(json_array_size(layers), 1);
     json_t *l0 = json_array_get(layers, 0);
     assert_int_equal(json_integer_value(json_object_get(l0, "layer")), 0);
-    for (size_t i = 0; i < 7; i++) assert_true(json_is_number(json_object_get(l0, keys[i])));
+    assert_metrics_json(l0);
     assert_int_equal(json_array_size(json_object_get(l0, "chunks")), 2);
     json_decref(root);
     free(json);
@@ -737,9 +737,7 @@ static void test_cli_json(void **state) {
     json_t *root = json_load_file(json_path, 0, &err);
     if (!root) fail_msg("%s: %s", json_path, err.text);
     json_t *ov = json_object_get(root, "overall");
-    static const char *keys[] = {"top1_shift", "top5_overlap", "attn_out_rel_err", "key_mse", "value_mse", "qk_err",
-                                 "compression"};
-    for (size_t i = 0; i < 7; i++) assert_true(json_is_number(json_object_get(ov, keys[i])));
+    assert_metrics_json(ov);
     assert_string_equal(json_string_value(json_object_get(root, "backend")), "CPU reference");
     assert_int_equal(json_array_size(json_object_get(root, "layers")), 1);
     json_decref(root);

@@ -358,9 +358,8 @@ static void test_shape_mismatch(void **state) {
                  "n_heads is 2, expected 3");
     /* A cache of a head_dim-64 scheme read by the head_dim-128 one. */
     const char *d64 = "return { base = 'rtn_int2', name = 'rtn_int2_d64', head_dim = 64 }";
-    kvf_scheme *s64;
+    kvf_scheme *s64 = tu_scheme_text(d64);
     kvf_context *c64;
-    assert_int_equal(kvf_scheme_load_string(d64, strlen(d64), "=d64", &s64), KVF_OK);
     assert_int_equal(kvf_context_create(s64, KVF_DEVICE_CPU, &c64), KVF_OK);
     size_t b64 = packed_size(s64, n, h);
     uint8_t *p64 = calloc(1, bytes > b64 ? bytes : b64);

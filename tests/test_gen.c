@@ -89,8 +89,7 @@ static void generated_c_compiles(void **state) {
 static void unimplemented_method_refused(void **state) {
     (void)state;
     const char *text = "return { base = 'quantwm_int2', name = 'wm6', key = { psac_rank = 6 } }";
-    kvf_scheme *s;
-    assert_int_equal(kvf_scheme_load_string(text, strlen(text), "=wm6", &s), KVF_OK);
+    kvf_scheme *s = tu_scheme_text(text);
     kvf_gen_output g;
     assert_int_equal(kvf_gen(s, &g), KVF_ENOTIMPL);
     assert_non_null(strstr(kvf_last_error(), "key.psac_rank = 6"));

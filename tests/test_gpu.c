@@ -95,10 +95,6 @@ static size_t tensor_elems(const run_case *c, int d, kvf_shape *sh) {
     return (size_t)(sh->head_stride * c->heads);
 }
 
-static int uses_qstats(const kvf_scheme *s) {
-    return kvf_scheme_reads_qstats(s);
-}
-
 /* Bytes of [off, off+n) that differ. */
 static size_t diff_bytes(const uint8_t *a, const uint8_t *b, size_t off, size_t n) {
     size_t k = 0;
@@ -286,7 +282,7 @@ static void compare_case(kvf_context *gpu, kvf_context *cpu, const run_case *c, 
         }
     }
     qstats_pair q = {0};
-    if (uses_qstats(s)) qstats_prepare(gpu, cpu, c->heads, &q);
+    if (kvf_scheme_reads_qstats(s)) qstats_prepare(gpu, cpu, c->heads, &q);
     /* Positions for keys cached before RoPE: 3 axes (frame, row, column). */
     int axes = kvf_rope_sections(s, NULL);
     int32_t *pos = malloc(sizeof(int32_t) * (size_t)c->tokens * axes);
@@ -436,8 +432,7 @@ static void gpu_rope_pre(void **state) {
         "return { base = 'quantwm_int2', name = 'wm_rope', rope = { placement = 'pre', layout = 'half', sections = {16, 24, 24} } }",
         "return { base = 'rtn_int4', name = 'rtn_rope', rope = { placement = 'pre', layout = 'interleaved' } }"};
     for (int i = 0; i < 2; i++) {
-        kvf_scheme *s;
-        if (kvf_scheme_load_string(texts[i], strlen(texts[i]), "=rope", &s)) fail_msg("%s", kvf_last_error());
+        kvf_scheme *s = tu_scheme_text(texts[i]);
         run_scheme(s);
         kvf_scheme_free(s);
     }
@@ -701,8 +696,7 @@ static void decode_special_values(void **state) {
         kvf_scheme_free(s);
     }
     for (int i = 0; texts[i]; i++) {
-        kvf_scheme *s;
-        if (kvf_scheme_load_string(texts[i], strlen(texts[i]), "=special", &s)) fail_msg("%s", kvf_last_error());
+        kvf_scheme *s = tu_scheme_text(texts[i]);
         sv_case(s, 203, 3, 3);
         kvf_scheme_free(s);
     }

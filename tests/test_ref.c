@@ -6,38 +6,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define HASH_A 0x0123456789abcdefull
+#define HASH_A TU_HAND_HASH /* the hash of tu_hand_scheme's schemes */
 #define HASH_B 0xfedcba9876543210ull
 
 /* ------------------------------------------------------------ helpers */
-
-static void tensor_cfg(kvf_tensor_cfg *c, int bits, int group, int mode) {
-    memset(c, 0, sizeof *c);
-    c->bits = bits;
-    c->group_size = group;
-    c->axis = KVF_AXIS_CHANNEL;
-    c->mode = mode;
-    c->scale_format = KVF_SCALE_FP16;
-    c->centroids = 0;
-    c->kmeans_iters = 2;
-    c->seed = 0;
-    c->qsac_candidates = 1;
-    c->psac_rank = 0;
-    c->stages = 1;
-}
-
-/* A scheme filled by hand (no scheme.c): head_dim d, group g, same mode for K and V. */
-static void make_scheme(struct kvf_scheme *s, int d, int kbits, int vbits, int g, int mode) {
-    memset(s, 0, sizeof *s);
-    strcpy(s->name, "t");
-    strcpy(s->source, "<test>");
-    s->head_dim = d;
-    tensor_cfg(&s->key, kbits, g, mode);
-    tensor_cfg(&s->value, vbits, g, mode);
-    s->hash = HASH_A;
-    strcpy(s->id, "t_89abcdef");
-}
-
 
 static double rng_unit(uint64_t *st) { return (double)(tu_rng_next(st) >> 11) * 0x1.0p-53; }
 
@@ -143,7 +115,7 @@ static void check_section(const kvf_section_layout *l, const uint8_t *packed, co
 /* Encode, decode, check both sections against the bound. */
 static void round_trip(int bits, int mode, int d, int G, int64_t n, int h, int synth, uint64_t seed) {
     struct kvf_scheme s;
-    make_scheme(&s, d, bits, bits, G, mode);
+    tu_hand_scheme(&s, d, bits, bits, G, mode);
     size_t nel = (size_t)n * h * d, bytes;
     uint16_t *k = malloc(nel * 2), *v = malloc(nel * 2), *ko = malloc(nel * 2), *vo = malloc(nel * 2);
     assert_true(k && v && ko && vo);
@@ -170,7 +142,7 @@ static void round_trip(int bits, int mode, int d, int G, int64_t n, int h, int s
 static void test_packed_size(void **state) {
     (void)state;
     struct kvf_scheme s;
-    make_scheme(&s, 128, 2, 2, 64, KVF_MODE_AFFINE);
+    tu_hand_scheme(&s, 128, 2, 2, 64, KVF_MODE_AFFINE);
     kvf_layout L;
     /* 64 rows of 40 bytes per tensor: every plane is already a multiple of 256. */
     assert_int_equal(kvf_layout_compute(&s, 64, 1, &L), KVF_OK);
@@ -205,16 +177,16 @@ static void test_packed_size(void **state) {
     assert_true(fabs(f.compression - 6.4) < 0.001);
     assert_true(fabs(f.bits_per_value - 2.5) < 0.001);
     /* INT4: 64 + 4 + 4 = 72 bytes: 3.56x. Symmetric INT2: 32 + 4 = 36 bytes. */
-    make_scheme(&s, 128, 4, 4, 64, KVF_MODE_AFFINE);
+    tu_hand_scheme(&s, 128, 4, 4, 64, KVF_MODE_AFFINE);
     assert_int_equal(kvf_footprint_of(&s, 4680, 8, &f), KVF_OK);
     assert_int_equal(f.packed_bytes, 256 + 2 * 4680 * 8 * 72);
     assert_true(fabs(f.compression - 256.0 / 72) < 0.001);
-    make_scheme(&s, 128, 2, 2, 64, KVF_MODE_SYMMETRIC);
+    tu_hand_scheme(&s, 128, 2, 2, 64, KVF_MODE_SYMMETRIC);
     assert_int_equal(kvf_layout_compute(&s, 64, 1, &L), KVF_OK);
     assert_int_equal(L.key.stage[0].zeros_bytes, 0);
     assert_int_equal(L.total_bytes, 256 + 2 * 64 * 36); /* planes end at 2304, 2560, 4608, 4864 */
     /* BF16 values: only a codes plane of 256 bytes per token per head. */
-    make_scheme(&s, 128, 2, 16, 64, KVF_MODE_AFFINE);
+    tu_hand_scheme(&s, 128, 2, 16, 64, KVF_MODE_AFFINE);
     assert_int_equal(kvf_layout_compute(&s, 64, 1, &L), KVF_OK);
     assert_int_equal(L.value.code_bytes_per_token, 256);
     assert_int_equal(L.value.stage[0].scales_bytes, 0);
@@ -235,7 +207,7 @@ static void test_packed_size(void **state) {
 static void test_header(void **state) {
     (void)state;
     struct kvf_scheme s;
-    make_scheme(&s, 128, 2, 4, 64, KVF_MODE_AFFINE);
+    tu_hand_scheme(&s, 128, 2, 4, 64, KVF_MODE_AFFINE);
     int64_t n = 37;
     int h = 3;
     size_t nel = (size_t)n * h * 128, bytes;
@@ -290,7 +262,7 @@ static void test_bit_order(void **state) {
      * 0,1,2,3 -> byte 0b11100100 = 0xE4; group 1 is 3,2,1,0,...: 0x1B. */
     for (int c = 0; c < 64; c++) x[c] = kvf_f32_to_bf16((float)(c % 4));
     for (int c = 64; c < 128; c++) x[c] = kvf_f32_to_bf16((float)(3 - c % 4));
-    make_scheme(&s, 128, 2, 2, 64, KVF_MODE_AFFINE);
+    tu_hand_scheme(&s, 128, 2, 2, 64, KVF_MODE_AFFINE);
     uint8_t *p = encode_one(&s, x, &L);
     for (int i = 0; i < 16; i++) assert_int_equal(p[L.key.stage[0].codes_off + i], 0xE4);
     for (int i = 16; i < 32; i++) assert_int_equal(p[L.key.stage[0].codes_off + i], 0x1B);
@@ -306,7 +278,7 @@ static void test_bit_order(void **state) {
      * offset by 100 (M = 100 in fp16) and spread 7.5 (s = 0.5). */
     for (int c = 0; c < 64; c++) x[c] = kvf_f32_to_bf16((float)(c % 16));
     for (int c = 64; c < 128; c++) x[c] = kvf_f32_to_bf16(100.0f + 0.5f * (float)(c % 16));
-    make_scheme(&s, 128, 4, 4, 64, KVF_MODE_AFFINE);
+    tu_hand_scheme(&s, 128, 4, 4, 64, KVF_MODE_AFFINE);
     p = encode_one(&s, x, &L);
     for (int i = 0; i < 32; i++) {
         int lo = (2 * i) % 16, hi = (2 * i + 1) % 16;
@@ -320,7 +292,7 @@ static void test_bit_order(void **state) {
 
     /* INT8 affine: one byte per code; x = 4c (c < 63) and 255: s = 1, q = x. */
     for (int c = 0; c < 128; c++) x[c] = kvf_f32_to_bf16((float)((c % 64) == 63 ? 255 : 4 * (c % 64)));
-    make_scheme(&s, 128, 8, 8, 64, KVF_MODE_AFFINE);
+    tu_hand_scheme(&s, 128, 8, 8, 64, KVF_MODE_AFFINE);
     p = encode_one(&s, x, &L);
     for (int c = 0; c < 128; c++)
         assert_int_equal(p[L.key.stage[0].codes_off + c], (c % 64) == 63 ? 255 : 4 * (c % 64));
@@ -329,7 +301,7 @@ static void test_bit_order(void **state) {
     /* INT2 symmetric: -1,0,1,0 -> q -1,0,1,0 -> codes 0,1,2,1 -> 0b01100100 = 0x64. */
     static const float pat[4] = {-1, 0, 1, 0};
     for (int c = 0; c < 128; c++) x[c] = kvf_f32_to_bf16(pat[c % 4]);
-    make_scheme(&s, 128, 2, 2, 64, KVF_MODE_SYMMETRIC);
+    tu_hand_scheme(&s, 128, 2, 2, 64, KVF_MODE_SYMMETRIC);
     p = encode_one(&s, x, &L);
     for (int i = 0; i < 32; i++) assert_int_equal(p[L.key.stage[0].codes_off + i], 0x64);
     assert_int_equal(rd16(p + L.key.stage[0].scales_off), 0x3C00);
@@ -352,7 +324,7 @@ static void test_rounding_ties(void **state) {
     static const float a[6] = {0, 3, 0.5f, 1.5f, 2.5f, 1};
     static const unsigned qa[6] = {0, 3, 0, 2, 2, 1};
     for (int c = 0; c < 128; c++) x[c] = kvf_f32_to_bf16(a[c % 64 < 6 ? c % 64 : 5]);
-    make_scheme(&s, 128, 2, 2, 64, KVF_MODE_AFFINE);
+    tu_hand_scheme(&s, 128, 2, 2, 64, KVF_MODE_AFFINE);
     uint8_t *p = encode_one(&s, x, &L);
     for (int c = 0; c < 6; c++) assert_int_equal(rd_code(p + L.key.stage[0].codes_off, c, 2), qa[c]);
     free(p);
@@ -360,7 +332,7 @@ static void test_rounding_ties(void **state) {
     static const float b[6] = {7, 0.5f, -1.5f, 2.5f, -3.5f, 0};
     static const int qb[6] = {7, 0, -2, 2, -4, 0};
     for (int c = 0; c < 128; c++) x[c] = kvf_f32_to_bf16(b[c % 64 < 6 ? c % 64 : 5]);
-    make_scheme(&s, 128, 4, 4, 64, KVF_MODE_SYMMETRIC);
+    tu_hand_scheme(&s, 128, 4, 4, 64, KVF_MODE_SYMMETRIC);
     p = encode_one(&s, x, &L);
     for (int c = 0; c < 6; c++) assert_int_equal(rd_code(p + L.key.stage[0].codes_off, c, 4), (unsigned)(qb[c] + 7));
     free(p);
@@ -379,7 +351,7 @@ static void test_codes_use_stored_scale(void **state) {
     static const unsigned want[6] = {0, 3, 1, 2, 2, 3};
     uint16_t x[128];
     for (int c = 0; c < 128; c++) x[c] = v[c % 64 < 6 ? c % 64 : 0];
-    make_scheme(&s, 128, 2, 2, 64, KVF_MODE_AFFINE);
+    tu_hand_scheme(&s, 128, 2, 2, 64, KVF_MODE_AFFINE);
     uint8_t *p = encode_one(&s, x, &L);
     assert_int_equal(rd16(p + L.key.stage[0].scales_off), 8);
     assert_int_equal(rd16(p + L.key.stage[0].zeros_off), 50);
@@ -431,7 +403,7 @@ static void test_golden(void **state) {
     kvf_shape sh = {n, h, 0, 0};
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         struct kvf_scheme s;
-        make_scheme(&s, 128, cases[i].kbits, cases[i].vbits, 64, cases[i].mode);
+        tu_hand_scheme(&s, 128, cases[i].kbits, cases[i].vbits, 64, cases[i].mode);
         uint8_t *p = encode_new(&s, k, v, &sh, &bytes);
         assert_int_equal(kvf_ref_decode(&s, p, bytes, &sh, NULL, ko, vo), KVF_OK);
         uint64_t hp = fnv1a(0xcbf29ce484222325ull, p, bytes);
@@ -484,7 +456,7 @@ static void test_error_levels(void **state) {
     for (size_t i = 0; i < nel; i++) var += pow(kvf_bf16_to_f32(k[i]), 2);
     for (int i = 0; i < 3; i++) {
         struct kvf_scheme s;
-        make_scheme(&s, d, 2 << i, 2 << i, 64, KVF_MODE_AFFINE);
+        tu_hand_scheme(&s, d, 2 << i, 2 << i, 64, KVF_MODE_AFFINE);
         size_t bytes;
         kvf_shape sh = {n, h, 0, 0};
         uint8_t *p = encode_new(&s, k, k, &sh, &bytes);
@@ -512,7 +484,7 @@ static void test_constant_group(void **state) {
             for (int i = 0; i < 6; i += 2) {
                 for (int c = 0; c < 64; c++) x[c] = kvf_f32_to_bf16(vals[i]);
                 for (int c = 64; c < 128; c++) x[c] = kvf_f32_to_bf16(vals[i + 1]);
-                make_scheme(&s, 128, b, b, 64, mode);
+                tu_hand_scheme(&s, 128, b, b, 64, mode);
                 uint8_t *p = encode_one(&s, x, &L);
                 /* Affine: s = 0 and the value is in M. Symmetric: s = |x|/qmax, exact at qmax. */
                 if (mode == KVF_MODE_AFFINE) assert_int_equal(rd16(p + L.key.stage[0].scales_off), 0);
@@ -531,7 +503,7 @@ static void test_signed_zero(void **state) {
     struct kvf_scheme s;
     kvf_layout L;
     uint16_t x[128];
-    make_scheme(&s, 128, 2, 2, 64, KVF_MODE_AFFINE);
+    tu_hand_scheme(&s, 128, 2, 2, 64, KVF_MODE_AFFINE);
     for (int c = 0; c < 128; c++) x[c] = (c & 1) ? 0x8000 : 0x0000;
     uint8_t *p = encode_one(&s, x, &L);
     for (int c = 0; c < 128; c++) x[c] = (c & 1) ? 0x0000 : 0x8000;
@@ -552,7 +524,7 @@ static void test_nan_inf(void **state) {
     kvf_layout L;
     uint16_t x[128], y[128], z[128];
     kvf_shape sh = {1, 1, 0, 0};
-    make_scheme(&s, 128, 2, 2, 64, KVF_MODE_AFFINE);
+    tu_hand_scheme(&s, 128, 2, 2, 64, KVF_MODE_AFFINE);
     for (int c = 0; c < 128; c++) x[c] = kvf_f32_to_bf16((float)(c % 4));
     x[5] = 0xffc1;      /* negative NaN with a payload, in group 0 */
     x[64 + 9] = 0x7f80; /* +Inf in group 1 */
@@ -580,7 +552,7 @@ static void test_nan_inf(void **state) {
     free(p);
 
     /* Symmetric with a -Inf: finite values -> NaN (Inf * 0), the Inf -> code 0 -> -Inf. */
-    make_scheme(&s, 128, 2, 2, 64, KVF_MODE_SYMMETRIC);
+    tu_hand_scheme(&s, 128, 2, 2, 64, KVF_MODE_SYMMETRIC);
     for (int c = 0; c < 128; c++) x[c] = kvf_f32_to_bf16((float)(c % 4) - 1.5f);
     x[3] = 0xff80;
     x[64] = 0x7fc0;
@@ -597,7 +569,7 @@ static void test_nan_inf(void **state) {
 static void test_bf16_section(void **state) {
     (void)state;
     struct kvf_scheme s;
-    make_scheme(&s, 128, 2, 16, 64, KVF_MODE_AFFINE);
+    tu_hand_scheme(&s, 128, 2, 16, 64, KVF_MODE_AFFINE);
     s.value.scale_format = KVF_SCALE_INT8_FP16; /* irrelevant at 16 bits */
     int64_t n = 20;
     int h = 3;
@@ -620,7 +592,7 @@ static void test_bf16_section(void **state) {
 static void test_strides(void **state) {
     (void)state;
     struct kvf_scheme s;
-    make_scheme(&s, 128, 2, 4, 64, KVF_MODE_AFFINE);
+    tu_hand_scheme(&s, 128, 2, 4, 64, KVF_MODE_AFFINE);
     int64_t n = 50;
     int h = 4, d = 128;
     size_t nel = (size_t)n * h * d, bytes, bytes2;
@@ -702,8 +674,8 @@ static void test_shape_resolve(void **state) {
 static void test_errors(void **state) {
     (void)state;
     struct kvf_scheme s, other;
-    make_scheme(&s, 128, 2, 2, 64, KVF_MODE_AFFINE);
-    make_scheme(&other, 128, 2, 2, 64, KVF_MODE_AFFINE);
+    tu_hand_scheme(&s, 128, 2, 2, 64, KVF_MODE_AFFINE);
+    tu_hand_scheme(&other, 128, 2, 2, 64, KVF_MODE_AFFINE);
     other.hash = HASH_B;
     int64_t n = 16;
     int h = 2;
@@ -772,7 +744,7 @@ static void test_methods_supported(void **state) {
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         struct kvf_scheme s;
-        make_scheme(&s, 128, 2, 2, 64, KVF_MODE_AFFINE);
+        tu_hand_scheme(&s, 128, 2, 2, 64, KVF_MODE_AFFINE);
         kvf_tensor_cfg *c = cases[i].value ? &s.value : &s.key;
         memcpy((char *)c + cases[i].off, &cases[i].set, sizeof(int));
         assert_int_equal(kvf_scheme_check_supported(&s), KVF_OK);
@@ -789,7 +761,7 @@ static void test_methods_supported(void **state) {
 static void test_determinism(void **state) {
     (void)state;
     struct kvf_scheme s;
-    make_scheme(&s, 128, 2, 4, 64, KVF_MODE_AFFINE);
+    tu_hand_scheme(&s, 128, 2, 4, 64, KVF_MODE_AFFINE);
     int64_t n = 77;
     int h = 3;
     size_t nel = (size_t)n * h * 128, bytes;
@@ -812,7 +784,7 @@ static void test_determinism(void **state) {
 static void test_speed(void **state) {
     (void)state;
     struct kvf_scheme s;
-    make_scheme(&s, 128, 2, 2, 64, KVF_MODE_AFFINE);
+    tu_hand_scheme(&s, 128, 2, 2, 64, KVF_MODE_AFFINE);
     int64_t n = 4680;
     int h = 8;
     size_t nel = (size_t)n * h * 128, bytes;

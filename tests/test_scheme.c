@@ -31,16 +31,8 @@ static kvf_scheme *load_file(const char *path) {
     return s;
 }
 
-static const char *join(const char *dir, const char *name) {
-    static char buf[4][1024];
-    static int slot;
-    char *b = buf[slot++ & 3];
-    fmt(b, sizeof buf[0], "%s/%s", dir, name);
-    return b;
-}
-
 static void write_file(const char *dir, const char *name, const char *text) {
-    tu_write_file(join(dir, name), text, strlen(text));
+    tu_write_file(tu_join(dir, name), text, strlen(text));
 }
 
 /* CPU time of this thread: what the sandbox's time limit counts, and what a
@@ -303,9 +295,9 @@ static void test_inheritance(void **state) {
                "  rope = { placement = 'post', theta = 500000 } }\n");
     write_file(dir, "child.lua",
                "return { base = 'parent', value = { bits = 8 }, rope = { layout = 'interleaved' } }\n");
-    kvf_scheme *s = load_file(join(dir, "child.lua"));
+    kvf_scheme *s = load_file(tu_join(dir, "child.lua"));
     assert_string_equal(s->name, "child"); /* the base's name does not carry over */
-    assert_string_equal(s->source, join(dir, "child.lua"));
+    assert_string_equal(s->source, tu_join(dir, "child.lua"));
     assert_int_equal(s->key.bits, 4);        /* builtin rtn_int4, through parent */
     assert_int_equal(s->key.group_size, 32); /* parent */
     assert_int_equal(s->value.bits, 8);      /* child */
@@ -318,13 +310,13 @@ static void test_inheritance(void **state) {
     /* A sibling file shadows the builtin of the same name... */
     write_file(dir, "rtn_int2.lua", "return { head_dim = 256 }\n");
     write_file(dir, "variant.lua", "return { base = 'rtn_int2' }\n");
-    s = load_file(join(dir, "variant.lua"));
+    s = load_file(tu_join(dir, "variant.lua"));
     assert_int_equal(s->head_dim, 256);
     assert_string_equal(s->name, "variant");
     kvf_scheme_free(s);
     /* ...but a builtin's own base is always the builtin. */
     write_file(dir, "variant4.lua", "return { base = 'rtn_int4' }\n");
-    s = load_file(join(dir, "variant4.lua"));
+    s = load_file(tu_join(dir, "variant4.lua"));
     assert_int_equal(s->head_dim, 128);
     check_rtn(s, 4);
     kvf_scheme_free(s);
@@ -335,8 +327,8 @@ static void test_inheritance(void **state) {
     kvf_scheme *bad = NULL;
     char want[1200];
     fmt(want, sizeof want, "%s:2: key.group_size: must divide head_dim (64)",
-             join(dir, "wide.lua"));
-    expect_error(kvf_scheme_load(join(dir, "narrow.lua"), &bad), KVF_ESCHEME, want);
+             tu_join(dir, "wide.lua"));
+    expect_error(kvf_scheme_load(tu_join(dir, "narrow.lua"), &bad), KVF_ESCHEME, want);
 
     /* Strings resolve bases among the shipped schemes only. */
     s = tu_scheme_text("return { base = 'rtn_int4', name = 'from_string' }");
@@ -353,9 +345,9 @@ static void test_cycles_and_depth(void **state) {
     kvf_scheme *s = NULL;
     write_file(dir, "a.lua", "return {\n  base = 'b',\n}\n");
     write_file(dir, "b.lua", "return {\n  base = 'a',\n}\n");
-    fmt(want, sizeof want, "%s:2: base: cycle: %s -> %s -> %s", join(dir, "b.lua"),
-             join(dir, "a.lua"), join(dir, "b.lua"), join(dir, "a.lua"));
-    expect_error(kvf_scheme_load(join(dir, "a.lua"), &s), KVF_ESCHEME, want);
+    fmt(want, sizeof want, "%s:2: base: cycle: %s -> %s -> %s", tu_join(dir, "b.lua"),
+             tu_join(dir, "a.lua"), tu_join(dir, "b.lua"), tu_join(dir, "a.lua"));
+    expect_error(kvf_scheme_load(tu_join(dir, "a.lua"), &s), KVF_ESCHEME, want);
     /* d0 -> d1 -> ... -> d8: eight links load, a ninth does not. */
     for (int i = 0; i < 8; i++) {
         fmt(name, sizeof name, "d%d.lua", i);
@@ -363,17 +355,17 @@ static void test_cycles_and_depth(void **state) {
         write_file(dir, name, text);
     }
     write_file(dir, "d8.lua", "return { key = { bits = 8 } }\n");
-    s = load_file(join(dir, "d0.lua"));
+    s = load_file(tu_join(dir, "d0.lua"));
     assert_int_equal(s->key.bits, 8);
     assert_int_equal(s->chunk.recent, 0);
     assert_string_equal(s->name, "d0");
     kvf_scheme_free(s);
-    s = load_file(join(dir, "d1.lua"));
+    s = load_file(tu_join(dir, "d1.lua"));
     assert_int_equal(s->chunk.recent, 1);
     kvf_scheme_free(s);
     write_file(dir, "d8.lua", "return {\n  base = 'rtn_int2' }\n");
-    fmt(want, sizeof want, "%s:2: base: chain of bases deeper than 8", join(dir, "d8.lua"));
-    expect_error(kvf_scheme_load(join(dir, "d0.lua"), &s), KVF_ESCHEME, want);
+    fmt(want, sizeof want, "%s:2: base: chain of bases deeper than 8", tu_join(dir, "d8.lua"));
+    expect_error(kvf_scheme_load(tu_join(dir, "d0.lua"), &s), KVF_ESCHEME, want);
     tu_rmtree(dir);
     free(dir);
 }
@@ -670,8 +662,8 @@ static void test_bytecode_rejected(void **state) {
                  "exported.bin:1: attempt to load a binary chunk (mode is 't')");
     assert_null(s);
     char *dir = tu_mkdtemp();
-    tu_write_file(join(dir, "compiled.lua"), code, len);
-    expect_error(kvf_scheme_load(join(dir, "compiled.lua"), &s), KVF_ESCHEME, "binary chunk");
+    tu_write_file(tu_join(dir, "compiled.lua"), code, len);
+    expect_error(kvf_scheme_load(tu_join(dir, "compiled.lua"), &s), KVF_ESCHEME, "binary chunk");
     lua_close(L);
     tu_rmtree(dir);
     free(dir);
@@ -737,11 +729,11 @@ static void test_long_path_in_messages(void **state) {
     write_file(sub, "r.lua", "local x\nreturn { head_dim = x.y }\n");
     char want[1200];
     kvf_scheme *s = NULL;
-    fmt(want, sizeof want, "%s:3:", join(sub, "s.lua"));
-    expect_error(kvf_scheme_load(join(sub, "s.lua"), &s), KVF_ESCHEME, want);
+    fmt(want, sizeof want, "%s:3:", tu_join(sub, "s.lua"));
+    expect_error(kvf_scheme_load(tu_join(sub, "s.lua"), &s), KVF_ESCHEME, want);
     assert_true(strncmp(kvf_last_error(), want, strlen(want)) == 0);
-    fmt(want, sizeof want, "%s:2: attempt to index a nil value", join(sub, "r.lua"));
-    expect_error(kvf_scheme_load(join(sub, "r.lua"), &s), KVF_ESCHEME, want);
+    fmt(want, sizeof want, "%s:2: attempt to index a nil value", tu_join(sub, "r.lua"));
+    expect_error(kvf_scheme_load(tu_join(sub, "r.lua"), &s), KVF_ESCHEME, want);
     assert_true(strncmp(kvf_last_error(), want, strlen(want)) == 0);
     tu_rmtree(dir);
     free(dir);
@@ -779,15 +771,15 @@ static void test_api_errors(void **state) {
     assert_int_equal(kvf_scheme_head_dim(NULL), 0);
     /* Too large a file is refused before Lua sees it. */
     char *dir = tu_mkdtemp();
-    FILE *f = fopen(join(dir, "big.lua"), "wb");
+    FILE *f = fopen(tu_join(dir, "big.lua"), "wb");
     assert_non_null(f);
     for (int i = 0; i < (1 << 20) / 16 + 1; i++) fputs("-- padding line\n", f);
     fputs("return {}\n", f);
     fclose(f);
-    expect_error(kvf_scheme_load(join(dir, "big.lua"), &s), KVF_ESCHEME, "file too large");
+    expect_error(kvf_scheme_load(tu_join(dir, "big.lua"), &s), KVF_ESCHEME, "file too large");
     /* A file name without .lua, and a valid default name. */
     write_file(dir, "my_variant.lua", "return { key = { bits = 4 } }");
-    s = load_file(join(dir, "my_variant.lua"));
+    s = load_file(tu_join(dir, "my_variant.lua"));
     assert_string_equal(kvf_scheme_name(s), "my_variant");
     assert_int_equal(strncmp(kvf_scheme_id(s), "my_variant_", 11), 0);
     kvf_scheme_free(s);

@@ -13,13 +13,16 @@ const char *tu_src(void) {
     return s && *s ? s : ".";
 }
 
-const char *tu_path(const char *rel) {
+const char *tu_join(const char *dir, const char *name) {
     static char buf[8][1024];
     static int slot;
     char *b = buf[slot++ & 7];
-    snprintf(b, sizeof buf[0], "%s/%s", tu_src(), rel);
+    int n = snprintf(b, sizeof buf[0], "%s/%s", dir, name);
+    if (n < 0 || (size_t)n >= sizeof buf[0]) fail_msg("path too long: %s/%s", dir, name);
     return b;
 }
+
+const char *tu_path(const char *rel) { return tu_join(tu_src(), rel); }
 
 char *tu_mkdtemp(void) {
     char tmpl[] = "/tmp/kvftest.XXXXXX";
@@ -35,6 +38,29 @@ static int rm_cb(const char *p, const struct stat *sb, int flag, struct FTW *ftw
 
 void tu_rmtree(const char *dir) {
     if (dir) nftw(dir, rm_cb, 16, FTW_DEPTH | FTW_PHYS);
+}
+
+static void hand_tensor(kvf_tensor_cfg *c, int bits, int group, int mode) {
+    memset(c, 0, sizeof *c);
+    c->bits = bits;
+    c->group_size = group;
+    c->axis = KVF_AXIS_CHANNEL;
+    c->mode = mode;
+    c->scale_format = KVF_SCALE_FP16;
+    c->kmeans_iters = 2;
+    c->qsac_candidates = 1;
+    c->stages = 1;
+}
+
+void tu_hand_scheme(struct kvf_scheme *s, int d, int kbits, int vbits, int g, int mode) {
+    memset(s, 0, sizeof *s);
+    strcpy(s->name, "t");
+    strcpy(s->source, "<test>");
+    s->head_dim = d;
+    hand_tensor(&s->key, kbits, g, mode);
+    hand_tensor(&s->value, vbits, g, mode);
+    s->hash = TU_HAND_HASH;
+    strcpy(s->id, "t_89abcdef");
 }
 
 kvf_scheme *tu_scheme(const char *name) {

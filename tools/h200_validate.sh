@@ -2,8 +2,9 @@
 # Run on the GPU machine over a copy of the work tree with out/ carried
 # (built here by `make all aot-demo carry`). Prints what docs/VALIDATION.md
 # and docs/BENCHMARKS.md record. Parts: tests, demo, jit, aot, sanitizer, bench
-# profile (ncu per-kernel times of one layer's encode + decode, not in the
-# default set), (default: all), e.g. `bash tools/h200_validate.sh tests bench`.
+# (the default set), and python (pytest and examples on the GPU) and profile
+# (ncu per-kernel times of one layer's encode + decode), which only run when
+# named, e.g. `bash tools/h200_validate.sh tests bench python`.
 set -u
 export LD_LIBRARY_PATH=$PWD/out/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export KVF_SRC=$PWD KVFORGE_CACHE_DIR=$(mktemp -d) KVFORGE_LIB=$PWD/out/lib/libkvforge.so

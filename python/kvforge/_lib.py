@@ -24,7 +24,7 @@ from ctypes import (POINTER, Structure, c_char_p, c_double, c_int, c_int32, c_in
                     c_uint64, c_void_p)
 from pathlib import Path
 
-__all__ = ["KvforgeError", "LibraryNotFoundError", "lib", "check", "library_path", "has_symbol"]
+__all__ = ["KvforgeError", "LibraryNotFoundError", "lib", "check", "library_path"]
 
 # Status codes of include/kvforge.h (kvf_status).
 KVF_OK = 0
@@ -120,74 +120,64 @@ class KvfSchemeInfo(Structure):
 _p_scheme = c_void_p
 _p_ctx = c_void_p
 
-# name: (restype, argtypes, required)
+# name: (restype, argtypes); each one must be exported
 _PROTOTYPES = {
-    "kvf_strerror": (c_char_p, [c_int], True),
-    "kvf_status_name": (c_char_p, [c_int], True),
-    "kvf_last_error": (c_char_p, [], True),
-    "kvf_version": (c_char_p, [], True),
-    "kvf_scheme_load": (c_int, [c_char_p, POINTER(c_void_p)], True),
-    "kvf_scheme_load_string": (c_int, [c_char_p, c_size_t, c_char_p, POINTER(c_void_p)], True),
-    "kvf_scheme_load_builtin": (c_int, [c_char_p, POINTER(c_void_p)], True),
-    "kvf_scheme_free": (None, [_p_scheme], True),
-    "kvf_scheme_name": (c_char_p, [_p_scheme], True),
-    "kvf_scheme_canonical": (c_char_p, [_p_scheme], True),
-    "kvf_scheme_hash": (c_uint64, [_p_scheme], True),
-    "kvf_scheme_id": (c_char_p, [_p_scheme], True),
-    "kvf_scheme_head_dim": (c_int, [_p_scheme], True),
-    "kvf_builtin_schemes": (POINTER(c_char_p), [], True),
-    "kvf_packed_size": (c_int, [_p_scheme, c_int64, c_int32, POINTER(c_size_t)], True),
-    "kvf_footprint_of": (c_int, [_p_scheme, c_int64, c_int32, POINTER(KvfFootprint)], True),
-    "kvf_device_count": (c_int, [POINTER(c_int)], True),
-    "kvf_context_create": (c_int, [_p_scheme, c_int, POINTER(c_void_p)], True),
+    "kvf_strerror": (c_char_p, [c_int]),
+    "kvf_status_name": (c_char_p, [c_int]),
+    "kvf_last_error": (c_char_p, []),
+    "kvf_version": (c_char_p, []),
+    "kvf_scheme_load": (c_int, [c_char_p, POINTER(c_void_p)]),
+    "kvf_scheme_load_string": (c_int, [c_char_p, c_size_t, c_char_p, POINTER(c_void_p)]),
+    "kvf_scheme_load_builtin": (c_int, [c_char_p, POINTER(c_void_p)]),
+    "kvf_scheme_free": (None, [_p_scheme]),
+    "kvf_scheme_name": (c_char_p, [_p_scheme]),
+    "kvf_scheme_canonical": (c_char_p, [_p_scheme]),
+    "kvf_scheme_hash": (c_uint64, [_p_scheme]),
+    "kvf_scheme_id": (c_char_p, [_p_scheme]),
+    "kvf_scheme_head_dim": (c_int, [_p_scheme]),
+    "kvf_builtin_schemes": (POINTER(c_char_p), []),
+    "kvf_packed_size": (c_int, [_p_scheme, c_int64, c_int32, POINTER(c_size_t)]),
+    "kvf_footprint_of": (c_int, [_p_scheme, c_int64, c_int32, POINTER(KvfFootprint)]),
+    "kvf_device_count": (c_int, [POINTER(c_int)]),
+    "kvf_context_create": (c_int, [_p_scheme, c_int, POINTER(c_void_p)]),
     "kvf_context_create_from_image": (c_int, [c_char_p, c_void_p, c_size_t, c_int,
-                                              POINTER(c_void_p)], True),
-    "kvf_context_destroy": (None, [_p_ctx], True),
-    "kvf_context_backend": (c_char_p, [_p_ctx], True),
-    "kvf_context_origin": (c_char_p, [_p_ctx], True),
+                                              POINTER(c_void_p)]),
+    "kvf_context_destroy": (None, [_p_ctx]),
+    "kvf_context_backend": (c_char_p, [_p_ctx]),
+    "kvf_context_origin": (c_char_p, [_p_ctx]),
     "kvf_encode": (c_int, [_p_ctx, c_void_p, c_void_p, POINTER(KvfShape), c_void_p, c_void_p,
-                           c_size_t, c_void_p], True),
+                           c_size_t, c_void_p]),
     "kvf_decode": (c_int, [_p_ctx, c_void_p, c_size_t, POINTER(KvfShape), c_void_p, c_void_p,
-                           c_void_p, c_void_p], True),
-    "kvf_packed_check": (c_int, [_p_scheme, c_void_p, c_size_t, c_int64, c_int32], True),
-    "kvf_scheme_get_info": (c_int, [_p_scheme, POINTER(KvfSchemeInfo)], True),
-    "kvf_cache_dir": (c_int, [c_char_p, c_size_t], True),
-    "kvf_cache_clear": (c_int, [], True),
-    # Declared in kvforge.h; implemented in parallel: optional until they land.
-    "kvf_qstats_size": (c_int, [_p_scheme, c_int32, POINTER(c_size_t)], False),
-    "kvf_qstats_init": (c_int, [_p_ctx, c_void_p, c_size_t, c_int32, c_void_p], False),
+                           c_void_p, c_void_p]),
+    "kvf_packed_check": (c_int, [_p_scheme, c_void_p, c_size_t, c_int64, c_int32]),
+    "kvf_scheme_get_info": (c_int, [_p_scheme, POINTER(KvfSchemeInfo)]),
+    "kvf_cache_dir": (c_int, [c_char_p, c_size_t]),
+    "kvf_cache_clear": (c_int, []),
+    "kvf_qstats_size": (c_int, [_p_scheme, c_int32, POINTER(c_size_t)]),
+    "kvf_qstats_init": (c_int, [_p_ctx, c_void_p, c_size_t, c_int32, c_void_p]),
     "kvf_qstats_update": (c_int, [_p_ctx, c_void_p, c_size_t, c_void_p, POINTER(KvfShape),
-                                  c_void_p], False),
-    "kvf_qstats_skipped": (c_int, [c_void_p, c_size_t, POINTER(c_uint64)], False),
+                                  c_void_p]),
+    "kvf_qstats_skipped": (c_int, [c_void_p, c_size_t, POINTER(c_uint64)]),
 }
 
 
 class _Library:
-    """The loaded libkvforge with typed functions as attributes.
-
-    A function the library does not export is None (only for the optional
-    ones); tests may replace attributes with Python callables.
-    """
+    """The loaded libkvforge with typed functions as attributes (tests may
+    replace them with Python callables)."""
 
     def __init__(self, cdll: ctypes.CDLL, path: str):
         self._cdll = cdll
         self.path = path
-        for name, (restype, argtypes, required) in _PROTOTYPES.items():
+        for name, (restype, argtypes) in _PROTOTYPES.items():
             try:
                 fn = getattr(cdll, name)
             except AttributeError:
-                if required:
-                    raise LibraryNotFoundError(
-                        f"{path} does not export {name}: an old or foreign libkvforge "
-                        f"(rebuild it with `make`)") from None
-                fn = None
-            if fn is not None:
-                fn.restype = restype
-                fn.argtypes = argtypes
+                raise LibraryNotFoundError(
+                    f"{path} does not export {name}: an old or foreign libkvforge "
+                    f"(rebuild it with `make`)") from None
+            fn.restype = restype
+            fn.argtypes = argtypes
             setattr(self, name, fn)
-
-    def has(self, name: str) -> bool:
-        return getattr(self, name, None) is not None
 
 
 _lock = threading.Lock()
@@ -258,10 +248,6 @@ def lib() -> _Library:
             if _lib is None:
                 _lib = _load()
     return _lib
-
-
-def has_symbol(name: str) -> bool:
-    return lib().has(name)
 
 
 def library_path() -> str:

@@ -112,10 +112,6 @@ class NumpyBackend:
     def __repr__(self):
         return "numpy (CPU reference)"
 
-    @property
-    def device_name(self):
-        return "cpu (numpy)"
-
     def stream(self):
         return None
 
@@ -225,10 +221,6 @@ class TorchBackend:
 
     def __repr__(self):
         return f"torch on {self.device}"
-
-    @property
-    def device_name(self):
-        return str(self.device)
 
     def stream(self):
         if not self.is_gpu:

@@ -216,17 +216,11 @@ class Context:
         return buf
 
     def qstats_init(self, qstats, n_kv_heads: int):
-        L = lib()
-        if not L.has("kvf_qstats_init"):
-            raise NotImplementedError(f"{L.path} has no kvf_qstats_init: query statistics need a newer libkvforge")
         ptr, n = self._buffer(qstats, "qstats")
-        check(L.kvf_qstats_init(self._c.ptr, ptr, n, int(n_kv_heads), self.be.stream()), "kvf_qstats_init")
+        check(lib().kvf_qstats_init(self._c.ptr, ptr, n, int(n_kv_heads), self.be.stream()), "kvf_qstats_init")
 
     def qstats_update(self, qstats, q, *, layout: str = "hnd", n_kv_heads: int | None = None):
         """Add one chunk's queries ([Hq, N, d] / [N, Hq, d]; Hq a multiple of the KV heads)."""
-        L = lib()
-        if not L.has("kvf_qstats_update"):
-            raise NotImplementedError(f"{L.path} has no kvf_qstats_update: query statistics need a newer libkvforge")
         check_layout(layout)
         qa = self.be.kv(q, "q", layout, self.head_dim, heads_multiple_of=n_kv_heads)
         self.qstats_update_arg(qstats, qa)
@@ -235,13 +229,10 @@ class Context:
         """Query rows left out of these statistics because they held NaN or Inf
         (each such row is skipped by :meth:`qstats_update`; docs/METHODS.md 4).
         On a GPU this reads the header back, after the stream's work so far."""
-        L = lib()
-        if not L.has("kvf_qstats_skipped"):
-            raise NotImplementedError(f"{L.path} has no kvf_qstats_skipped: it needs a newer libkvforge")
         self._buffer(qstats, "qstats", min_bytes=64)
         head = qstats[:64].tobytes() if self.be.kind == "numpy" else qstats[:64].cpu().numpy().tobytes()
         n = c_uint64()
-        check(L.kvf_qstats_skipped(head, len(head), byref(n)), "kvf_qstats_skipped")
+        check(lib().kvf_qstats_skipped(head, len(head), byref(n)), "kvf_qstats_skipped")
         return n.value
 
     def qstats_update_arg(self, qstats, qa):

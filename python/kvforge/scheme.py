@@ -170,12 +170,8 @@ class Scheme:
 
     def qstats_size(self, n_kv_heads: int) -> int:
         """Bytes of one layer's query statistics (kvf_qstats_size)."""
-        L = lib()
-        if not L.has("kvf_qstats_size"):
-            raise NotImplementedError(
-                f"{L.path} has no kvf_qstats_size: query statistics need a newer libkvforge")
         n = c_size_t()
-        check(L.kvf_qstats_size(self._ptr, int(n_kv_heads), byref(n)), "kvf_qstats_size")
+        check(lib().kvf_qstats_size(self._ptr, int(n_kv_heads), byref(n)), "kvf_qstats_size")
         return n.value
 
     def check_packed(self, header, n_tokens: int, n_heads: int) -> None:
