@@ -184,12 +184,14 @@ int kvf_context_create_from_image(const char *canonical, const void *image, size
 
 void kvf_context_destroy(kvf_context *ctx) {
     if (!ctx) return;
-    if (ctx->module && ctx->cu->cuCtxPushCurrent(ctx->cuctx) == CUDA_SUCCESS) {
+    /* The module and the workspace belong to the context: free them with it
+     * current (the caller's thread may have none, or another). */
+    if ((ctx->module || ctx->ws) && ctx->cu->cuCtxPushCurrent(ctx->cuctx) == CUDA_SUCCESS) {
         CUcontext popped;
-        ctx->cu->cuModuleUnload(ctx->module);
+        if (ctx->module) ctx->cu->cuModuleUnload(ctx->module);
+        if (ctx->ws) ctx->cu->cuMemFree(ctx->ws);
         ctx->cu->cuCtxPopCurrent(&popped);
     }
-    if (ctx->ws) ctx->cu->cuMemFree(ctx->ws);
     if (ctx->cuctx) ctx->cu->cuDevicePrimaryCtxRelease(ctx->dev);
     kvf_scheme_free(ctx->scheme);
     free(ctx);
@@ -315,7 +317,7 @@ static int qstats_arg_of(const kvf_scheme *s, int32_t n_heads, qstats_arg *q, si
     if (rc) return rc;
     qstats_arg a = {l.count_off, l.msum_off, l.u_off, l.lambda_off, l.n_heads, l.head_dim, l.rank, 0};
     *q = a;
-    *total = l.total_bytes;
+    if (total) *total = l.total_bytes;
     return KVF_OK;
 }
 
@@ -428,10 +430,8 @@ static int encode_workspace(kvf_context *ctx, int t, const void *x, const kvf_sh
     ws_parts ws;
     if ((rc = workspace(ctx, sh, !bf || c->psac_rank > 0, parts, &ws))) return rc;
     qstats_arg q = {0};
-    size_t q_total = 0;
     CUdeviceptr qs = (CUdeviceptr)(uintptr_t)qstats;
-    if (t == 0 && kvf_scheme_reads_qstats(ctx->scheme) &&
-        (rc = qstats_arg_of(ctx->scheme, nh, &q, &q_total)))
+    if (t == 0 && kvf_scheme_reads_qstats(ctx->scheme) && (rc = qstats_arg_of(ctx->scheme, nh, &q, NULL)))
         return rc;
     src_arg src = {ws.e, d, (int64_t)n * d};
     if (bf) {

@@ -216,7 +216,7 @@ __device__ __forceinline__ void mu16(const u16 *crow, int kb, float (&m)[16]) {
 }
 
 // ||mu||^2 - 2 <x, mu>: both sums in one channel-order loop, the CPU's values
-// (lloyd_step's norms and kvf_ref_nearest's norm_dot are the same sums).
+// (kvf_ref_centroid_norms' and kvf_ref_nearest_normed's sums).
 template <int D, bool BF>
 __device__ __forceinline__ double plain_dist(const void *x, const u16 *crow) {
     double nn = 0.0, dot = 0.0;
@@ -843,7 +843,7 @@ __device__ __forceinline__ void residual(const void *src, i64 ts, i64 hs, float 
         kvf_kmeans::assign_geom<D, 1, BF>::WARPS * kvf_kmeans::TPW,                                           \
         kvf_kmeans::assign_geom<D, QSAC, BF>::WARPS * kvf_kmeans::TPW, BF, kvf_kmeans::RES_RPT};             \
     /* Filter statistics, counted while [0] != 0 (bench/bench.c sets it): per   */                      \
-    /* kernel (plain, QSAC) tokens, f64 candidates, full scans, second filters.  */                      \
+    /* kernel (plain, QSAC) tokens, candidates, full scans, second filters.      */                      \
     extern "C" __device__ unsigned long long PREFIX##_assign_stats[9];                                       \
     extern "C" __global__ void __launch_bounds__(kvf_kmeans::assign_geom<D, 1, BF>::WARPS * 32, 1)              \
     PREFIX##_assign(const void *src, i64 ts, i64 hs, int n, int c_eff, const u16 *cent, int c_alloc,           \
