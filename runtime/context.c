@@ -311,6 +311,7 @@ static section_arg section_of(const kvf_section_layout *l) {
     return a;
 }
 
+/* total (the buffer size) may be NULL. */
 static int qstats_arg_of(const kvf_scheme *s, int32_t n_heads, qstats_arg *q, size_t *total) {
     kvf_qstats_layout l;
     int rc = kvf_qstats_layout_compute(s, n_heads, &l);
