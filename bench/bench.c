@@ -9,6 +9,7 @@
  *   out/bin/kvf_bench [--tokens N] [--heads H] [--reps R] [SCHEME ...]
  */
 #include "cuda_api.h"
+#include "gen.h"
 #include "jit.h"
 
 #include <stdlib.h>
@@ -203,7 +204,7 @@ int main(int argc, char **argv) {
                 for (int k = 0; k < 2; k++)
                     if (st[t][4 * k])
                         fprintf(stderr, "  %s %s assign%s: %llu tokens, %.2f candidates/token (f64 for those with more than M), %.3f%% full scans, "
-                                "%.3f%% filtered twice\n", names[i], t ? "V" : "K", k ? " (QSAC)" : "",
+                                "%.3f%% filtered twice\n", names[i], t ? "V" : !k && !kvf_gen_kmeans_owner(s, 1) ? "K+V" : "K", k ? " (QSAC)" : "",
                                 st[t][4 * k], (double)st[t][4 * k + 1] / st[t][4 * k],
                                 100.0 * st[t][4 * k + 2] / st[t][4 * k], 100.0 * st[t][4 * k + 3] / st[t][4 * k]);
         float dec = time_median(do_decode, &c, reps);

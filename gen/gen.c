@@ -81,15 +81,40 @@ const char *const kvf_role_names[KVF_ROLE_COUNT] = {
     "qstats_init", "qstats_accumulate", "qstats_eigen", "psac_basis", "psac_encode", "qsac_weights",
 };
 
-void kvf_gen_kernel_name(const struct kvf_scheme *s, int role, char *buf, size_t len) {
-    snprintf(buf, len, "kvf_%s_%s", s->id, kvf_role_names[role]);
-}
-
 char kvf_section_path(const kvf_tensor_cfg *t) {
     if (t->bits == 16) return 'A';
     if (t->axis == KVF_AXIS_TOKEN) return 'T';
     if (t->centroids > 0 || t->psac_rank > 0 || t->stages > 1) return 'B';
     return 'A';
+}
+
+/* The templates' G: bits 16 stores rows as they are, and takes 8 (one lane). */
+static int template_group(const kvf_tensor_cfg *c) { return c->bits == 16 ? 8 : c->group_size; }
+
+/* Stage 0 reads the BF16 input itself (no rotation, one stage). */
+static int reads_bf16(const kvf_tensor_cfg *c) { return c->rotation != KVF_ROTATION_HADAMARD && c->stages == 1; }
+
+/* KVF_KMEANS_KERNELS' template arguments of a section, QSAC's aside. */
+static int same_kmeans_args(const kvf_tensor_cfg *a, const kvf_tensor_cfg *b) {
+    return a->rotation == b->rotation && template_group(a) == template_group(b) && a->bits == b->bits &&
+           a->mode == b->mode && a->scale_format == b->scale_format && a->centroids == b->centroids &&
+           reads_bf16(a) == reads_bf16(b);
+}
+
+int kvf_gen_kmeans_owner(const struct kvf_scheme *s, int t) {
+    return t && kvf_section_path(&s->key) == 'B' && kvf_section_path(&s->value) == 'B' &&
+                   same_kmeans_args(&s->key, &s->value)
+               ? 0
+               : t;
+}
+
+void kvf_gen_kernel_name(const struct kvf_scheme *s, int role, char *buf, size_t len) {
+    /* The value section's k-means roles (QSAC's is never the value's) name
+     * the key section's kernels where those are shared. */
+    if (role >= KVF_R_V_PREP && role <= KVF_R_V_RESIDUAL && role != KVF_R_V_ASSIGN_QSAC &&
+        kvf_gen_kmeans_owner(s, 1) == 0)
+        role -= KVF_R_SECTION_STRIDE;
+    snprintf(buf, len, "kvf_%s_%s", s->id, kvf_role_names[role]);
 }
 
 void kvf_gen_roles(const struct kvf_scheme *s, int present[KVF_ROLE_COUNT]) {
@@ -134,16 +159,11 @@ static void header_line(kvf_buf *b, const struct kvf_scheme *s, const char *comm
 
 /* ------------------------------------------------------------------ CUDA */
 
-/* The templates' G: bits 16 stores rows as they are, and takes 8 (one lane). */
-static int template_group(const kvf_tensor_cfg *c) { return c->bits == 16 ? 8 : c->group_size; }
-
 /* One tensor section's encode instantiation. */
 static void gen_encode_section(kvf_buf *b, const struct kvf_scheme *s, int t) {
     const kvf_tensor_cfg *c = t ? &s->value : &s->key;
     char name[160];
-    const int g = template_group(c);
-    /* Stage 0 reads the BF16 input itself (no rotation, one stage). */
-    const int bf = c->rotation != KVF_ROTATION_HADAMARD && c->stages == 1;
+    const int g = template_group(c), bf = reads_bf16(c);
     switch (kvf_section_path(c)) {
     case 'T':
         kvf_gen_kernel_name(s, KVF_R_ENCODE_K + t, name, sizeof name);
@@ -151,6 +171,10 @@ static void gen_encode_section(kvf_buf *b, const struct kvf_scheme *s, int t) {
                        mode_macro(c->mode));
         break;
     case 'B':
+        if (kvf_gen_kmeans_owner(s, t) != t) {
+            kvf_buf_printf(b, "// value section: the key section's k-means kernels (same template arguments)\n");
+            break;
+        }
         kvf_buf_printf(b, "KVF_KMEANS_KERNELS(kvf_%s_%c, %d, %d, %d, %d, %d, %s, %s, %d, %d)\n", s->id,
                        t ? 'v' : 'k', s->head_dim, c->rotation == KVF_ROTATION_HADAMARD, g,
                        t ? 1 : c->qsac_candidates, c->bits, mode_macro(c->mode), sfmt_macro(c->scale_format),

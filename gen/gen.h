@@ -44,8 +44,16 @@ int kvf_gen(const struct kvf_scheme *s, kvf_gen_output *out);
 void kvf_gen_output_free(kvf_gen_output *out);
 /* Write the three files into dir (created if missing). */
 int kvf_gen_write(const kvf_gen_output *out, const char *dir);
-/* Kernel entry name, e.g. "kvf_rtn_int2_1a2b3c4d_encode_k". */
+/* Kernel entry name, e.g. "kvf_rtn_int2_1a2b3c4d_encode_k". A value section
+ * whose k-means kernels would be the key section's (kvf_gen_kmeans_owner)
+ * names the key section's. */
 void kvf_gen_kernel_name(const struct kvf_scheme *s, int role, char *buf, size_t len);
+/* Which section's k-means kernels (KVF_KMEANS_KERNELS) section t (0 key,
+ * 1 value) runs: its own, or 0 where the value section's template arguments
+ * equal the key section's (only QSAC's, which values never run, may differ),
+ * so NVRTC compiles them once. Its module globals (assign_cfg, assign_stats)
+ * are then the owner's too. */
+int kvf_gen_kmeans_owner(const struct kvf_scheme *s, int t);
 
 /* Growable string used by the generator and the exporter. */
 typedef struct kvf_buf { char *p; size_t len, cap; int oom; } kvf_buf;

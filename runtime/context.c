@@ -116,7 +116,8 @@ static int load_module(kvf_context *ctx, const void *image) {
         char name[160];
         CUdeviceptr p;
         size_t bytes;
-        snprintf(name, sizeof name, "kvf_%s_%c_assign_cfg", ctx->scheme->id, t ? 'v' : 'k');
+        snprintf(name, sizeof name, "kvf_%s_%c_assign_cfg", ctx->scheme->id,
+                 kvf_gen_kmeans_owner(ctx->scheme, t) ? 'v' : 'k');
         if ((r = cu->cuModuleGetGlobal(&p, &bytes, ctx->module, name)) != CUDA_SUCCESS ||
             (r = bytes == sizeof ctx->assign_cfg[t] ? cu->cuMemcpyDtoH(ctx->assign_cfg[t], p, bytes)
                                                     : CUDA_ERROR_INVALID_IMAGE) != CUDA_SUCCESS) {
@@ -205,7 +206,8 @@ int kvf_context_assign_stats(kvf_context *ctx, int enable, unsigned long long ou
     if (rc) return rc;
     CUresult r = CUDA_SUCCESS;
     for (int t = 0; t < 2 && r == CUDA_SUCCESS; t++) {
-        if (!ctx->fn[KVF_R_K_ASSIGN + t * KVF_R_SECTION_STRIDE]) continue;
+        /* A value section that runs the key section's kernels counts in out[0]. */
+        if (!ctx->fn[KVF_R_K_ASSIGN + t * KVF_R_SECTION_STRIDE] || kvf_gen_kmeans_owner(ctx->scheme, t) != t) continue;
         char name[160];
         CUdeviceptr p;
         size_t bytes;

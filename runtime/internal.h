@@ -228,7 +228,8 @@ int kvf_cache_list(FILE *out);
 /* The k-means assignment's filter statistics (templates/kvf_kmeans.cuh
  * assign_stats), for bench/: enable = 1 zeroes and starts counting, 0 stops,
  * -1 only reads. out[t] for K (t = 0) and V: per kernel (plain, QSAC) tokens,
- * f64 candidates, full scans, second filters. */
+ * f64 candidates, full scans, second filters. Where V runs K's kernels
+ * (kvf_gen_kmeans_owner), out[0] counts both and out[1] stays 0. */
 int kvf_context_assign_stats(struct kvf_context *ctx, int enable, unsigned long long out[2][8]);
 
 #endif

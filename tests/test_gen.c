@@ -109,6 +109,46 @@ static void value_qsac_refused(void **state) {
     kvf_scheme_free(s);
 }
 
+/* Sections whose k-means kernels would be identical compile them once: the
+ * value roles name the key section's kernels (quantwm_int2: only QSAC
+ * differs, and values never run it); different arguments keep both. */
+static void kmeans_kernels_shared_when_identical(void **state) {
+    (void)state;
+    const char *shared[] = {"qvg_int2", "quantwm_int2"};
+    for (int i = 0; i < 2; i++) {
+        kvf_scheme *s = tu_scheme(shared[i]);
+        kvf_gen_output g;
+        assert_int_equal(kvf_gen(s, &g), KVF_OK);
+        assert_int_equal(kvf_gen_kmeans_owner(s, 0), 0);
+        assert_int_equal(kvf_gen_kmeans_owner(s, 1), 0);
+        char k[160], v[160], want[200];
+        for (int r = KVF_R_V_PREP; r <= KVF_R_V_RESIDUAL; r++) {
+            if (r == KVF_R_V_ASSIGN_QSAC) continue;
+            kvf_gen_kernel_name(s, r - KVF_R_SECTION_STRIDE, k, sizeof k);
+            kvf_gen_kernel_name(s, r, v, sizeof v);
+            assert_string_equal(k, v);
+        }
+        snprintf(want, sizeof want, "KVF_KMEANS_KERNELS(kvf_%s_v,", kvf_scheme_id(s));
+        assert_null(strstr(g.cu, want));
+        snprintf(want, sizeof want, "KVF_KMEANS_KERNELS(kvf_%s_k,", kvf_scheme_id(s));
+        assert_non_null(strstr(g.cu, want));
+        kvf_gen_output_free(&g);
+        kvf_scheme_free(s);
+    }
+    kvf_scheme *s = tu_scheme_text("return { base = 'qvg_int2', name = 'v4', value = { bits = 4 } }");
+    kvf_gen_output g;
+    assert_int_equal(kvf_gen(s, &g), KVF_OK);
+    assert_int_equal(kvf_gen_kmeans_owner(s, 1), 1);
+    char k[160], v[160], want[200];
+    kvf_gen_kernel_name(s, KVF_R_K_ASSIGN, k, sizeof k);
+    kvf_gen_kernel_name(s, KVF_R_V_ASSIGN, v, sizeof v);
+    assert_string_not_equal(k, v);
+    snprintf(want, sizeof want, "KVF_KMEANS_KERNELS(kvf_%s_v,", kvf_scheme_id(s));
+    assert_non_null(strstr(g.cu, want));
+    kvf_gen_output_free(&g);
+    kvf_scheme_free(s);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(generates_deterministically),
@@ -116,6 +156,7 @@ int main(void) {
         cmocka_unit_test(generated_c_compiles),
         cmocka_unit_test(unimplemented_method_refused),
         cmocka_unit_test(value_qsac_refused),
+        cmocka_unit_test(kmeans_kernels_shared_when_identical),
     };
     return cmocka_run_group_tests_name("generator", tests, NULL, NULL);
 }
