@@ -231,6 +231,7 @@ int kvf_context_assign_stats(kvf_context *ctx, int enable, unsigned long long ou
 /* ------------------------------------------------------------- launches */
 
 enum { BLOCK = 256, VEC = 8 }; /* the templates' block size and channels per lane */
+enum { PSAC_ROWS = 128 };       /* kvf_psac::ENCODE_ROWS: the PSAC encode's block size */
 
 static int check_device_args(const void *a, const void *b, const void *packed, const kvf_shape *sh, const char *fn) {
     if (((uintptr_t)a | (uintptr_t)b | (uintptr_t)packed) & 15u)
@@ -478,7 +479,10 @@ static int encode_workspace(kvf_context *ctx, int t, const void *x, const kvf_sh
     void *a_p[] = {(void *)&ws.e, &n, &nh, &qs, &q, &packed, &basis_off, &coef_off, &cscale_off};
     if ((rc = launch(ctx, KVF_R_PSAC_BASIS, blocks_for((int64_t)nh * d * r, BLOCK), a_b, stream)))
         return rc;
-    return launch(ctx, KVF_R_PSAC_ENCODE, blocks_for((int64_t)n * nh * r, BLOCK), a_p, stream);
+    /* Grid (token blocks, heads), kvf_psac::ENCODE_ROWS threads: one per token. */
+    if (nh > 65535)
+        return kvf_set_error(KVF_EINVAL, "kvf_encode: %d heads: the GPU PSAC encode takes at most 65535 (grid y)", nh);
+    return launch3(ctx, KVF_R_PSAC_ENCODE, blocks_for(n, PSAC_ROWS), (unsigned)nh, 1, PSAC_ROWS, 0, a_p, stream);
 }
 
 /* A device buffer's header is not read here (that would synchronize): only its alignment. */

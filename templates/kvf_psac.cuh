@@ -28,36 +28,86 @@ __device__ __forceinline__ void weights(const u8 *qs, kvf_qstats::layout l, int 
     w[i] = cnt > 0.0 ? (float)__ddiv_rn((double)((const float *)(qs + l.msum))[(h * D + c) * D + c], cnt) : 1.0f;
 }
 
-// One thread per (row, j); R consecutive lanes make a row (R a power of two <= 32).
+// Most rows (tokens, one per thread) per block of the PSAC encode; any
+// block size up to this is correct (runtime/context.c launches this many).
+constexpr int ENCODE_ROWS = 128;
+
+// One thread per row of one head (blockIdx.y): C_j = sum_c e[c] U[c][j] in
+// channel order in f64, as the reference, JC coordinates at a time, with the
+// head's basis as f64 in shared memory (read by every thread at the same
+// address: broadcast). fma is exact here: e[c] (f32) times U[c][j] (bf16)
+// needs at most 32 significand bits, so the product is exact in f64 and fma
+// rounds once where dmul (exact) then dadd rounded once. The row's e is read
+// 16 bytes at a time, once per JC coordinates (not once per coordinate), and
+// converted to f64 once per channel.
 template <int D, int R>
-__device__ __forceinline__ void encode(const float *e, int n_tokens, int n_heads, const u8 *qs, kvf_qstats::layout l,
-                                       u8 *packed, u64 basis_off, u64 coef_off, u64 cscale_off) {
-    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    const bool live = i < (i64)n_tokens * n_heads * R;
-    const i64 row = live ? i / R : 0, h = row / n_tokens;
-    const int j = (int)(i % R);
+__device__ __forceinline__ void encode(const float *e, int n_tokens, const u8 *qs, kvf_qstats::layout l, u8 *packed,
+                                       u64 basis_off, u64 coef_off, u64 cscale_off) {
+    constexpr int JC = R < 8 ? R : 8;
+    static_assert(D % 4 == 0 && R % JC == 0, "shape");
+    __shared__ double ush[D * JC];
+    const int h = blockIdx.y, t = blockIdx.x * blockDim.x + threadIdx.x;
+    const bool live = t < n_tokens;
+    const i64 row = (i64)h * n_tokens + (live ? t : n_tokens - 1);
     const double cnt = qs ? ((const double *)(qs + l.count))[h] : 0.0;
-    const u16 *ub = (const u16 *)(packed + basis_off) + h * D * R;
-    const float *er = e + row * D;
-    double C = 0.0;
-    for (int c = 0; c < D; c++) C = __dadd_rn(C, __dmul_rn((double)er[c], (double)kvf_bf16_to_f32(ub[c * R + j])));
-    double cmax = fabs(C);
+    const u16 *ub = (const u16 *)(packed + basis_off) + (i64)h * D * R;
+    const float4 *er = (const float4 *)(e + row * D);
+    double C[R];
 #pragma unroll
-    for (int off = R / 2; off > 0; off >>= 1) cmax = fmax(cmax, __shfl_xor_sync(0xffffffffu, cmax, off));
-    u16 cs = kvf_stored_f16(__fdiv_rn((float)cmax, 127.0f));
+    for (int j0 = 0; j0 < R; j0 += JC) {
+        __syncthreads(); // the previous coordinates' basis has been read
+        for (int i = threadIdx.x; i < D * JC; i += blockDim.x)
+            ush[i] = (double)kvf_bf16_to_f32(ub[(i / JC) * R + j0 + i % JC]);
+        __syncthreads();
+        double acc[JC];
+#pragma unroll
+        for (int j = 0; j < JC; j++) acc[j] = 0.0;
+#pragma unroll 2
+        for (int c4 = 0; c4 < D / 4; c4++) {
+            const float4 v = __ldg(er + c4);
+            const float x[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                const double xd = (double)x[k];
+                const double *u = ush + (4 * c4 + k) * JC;
+#pragma unroll
+                for (int j = 0; j < JC; j++) acc[j] = __fma_rn(xd, u[j], acc[j]);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < JC; j++) C[j0 + j] = acc[j];
+    }
+    // The scale from max_j |C_j| (fmax skips NaNs; NaN only if all are).
+    double cmax = fabs(C[0]);
+#pragma unroll
+    for (int j = 1; j < R; j++) cmax = fmax(cmax, fabs(C[j]));
+    const u16 cs = kvf_stored_f16(__fdiv_rn((float)cmax, 127.0f));
     const float csf = kvf_f16_to_f32(cs);
-    const float code = csf > 0.0f ? kvf_clamp(kvf_rint(__fdiv_rn((float)C, csf)), -127.0f, 127.0f) : 0.0f;
-    const double chat = (double)__fmul_rn(csf, code);
-    const float lam = cnt > 0.0 ? ((const float *)(qs + l.lambda))[h * R + j] : 0.0f;
-    const double dc = __dsub_rn(chat, C);
-    double delta = __dmul_rn((double)lam, __dsub_rn(__dmul_rn(dc, dc), __dmul_rn(C, C)));
-    // Sum over j in order: gather to the row's first lane.
+    // delta = sum_j lambda_j ((c_hat_j - C_j)^2 - C_j^2), j in order.
     double total = 0.0;
-    for (int k = 0; k < R; k++) total = __dadd_rn(total, __shfl_sync(0xffffffffu, delta, (threadIdx.x & ~(R - 1)) + k));
+    u32 words[(R + 3) / 4];
+#pragma unroll
+    for (int k = 0; k < (R + 3) / 4; k++) words[k] = 0;
+#pragma unroll
+    for (int j = 0; j < R; j++) {
+        const float code = csf > 0.0f ? kvf_clamp(kvf_rint(__fdiv_rn((float)C[j], csf)), -127.0f, 127.0f) : 0.0f;
+        const double chat = (double)__fmul_rn(csf, code);
+        const float lam = cnt > 0.0 ? ((const float *)(qs + l.lambda))[h * R + j] : 0.0f;
+        const double dc = __dsub_rn(chat, C[j]);
+        total = __dadd_rn(total, __dmul_rn((double)lam, __dsub_rn(__dmul_rn(dc, dc), __dmul_rn(C[j], C[j]))));
+        words[j / 4] |= ((u32)(int)code & 0xffu) << (8 * (j % 4));
+    }
     const bool keep = cnt > 0.0 && total < 0.0 && csf > 0.0f;
     if (!live) return;
-    ((signed char *)(packed + coef_off))[row * R + j] = keep ? (signed char)(int)code : (signed char)0;
-    if (j == 0) ((u16 *)(packed + cscale_off))[row] = keep ? cs : (u16)0;
+    u8 *coef = packed + coef_off + row * R;
+    if (R % 4 == 0) {
+#pragma unroll
+        for (int k = 0; k < R / 4; k++) ((u32 *)coef)[k] = keep ? words[k] : 0u;
+    } else {
+#pragma unroll
+        for (int j = 0; j < R; j++) coef[j] = keep ? (u8)(words[0] >> (8 * j)) : (u8)0;
+    }
+    ((u16 *)(packed + cscale_off))[row] = keep ? cs : (u16)0;
 }
 
 } // namespace kvf_psac
@@ -66,10 +116,11 @@ __device__ __forceinline__ void encode(const float *e, int n_tokens, int n_heads
     extern "C" __global__ void PREFIX##_psac_basis(const u8 *qs, kvf_qstats::layout l, int nh, u16 *out) {  \
         kvf_psac::basis<D, R>(qs, l, nh, out);                                                              \
     }                                                                                                       \
-    extern "C" __global__ void __launch_bounds__(256)                                                       \
+    extern "C" __global__ void __launch_bounds__(kvf_psac::ENCODE_ROWS)                                     \
     PREFIX##_psac_encode(const float *e, int n, int nh, const u8 *qs, kvf_qstats::layout l, u8 *packed,     \
                          u64 basis_off, u64 coef_off, u64 cscale_off) {                                     \
-        kvf_psac::encode<D, R>(e, n, nh, qs, l, packed, basis_off, coef_off, cscale_off);                  \
+        (void)nh; /* gridDim.y */                                                                           \
+        kvf_psac::encode<D, R>(e, n, qs, l, packed, basis_off, coef_off, cscale_off);                      \
     }
 
 #define KVF_QSAC_WEIGHTS_KERNEL(PREFIX, D)                                                                  \
