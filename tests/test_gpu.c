@@ -372,7 +372,8 @@ static void compare_case(kvf_context *gpu, kvf_context *cpu, const run_case *c, 
         size_t kept = 0;
         for (size_t i = 0; i < l.key.cscale_bytes / 2; i++) kept += ((const uint16_t *)(pc + l.key.cscale_off))[i] != 0;
         if (verbose) printf("  PSAC with the CPU's statistics: %zu of %zu tokens keep a correction\n", kept, l.key.cscale_bytes / 2);
-        if (verbose) assert_true(kept > 0); /* the first case, plain data: kept corrections are compared */
+        /* The first full-size case, plain data, keeps corrections (small mode's few tokens may not). */
+        if (verbose && !small) assert_true(kept > 0);
         assert_int_equal(diff_bytes(pg2, pc, l.key.basis_off, l.key.basis_bytes), 0);
         assert_int_equal(diff_bytes(pg2, pc, l.key.coef_off, l.key.coef_bytes), 0);
         assert_int_equal(diff_bytes(pg2, pc, l.key.cscale_off, l.key.cscale_bytes), 0);
@@ -380,7 +381,8 @@ static void compare_case(kvf_context *gpu, kvf_context *cpu, const run_case *c, 
         CK(cuCtxSynchronize());
         CK(cuMemcpyDtoH(kg, dk2, n * 2));
         diff_bf16(kg, kc, n, &kd, &ku, &kr);
-        assert_int_equal(kd, 0);
+        if (s->rope.placement != KVF_ROPE_PRE) assert_int_equal(kd, 0);
+        else assert_true(kr < 2e-3); /* RoPE at decode: sinf/cosf differ from the CPU's by an ulp at times */
     }
     cu->cuMemFree(dk); cu->cuMemFree(dv); cu->cuMemFree(dp); cu->cuMemFree(dk2); cu->cuMemFree(dv2);
     cu->cuMemFree(dpos);
