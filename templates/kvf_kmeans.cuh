@@ -660,26 +660,15 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
 constexpr int ACC_CH = 16, ACC_ROUND = 4096;
 // ref_kmeans.c's fixed_point(v) as f >> 20 and f & (2^20 - 1), in f32: v * 2^20 is exact in
 // f32 as in f64 (a power of two; past 2^128 it is Inf, clamped like the f64
-// value past 2^36), its round-to-nearest-even is llrint's integer, and that
-// integer (<= 2^36, 24 significant bits) splits exactly into floor(r / 2^20)
-// and the remainder. No conversion instructions (rintf, floorf and f2i run
-// at a quarter of the FMA rate, and were this kernel's limit), only exact
-// adds of magic constants:
-// - rint(a), 0 <= a < 2^23: (a + 2^23) - 2^23 (the sum's ulp is 1, ties go
-//   to even as 2^23 is even); a >= 2^23 is an integer already; the sign is
-//   put back (round-to-nearest-even is symmetric).
-// - y = r / 2^20 is within [-2^16, 2^16]: y + 1.5 * 2^23 rounded down is
-//   1.5 * 2^23 + floor(y) (ulp 1 there), whose bits minus 0x4B400000 are
-//   floor(y); likewise 0 <= lo < 2^20: the bits of lo + 2^23 minus 0x4B000000.
+// value past 2^36), rintf of it is llrint's integer, and that integer (<= 2^36,
+// 24 significant bits) splits exactly into floor(r / 2^20) and the remainder.
 __device__ __forceinline__ void fixed_point_split(float v, int &hi, u32 &lo) {
     float r = __fmul_rn(v, 1048576.0f);
     r = r != r ? 0.0f : fminf(fmaxf(r, -68719476736.0f), 68719476736.0f);
-    const float a = fabsf(r), ra = a < 8388608.0f ? __fsub_rn(__fadd_rn(a, 8388608.0f), 8388608.0f) : a;
-    r = copysignf(ra, r);
-    const float m = __fadd_rd(__fmul_rn(r, 9.5367431640625e-7f), 12582912.0f); // 1.5 * 2^23 + floor(r / 2^20)
-    hi = __float_as_int(m) - 0x4B400000;
-    const float q = __fsub_rn(m, 12582912.0f);
-    lo = __float_as_uint(__fadd_rn(__fmaf_rn(-q, 1048576.0f, r), 8388608.0f)) - 0x4B000000u;
+    r = rintf(r);
+    const float q = floorf(__fmul_rn(r, 9.5367431640625e-7f)); // r / 2^20
+    hi = __float2int_rn(q);
+    lo = __float2uint_rn(__fmaf_rn(-q, 1048576.0f, r));
 }
 
 template <int D, bool BF>
