@@ -20,7 +20,6 @@ import argparse
 import ctypes as C
 import os
 import statistics
-import sys
 
 import torch
 import torch.nn.functional as F

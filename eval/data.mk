@@ -1,5 +1,5 @@
 # `make data`: the real footage of the world-model evaluation (eval/worldmodel/).
-# Included from the Makefile (`include eval/data.mk`); needs O and PYTHON from it.
+# Included from the Makefile (`include eval/data.mk`); needs O and WM_PYTHON from it.
 #
 # Debian's opencv-doc ships vtest.avi (768x576, 795 frames, 10 fps, pedestrians,
 # fixed camera). It is fetched with `apt-get download` (run `make setup` or
@@ -8,7 +8,6 @@
 # opencv-python-headless) to $(O)/data/vtest_frames.npz: uint8 RGB frames
 # [795, 240, 416, 3] (rows 40..482 of the source, resized with INTER_AREA), the
 # last 20% (frames 636..794) held out. Nothing else is downloaded.
-WM_PYTHON ?= $(PYTHON)
 WM_DATA := $(O)/data
 OPENCV_DOC_AVI := usr/share/doc/opencv-doc/examples/data/vtest.avi
 VTEST_SHA256 := 45cddc9490be69345cbdab64ca583be65987e864ca408038e648db99e10516cf

@@ -59,8 +59,8 @@ __device__ __forceinline__ u16 kvf_stored_f16(float f) { return f != f ? (u16)0x
 //   --ftz=false), so they are rounded like any other value, as the software
 //   does with the same integer add;
 // - +-Inf: 0x7f80 / 0xff80 both ways; +-0: 0x0000 / 0x8000 both ways;
-// - NaN: the hardware gives its own canonical NaN (0x7fff), the software a
-//   quiet NaN with the payload kept: both are replaced by 0x7fc0 below. The
+// - NaN: the hardware gives its own canonical NaN (0x7fff), which is
+//   replaced by 0x7fc0 below (the software gives 0x7fc0 itself). The
 //   fix does not look at what cvt produced for a NaN, only at the f32 input,
 //   so it does not depend on the hardware's NaN pattern.
 // tests/test_gpu.c (decode_special_values) checks it against the CPU.

@@ -21,7 +21,7 @@ f32 = lambda v: struct.unpack('<f', struct.pack('<f', v))[0]
 bf2f = lambda b: struct.unpack('<f', struct.pack('<I', b << 16))[0]
 def f2bf(f):
     u = struct.unpack('<I', struct.pack('<f', f))[0]
-    if (u & 0x7fffffff) > 0x7f800000: return (u >> 16) | 0x40
+    if (u & 0x7fffffff) > 0x7f800000: return 0x7fc0  # every NaN (FORMAT.md)
     u = (u + 0x7fff + ((u >> 16) & 1)) & 0xffffffff
     return u >> 16
 def f2h(f):

@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 static char current[1024]; /* the input being replayed, for messages */
 
@@ -82,6 +83,12 @@ static int replay_dir(target_fn fn, const char *rel, const char *const *skip) {
 static void replay_scheme(void **state) {
     (void)state;
     assert_true(replay_dir(fuzz_scheme_one, "schemes", NULL) >= 2);
+    /* A renamed file would silently be replayed (and cost its second) again. */
+    for (const char *const *f = time_limited; *f; f++) {
+        char rel[128];
+        snprintf(rel, sizeof rel, "tests/schemes_bad/%s", *f);
+        assert_int_equal(access(tu_path(rel), R_OK), 0);
+    }
     assert_true(replay_dir(fuzz_scheme_one, "tests/schemes_bad", time_limited) >= 50);
     replay_dir(fuzz_scheme_one, "fuzz/corpus/scheme", NULL);
     int found = replay_dir(fuzz_scheme_one, "fuzz/regress/scheme", NULL);

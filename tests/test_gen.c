@@ -85,28 +85,27 @@ static void generated_c_compiles(void **state) {
     free(dir);
 }
 
-/* A valid scheme naming a method this build does not have is refused clearly. */
-static void unimplemented_method_refused(void **state) {
-    (void)state;
-    const char *text = "return { base = 'quantwm_int2', name = 'wm6', key = { psac_rank = 6 } }";
+/* kvf_gen refuses a valid scheme with KVF_ENOTIMPL and names the field. */
+static void expect_gen_refused(const char *text, const char *field) {
     kvf_scheme *s = tu_scheme_text(text);
     kvf_gen_output g;
     assert_int_equal(kvf_gen(s, &g), KVF_ENOTIMPL);
-    assert_non_null(strstr(kvf_last_error(), "key.psac_rank = 6"));
+    assert_non_null(strstr(kvf_last_error(), field));
     kvf_scheme_free(s);
+}
+
+/* A valid scheme naming a method this build does not have is refused clearly. */
+static void unimplemented_method_refused(void **state) {
+    (void)state;
+    expect_gen_refused("return { base = 'quantwm_int2', name = 'wm6', key = { psac_rank = 6 } }", "key.psac_rank = 6");
 }
 
 /* Values with QSAC: the CPU runs it (w = 1), the GPU encoder would take the
  * plain nearest centroid; refused rather than decoded differently. */
 static void value_qsac_refused(void **state) {
     (void)state;
-    const char *text = "return { base = 'qvg_int2', name = 'vq', value = { qsac_candidates = 4 } }";
-    kvf_scheme *s;
-    assert_int_equal(kvf_scheme_load_string(text, strlen(text), "=vq", &s), KVF_OK);
-    kvf_gen_output g;
-    assert_int_equal(kvf_gen(s, &g), KVF_ENOTIMPL);
-    assert_non_null(strstr(kvf_last_error(), "value.qsac_candidates = 4"));
-    kvf_scheme_free(s);
+    expect_gen_refused("return { base = 'qvg_int2', name = 'vq', value = { qsac_candidates = 4 } }",
+                       "value.qsac_candidates = 4");
 }
 
 /* Sections whose k-means kernels would be identical compile them once: the
@@ -114,39 +113,32 @@ static void value_qsac_refused(void **state) {
  * differs, and values never run it); different arguments keep both. */
 static void kmeans_kernels_shared_when_identical(void **state) {
     (void)state;
-    const char *shared[] = {"qvg_int2", "quantwm_int2"};
-    for (int i = 0; i < 2; i++) {
-        kvf_scheme *s = tu_scheme(shared[i]);
+    const struct { const char *text; int shared; } cases[] = {
+        {"return { base = 'qvg_int2', name = 'q' }", 1},
+        {"return { base = 'quantwm_int2', name = 'w' }", 1},
+        {"return { base = 'qvg_int2', name = 'v4', value = { bits = 4 } }", 0},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        kvf_scheme *s = tu_scheme_text(cases[i].text);
         kvf_gen_output g;
         assert_int_equal(kvf_gen(s, &g), KVF_OK);
-        assert_int_equal(kvf_gen_kmeans_owner(s, 0), 0);
-        assert_int_equal(kvf_gen_kmeans_owner(s, 1), 0);
+        assert_int_equal(kvf_gen_kmeans_owner(s, 1), cases[i].shared ? 0 : 1);
         char k[160], v[160], want[200];
         for (int r = KVF_R_V_PREP; r <= KVF_R_V_RESIDUAL; r++) {
             if (r == KVF_R_V_ASSIGN_QSAC) continue;
             kvf_gen_kernel_name(s, r - KVF_R_SECTION_STRIDE, k, sizeof k);
             kvf_gen_kernel_name(s, r, v, sizeof v);
-            assert_string_equal(k, v);
+            if (cases[i].shared) assert_string_equal(k, v);
+            else assert_string_not_equal(k, v);
         }
         snprintf(want, sizeof want, "KVF_KMEANS_KERNELS(kvf_%s_v,", kvf_scheme_id(s));
-        assert_null(strstr(g.cu, want));
+        if (cases[i].shared) assert_null(strstr(g.cu, want));
+        else assert_non_null(strstr(g.cu, want));
         snprintf(want, sizeof want, "KVF_KMEANS_KERNELS(kvf_%s_k,", kvf_scheme_id(s));
         assert_non_null(strstr(g.cu, want));
         kvf_gen_output_free(&g);
         kvf_scheme_free(s);
     }
-    kvf_scheme *s = tu_scheme_text("return { base = 'qvg_int2', name = 'v4', value = { bits = 4 } }");
-    kvf_gen_output g;
-    assert_int_equal(kvf_gen(s, &g), KVF_OK);
-    assert_int_equal(kvf_gen_kmeans_owner(s, 1), 1);
-    char k[160], v[160], want[200];
-    kvf_gen_kernel_name(s, KVF_R_K_ASSIGN, k, sizeof k);
-    kvf_gen_kernel_name(s, KVF_R_V_ASSIGN, v, sizeof v);
-    assert_string_not_equal(k, v);
-    snprintf(want, sizeof want, "KVF_KMEANS_KERNELS(kvf_%s_v,", kvf_scheme_id(s));
-    assert_non_null(strstr(g.cu, want));
-    kvf_gen_output_free(&g);
-    kvf_scheme_free(s);
 }
 
 int main(void) {
