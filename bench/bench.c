@@ -199,7 +199,9 @@ int main(int argc, char **argv) {
         c.pos = s->rope.placement == KVF_ROPE_PRE ? dpos : 0;
         float enc = time_median(do_encode, &c, reps < 5 ? reps : 5);
         unsigned long long st[2][8];
-        if (!kvf_context_assign_stats(c.ctx, 1, st) && !do_encode(&c) && !kvf_context_assign_stats(c.ctx, 0, st))
+        const int kmeans = kvf_section_path(&s->key) == 'B' || kvf_section_path(&s->value) == 'B';
+        if (kmeans && !kvf_context_assign_stats(c.ctx, 1, st) && !do_encode(&c) &&
+            !kvf_context_assign_stats(c.ctx, 0, st))
             for (int t = 0; t < 2; t++)
                 for (int k = 0; k < 2; k++)
                     if (st[t][4 * k])

@@ -108,13 +108,14 @@ int kvf_gen_kmeans_owner(const struct kvf_scheme *s, int t) {
                : t;
 }
 
+int kvf_gen_role_kernel(const struct kvf_scheme *s, int role) {
+    if (role >= KVF_R_V_PREP && role <= KVF_R_V_RESIDUAL && kvf_gen_kmeans_owner(s, 1) == 0)
+        return role - KVF_R_SECTION_STRIDE;
+    return role;
+}
+
 void kvf_gen_kernel_name(const struct kvf_scheme *s, int role, char *buf, size_t len) {
-    /* The value section's k-means roles (QSAC's is never the value's) name
-     * the key section's kernels where those are shared. */
-    if (role >= KVF_R_V_PREP && role <= KVF_R_V_RESIDUAL && role != KVF_R_V_ASSIGN_QSAC &&
-        kvf_gen_kmeans_owner(s, 1) == 0)
-        role -= KVF_R_SECTION_STRIDE;
-    snprintf(buf, len, "kvf_%s_%s", s->id, kvf_role_names[role]);
+    snprintf(buf, len, "kvf_%s_%s", s->id, kvf_role_names[kvf_gen_role_kernel(s, role)]);
 }
 
 void kvf_gen_roles(const struct kvf_scheme *s, int present[KVF_ROLE_COUNT]) {
@@ -244,7 +245,7 @@ static char *gen_h(const struct kvf_scheme *s, const kvf_layout *l) {
     section_defines(&b, up, "VALUE", &l->value);
     int present[KVF_ROLE_COUNT], n = 0;
     kvf_gen_roles(s, present);
-    for (int r = 0; r < KVF_ROLE_COUNT; r++) n += present[r];
+    for (int r = 0; r < KVF_ROLE_COUNT; r++) n += present[r] && kvf_gen_role_kernel(s, r) == r;
     kvf_buf_printf(&b, "#define %s_KERNEL_COUNT %d\n\n", up, n);
     kvf_buf_printf(&b, "extern const char kvf_%s_scheme[];       /* canonical configuration */\n", s->id);
     kvf_buf_printf(&b, "extern const char kvf_%s_cuda_source[];  /* %s.cu, for JIT */\n", s->id, s->id);
@@ -278,7 +279,7 @@ static char *gen_c(const struct kvf_scheme *s, const char *cuda) {
     int present[KVF_ROLE_COUNT];
     kvf_gen_roles(s, present);
     for (int k = 0; k < KVF_ROLE_COUNT; k++) {
-        if (!present[k]) continue;
+        if (!present[k] || kvf_gen_role_kernel(s, k) != k) continue; /* each kernel once */
         kvf_gen_kernel_name(s, k, name, sizeof name);
         kvf_buf_printf(&b, "    \"%s\",\n", name);
     }

@@ -44,10 +44,12 @@ int kvf_gen(const struct kvf_scheme *s, kvf_gen_output *out);
 void kvf_gen_output_free(kvf_gen_output *out);
 /* Write the three files into dir (created if missing). */
 int kvf_gen_write(const kvf_gen_output *out, const char *dir);
-/* Kernel entry name, e.g. "kvf_rtn_int2_1a2b3c4d_encode_k". A value section
- * whose k-means kernels would be the key section's (kvf_gen_kmeans_owner)
- * names the key section's. */
+/* Kernel entry name of a role, e.g. "kvf_rtn_int2_1a2b3c4d_encode_k": that
+ * of the role whose kernel serves it (kvf_gen_role_kernel). */
 void kvf_gen_kernel_name(const struct kvf_scheme *s, int role, char *buf, size_t len);
+/* The role whose kernel serves `role`: itself, or the key section's k-means
+ * role where the value section runs the key's kernels (kvf_gen_kmeans_owner). */
+int kvf_gen_role_kernel(const struct kvf_scheme *s, int role);
 /* Which section's k-means kernels (KVF_KMEANS_KERNELS) section t (0 key,
  * 1 value) runs: its own, or 0 where the value section's template arguments
  * equal the key section's (only QSAC's, which values never run, may differ),

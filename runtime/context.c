@@ -8,6 +8,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* templates/kvf_kmeans.cuh's assign_cfg entries (KVF_KMEANS_KERNELS): dynamic
+ * shared bytes, threads and tokens per block of the plain and the QSAC
+ * assignment, whether stage 0 reads the BF16 input, the residual's rows per
+ * thread. */
+enum { AC_SMEM, AC_SMEM_QSAC, AC_THREADS, AC_THREADS_QSAC, AC_TOKENS, AC_TOKENS_QSAC, AC_BF16_SOURCE, AC_RES_ROWS };
+
 struct kvf_context {
     struct kvf_scheme *scheme;
     int device; /* KVF_DEVICE_CPU or the CUDA ordinal */
@@ -19,9 +25,7 @@ struct kvf_context {
     CUmodule module;
     CUfunction fn[KVF_ROLE_COUNT]; /* NULL where the scheme has no such kernel */
     int sms;                       /* multiprocessors (sizes the k-means assignment grid) */
-    int assign_cfg[2][8];          /* per section: kvf_kmeans assign_cfg (smem, threads, tokens per block of
-                                      the plain and QSAC assignment; stage 0 reads the BF16 input;
-                                      the residual's rows per thread) */
+    int assign_cfg[2][8];          /* per section: kvf_kmeans assign_cfg, indexed by AC_* */
     CUdeviceptr ws;                /* workspace of the k-means/PSAC path, grown on demand */
     size_t ws_bytes;
 };
@@ -88,6 +92,20 @@ static int pop_ctx(const kvf_context *ctx, int rc) {
     return rc;
 }
 
+/* A k-means section's module global kvf_<id>_<k|v>_<sym> (templates/kvf_kmeans.cuh),
+ * checked to have `want` bytes. Inside push_ctx. */
+static int kmeans_global(kvf_context *ctx, int t, const char *sym, size_t want, CUdeviceptr *p) {
+    char name[160];
+    size_t bytes;
+    snprintf(name, sizeof name, "kvf_%s_%c_%s", ctx->scheme->id, t ? 'v' : 'k', sym);
+    CUresult r = ctx->cu->cuModuleGetGlobal(p, &bytes, ctx->module, name);
+    if (r == CUDA_SUCCESS && bytes != want) r = CUDA_ERROR_INVALID_IMAGE;
+    if (r != CUDA_SUCCESS)
+        return kvf_wrap_error(kvf_cuda_fail(r, "cuModuleGetGlobal", __FILE__, __LINE__, ctx->device),
+                              "reading %s (%zu bytes expected)", name, want);
+    return KVF_OK;
+}
+
 static int load_module(kvf_context *ctx, const void *image) {
     const kvf_cuda_api *cu = ctx->cu;
     int rc = push_ctx(ctx);
@@ -109,26 +127,24 @@ static int load_module(kvf_context *ctx, const void *image) {
                                 "kernel %s not in the image (made for another scheme?)", name);
     }
     /* The assignment kernels' launch shape and shared memory come from the
-     * module itself (kvf_kmeans assign_cfg), so they cannot disagree. */
+     * module itself (kvf_kmeans assign_cfg), so they cannot disagree. A value
+     * section that runs the key section's kernels takes the key's. */
     for (int t = 0; t < 2 && rc == KVF_OK; t++) {
-        CUfunction f = ctx->fn[KVF_R_K_ASSIGN + t * KVF_R_SECTION_STRIDE];
-        if (!f) continue;
-        char name[160];
+        if (!ctx->fn[KVF_R_K_ASSIGN + t * KVF_R_SECTION_STRIDE]) continue;
+        if (kvf_gen_kmeans_owner(ctx->scheme, t) != t) {
+            memcpy(ctx->assign_cfg[t], ctx->assign_cfg[0], sizeof ctx->assign_cfg[t]);
+            continue;
+        }
         CUdeviceptr p;
-        size_t bytes;
-        snprintf(name, sizeof name, "kvf_%s_%c_assign_cfg", ctx->scheme->id,
-                 kvf_gen_kmeans_owner(ctx->scheme, t) ? 'v' : 'k');
-        if ((r = cu->cuModuleGetGlobal(&p, &bytes, ctx->module, name)) != CUDA_SUCCESS ||
-            (r = bytes == sizeof ctx->assign_cfg[t] ? cu->cuMemcpyDtoH(ctx->assign_cfg[t], p, bytes)
-                                                    : CUDA_ERROR_INVALID_IMAGE) != CUDA_SUCCESS) {
-            rc = kvf_wrap_error(kvf_cuda_fail(r, "cuModuleGetGlobal/cuMemcpyDtoH", __FILE__, __LINE__, ctx->device),
-                                "reading %s", name);
+        if ((rc = kmeans_global(ctx, t, "assign_cfg", sizeof ctx->assign_cfg[t], &p))) break;
+        if ((r = cu->cuMemcpyDtoH(ctx->assign_cfg[t], p, sizeof ctx->assign_cfg[t])) != CUDA_SUCCESS) {
+            rc = kvf_cuda_fail(r, "cuMemcpyDtoH(assign_cfg)", __FILE__, __LINE__, ctx->device);
             break;
         }
         for (int k = 0; k < 2 && rc == KVF_OK; k++) {
-            f = ctx->fn[KVF_R_K_ASSIGN + k + t * KVF_R_SECTION_STRIDE];
+            CUfunction f = ctx->fn[KVF_R_K_ASSIGN + k + t * KVF_R_SECTION_STRIDE];
             if (f && (r = cu->cuFuncSetAttribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                                 ctx->assign_cfg[t][k])) != CUDA_SUCCESS)
+                                                 ctx->assign_cfg[t][AC_SMEM + k])) != CUDA_SUCCESS)
                 rc = kvf_cuda_fail(r, "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)", __FILE__, __LINE__,
                                    ctx->device);
         }
@@ -204,28 +220,20 @@ int kvf_context_assign_stats(kvf_context *ctx, int enable, unsigned long long ou
     const kvf_cuda_api *cu = ctx->cu;
     int rc = push_ctx(ctx);
     if (rc) return rc;
-    CUresult r = CUDA_SUCCESS;
-    for (int t = 0; t < 2 && r == CUDA_SUCCESS; t++) {
+    CUresult r = cu->cuCtxSynchronize();
+    for (int t = 0; t < 2 && r == CUDA_SUCCESS && rc == KVF_OK; t++) {
         /* A value section that runs the key section's kernels counts in out[0]. */
         if (!ctx->fn[KVF_R_K_ASSIGN + t * KVF_R_SECTION_STRIDE] || kvf_gen_kmeans_owner(ctx->scheme, t) != t) continue;
-        char name[160];
         CUdeviceptr p;
-        size_t bytes;
-        unsigned long long v[9] = {(unsigned long long)(enable > 0)};
-        snprintf(name, sizeof name, "kvf_%s_%c_assign_stats", ctx->scheme->id, t ? 'v' : 'k');
-        if ((r = cu->cuModuleGetGlobal(&p, &bytes, ctx->module, name)) != CUDA_SUCCESS) break;
-        if (bytes != sizeof v) { r = CUDA_ERROR_INVALID_IMAGE; break; }
-        if ((r = cu->cuCtxSynchronize()) != CUDA_SUCCESS) break;
+        unsigned long long v[9], z[9] = {(unsigned long long)(enable > 0)};
+        if ((rc = kmeans_global(ctx, t, "assign_stats", sizeof v, &p))) break;
         if ((r = cu->cuMemcpyDtoH(v, p, sizeof v)) != CUDA_SUCCESS) break;
         memcpy(out[t], v + 1, sizeof out[t]);
-        if (enable >= 0) {
-            unsigned long long z[9] = {(unsigned long long)(enable > 0)};
-            r = cu->cuMemcpyHtoD(p, z, sizeof z);
-        }
+        if (enable >= 0) r = cu->cuMemcpyHtoD(p, z, sizeof z);
     }
-    return pop_ctx(ctx, r == CUDA_SUCCESS ? KVF_OK
-                                          : kvf_cuda_fail(r, "assign stats (cuModuleGetGlobal/cuMemcpy)", __FILE__,
-                                                          __LINE__, ctx->device));
+    if (rc == KVF_OK && r != CUDA_SUCCESS)
+        rc = kvf_cuda_fail(r, "assign stats (cuCtxSynchronize/cuMemcpy)", __FILE__, __LINE__, ctx->device);
+    return pop_ctx(ctx, rc);
 }
 
 /* ------------------------------------------------------------- launches */
@@ -255,6 +263,9 @@ static int prepare(const kvf_context *ctx, const void *a, const void *b, const v
     if (packed_bytes < l->total_bytes)
         return kvf_set_error(KVF_ERANGE, "%s: packed buffer has %zu bytes, %lld tokens x %d heads need %zu", fn,
                              packed_bytes, (long long)sh->n_tokens, sh->n_heads, l->total_bytes);
+    /* The GPU kernels take the head from grid y (k-means, PSAC, decode): before any of them writes. */
+    if (ctx->device != KVF_DEVICE_CPU && sh->n_heads > 65535)
+        return kvf_set_error(KVF_EINVAL, "%s: %d heads: the GPU kernels take at most 65535 (grid y)", fn, sh->n_heads);
     if (ctx->device != KVF_DEVICE_CPU) return check_device_args(a, b, packed, sh, fn);
     /* The CPU reads and writes BF16 elements as uint16_t: they must be 2-byte
      * aligned (any other alignment, and any stride, is fine; packed is bytes). */
@@ -384,7 +395,7 @@ static int kmeans_stage(kvf_context *ctx, int t, int stage, const kvf_shape *sh,
      * shared memory allows one) per multiprocessor in all. */
     unsigned per_head = ctx->sms > nh ? (unsigned)(ctx->sms / nh) : 1u, g_tok[2];
     for (int k = 0; k < 2; k++) {
-        g_tok[k] = blocks_for(n, ac[4 + k]);
+        g_tok[k] = blocks_for(n, ac[AC_TOKENS + k]);
         if (g_tok[k] > per_head) g_tok[k] = per_head;
     }
     unsigned g_cd = blocks_for((int64_t)nh * c_eff * d, BLOCK);
@@ -399,7 +410,7 @@ static int kmeans_stage(kvf_context *ctx, int t, int stage, const kvf_shape *sh,
                         (void *)&ws->acc, (void *)&ws->cnt};
         void *a_fi[] = {&nh, &c_eff, &parts, (void *)&ws->acc, (void *)&ws->cnt, &cent, &c_alloc};
         /* accumulate: one block per (16 channels, head, part), kvf_kmeans ACC_CH. */
-        if ((rc = launch3(ctx, KVF_R_K_ASSIGN + base, g_tok[0], (unsigned)nh, 1, (unsigned)ac[2], (unsigned)ac[0],
+        if ((rc = launch3(ctx, KVF_R_K_ASSIGN + base, g_tok[0], (unsigned)nh, 1, (unsigned)ac[AC_THREADS], (unsigned)ac[AC_SMEM],
                           a_as, stream)) ||
             (rc = launch3(ctx, KVF_R_K_ACCUMULATE + base, (unsigned)d / 16, (unsigned)nh, (unsigned)parts, BLOCK, 0,
                           a_ac, stream)) ||
@@ -409,12 +420,12 @@ static int kmeans_stage(kvf_context *ctx, int t, int stage, const kvf_shape *sh,
     if (t == 0 && stage == 0 && c->qsac_candidates > 1) {
         void *a_q[] = {(void *)&src->p, (void *)&src->ts, (void *)&src->hs, &n, &c_eff, &cent, &c_alloc, &idx_plane,
                        &weights};
-        rc = launch3(ctx, KVF_R_K_ASSIGN_QSAC, g_tok[1], (unsigned)nh, 1, (unsigned)ac[3], (unsigned)ac[1], a_q,
+        rc = launch3(ctx, KVF_R_K_ASSIGN_QSAC, g_tok[1], (unsigned)nh, 1, (unsigned)ac[AC_THREADS_QSAC], (unsigned)ac[AC_SMEM_QSAC], a_q,
                      stream);
     } else {
         void *a_as[] = {(void *)&src->p, (void *)&src->ts, (void *)&src->hs, &n, &c_eff, &cent, &c_alloc, &nul,
                         &idx_plane};
-        rc = launch3(ctx, KVF_R_K_ASSIGN + base, g_tok[0], (unsigned)nh, 1, (unsigned)ac[2], (unsigned)ac[0], a_as,
+        rc = launch3(ctx, KVF_R_K_ASSIGN + base, g_tok[0], (unsigned)nh, 1, (unsigned)ac[AC_THREADS], (unsigned)ac[AC_SMEM], a_as,
                      stream);
     }
     if (rc || c_eff == c_alloc) return rc;
@@ -429,7 +440,7 @@ static int encode_workspace(kvf_context *ctx, int t, const void *x, const kvf_sh
                             CUdeviceptr packed, const kvf_section_layout *l, void *stream) {
     const kvf_tensor_cfg *c = t ? &ctx->scheme->value : &ctx->scheme->key;
     const int base = t * KVF_R_SECTION_STRIDE, d = ctx->scheme->head_dim;
-    const int bf = ctx->assign_cfg[t][6], parts = sum_parts(ctx, sh);
+    const int bf = ctx->assign_cfg[t][AC_BF16_SOURCE], parts = sum_parts(ctx, sh);
     int n = (int)sh->n_tokens, nh = sh->n_heads, rc;
     ws_parts ws;
     if ((rc = workspace(ctx, sh, !bf || c->psac_rank > 0, parts, &ws))) return rc;
@@ -469,7 +480,7 @@ static int encode_workspace(kvf_context *ctx, int t, const void *x, const kvf_sh
     int write_e = c->psac_rank > 0;
     void *a_res[] = {(void *)&src.p, (void *)&src.ts, (void *)&src.hs, (void *)&ws.e, &n, &nh, &packed, &planes,
                      &write_e};
-    const unsigned res_grid = blocks_for((int64_t)n * nh, (int64_t)BLOCK / (d / VEC) * ctx->assign_cfg[t][7]);
+    const unsigned res_grid = blocks_for((int64_t)n * nh, (int64_t)BLOCK / (d / VEC) * ctx->assign_cfg[t][AC_RES_ROWS]);
     if ((rc = launch(ctx, KVF_R_K_RESIDUAL + base, res_grid, a_res, stream))) return rc;
     if (t == 1 || c->psac_rank == 0) return KVF_OK;
     const int r = c->psac_rank;
@@ -479,9 +490,7 @@ static int encode_workspace(kvf_context *ctx, int t, const void *x, const kvf_sh
     void *a_p[] = {(void *)&ws.e, &n, &nh, &qs, &q, &packed, &basis_off, &coef_off, &cscale_off};
     if ((rc = launch(ctx, KVF_R_PSAC_BASIS, blocks_for((int64_t)nh * d * r, BLOCK), a_b, stream)))
         return rc;
-    /* Grid (token blocks, heads), kvf_psac::ENCODE_ROWS threads: one per token. */
-    if (nh > 65535)
-        return kvf_set_error(KVF_EINVAL, "kvf_encode: %d heads: the GPU PSAC encode takes at most 65535 (grid y)", nh);
+    /* Grid (token blocks, heads: at most 65535, prepare), kvf_psac::ENCODE_ROWS threads: one per token. */
     return launch3(ctx, KVF_R_PSAC_ENCODE, blocks_for(n, PSAC_ROWS), (unsigned)nh, 1, PSAC_ROWS, 0, a_p, stream);
 }
 
@@ -558,19 +567,17 @@ int kvf_decode(kvf_context *ctx, const void *packed, size_t packed_bytes, const 
                              ctx->scheme->name);
     if (ctx->device == KVF_DEVICE_CPU)
         return kvf_ref_decode(ctx->scheme, packed, packed_bytes, &sh, positions, k_out, v_out);
-    /* Grid (token tiles, heads): blockIdx.y is the head (templates/kvf_decode.cuh). */
-    if (sh.n_heads > 65535)
-        return kvf_set_error(KVF_EINVAL, "kvf_decode: %d heads: the GPU decode takes at most 65535 (grid y)",
-                             sh.n_heads);
+    /* Grid (token tiles, heads): blockIdx.y is the head (templates/kvf_decode.cuh; at most 65535, prepare). */
     int n_tokens = (int)sh.n_tokens, n_heads = sh.n_heads;
     void *dst[2] = {k_out, v_out};
     const kvf_section_layout *sec[2] = {&l.key, &l.value};
     rope_arg rope = rope_of(ctx->scheme);
     if ((rc = push_ctx(ctx))) return rc;
     for (int t = 0; t < 2 && rc == KVF_OK; t++) {
-        /* Tokens per block: BLOCK / (d/8) rows x 4 rows per thread, and 4
-         * such tiles with PSAC (each thread then converts its head's basis
-         * once for 16 rows). The kernel loops over tiles x, x + gridDim.x,
+        /* Tokens per block: BLOCK / (d/8) rows x 4 (kvf_decode::tiling's
+         * largest rows per thread; where it takes 2 a block loops twice), and
+         * 4 such tiles with PSAC (each thread then converts its head's basis
+         * once for all of them). The kernel loops over tiles x, x + gridDim.x,
          * ... of its own size, so this only tunes speed; it keeps gridDim.x
          * x tile below 2^32 for the kernel's u32 token math. */
         int64_t tile = (int64_t)(BLOCK / (ctx->scheme->head_dim / VEC)) * 4 * (sec[t]->psac_rank > 0 ? 4 : 1);

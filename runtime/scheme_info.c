@@ -4,6 +4,9 @@
 
 #include <string.h>
 
+_Static_assert(sizeof((kvf_scheme_info *)0)->rope_sections == sizeof(int) * KVF_MAX_ROPE_SECTIONS,
+               "kvf_scheme_info.rope_sections holds what kvf_rope_sections writes");
+
 int kvf_scheme_get_info(const kvf_scheme *s, kvf_scheme_info *out) {
     if (!s || !out) return kvf_set_error(KVF_EINVAL, "kvf_scheme_get_info: NULL argument");
     memset(out, 0, sizeof *out);

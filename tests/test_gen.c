@@ -136,6 +136,11 @@ static void kmeans_kernels_shared_when_identical(void **state) {
         else assert_non_null(strstr(g.cu, want));
         snprintf(want, sizeof want, "KVF_KMEANS_KERNELS(kvf_%s_k,", kvf_scheme_id(s));
         assert_non_null(strstr(g.cu, want));
+        /* The exported kernel list names each kernel once. */
+        snprintf(want, sizeof want, "\"kvf_%s_k_assign\",", kvf_scheme_id(s));
+        const char *first = strstr(g.c, want);
+        assert_non_null(first);
+        assert_null(strstr(first + 1, want));
         kvf_gen_output_free(&g);
         kvf_scheme_free(s);
     }
