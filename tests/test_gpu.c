@@ -196,6 +196,24 @@ static const char *row_kind(const uint16_t *x, const kvf_shape *sh, int64_t t, i
     return nan == d ? "NaN row" : nan ? "NaN" : inf ? "Inf" : huge ? "huge" : "finite";
 }
 
+/* Differing bytes of one stage's quantizer planes (codes, scales, token
+ * scales, zeros, indices, centroids) between two packed buffers. */
+static size_t stage_diff(const uint8_t *a, const uint8_t *b, const kvf_stage_layout *g) {
+    return diff_bytes(a, b, g->codes_off, g->codes_bytes) + diff_bytes(a, b, g->scales_off, g->scales_bytes) +
+           diff_bytes(a, b, g->tscales_off, g->tscales_bytes) + diff_bytes(a, b, g->zeros_off, g->zeros_bytes) +
+           diff_bytes(a, b, g->index_off, g->index_bytes) + diff_bytes(a, b, g->centroids_off, g->centroids_bytes);
+}
+
+/* Encode on the GPU into dp, first filled with `fill` (so a byte the encoder
+ * does not write shows), and copy the packed buffer to host. */
+static void gpu_encode(kvf_context *gpu, CUdeviceptr dk, CUdeviceptr dv, const kvf_shape *sh, CUdeviceptr qs,
+                       CUdeviceptr dp, size_t packed_bytes, unsigned char fill, uint8_t *host) {
+    CK(cuMemsetD8(dp, fill, packed_bytes));
+    assert_int_equal(kvf_encode(gpu, (void *)dk, (void *)dv, sh, (void *)qs, (void *)dp, packed_bytes, NULL), KVF_OK);
+    CK(cuCtxSynchronize());
+    CK(cuMemcpyDtoH(host, dp, packed_bytes));
+}
+
 static void report_planes(const uint8_t *pg, const uint8_t *pc, const kvf_stage_layout *g,
                           const kvf_section_layout *sec, int t, int st, const run_case *c, const uint16_t *x,
                           const kvf_shape *sh, int d) {
@@ -303,9 +321,7 @@ static void compare_case(kvf_context *gpu, kvf_context *cpu, const run_case *c, 
     CK(cuMemcpyHtoD(dv, v, n * 2));
     CK(cuMemcpyHtoD(dk2, k, n * 2)); /* so padding holds the same as on the CPU side */
     CK(cuMemcpyHtoD(dv2, v, n * 2));
-    assert_int_equal(kvf_encode(gpu, (void *)dk, (void *)dv, &sh, (void *)q.dev, (void *)dp, packed_bytes, NULL), KVF_OK);
-    CK(cuCtxSynchronize());
-    CK(cuMemcpyDtoH(pg, dp, packed_bytes));
+    gpu_encode(gpu, dk, dv, &sh, q.dev, dp, packed_bytes, 0xa5, pg);
     /* Bytes between planes are padding nobody writes: compare the planes. */
     kvf_layout l;
     kvf_layout_compute(s, c->tokens, c->heads, &l);
@@ -315,10 +331,7 @@ static void compare_case(kvf_context *gpu, kvf_context *cpu, const run_case *c, 
     for (int t = 0; t < 2; t++)
         for (int st = 0; st < secs[t]->stages || st == 0; st++) {
             const kvf_stage_layout *g = &secs[t]->stage[st];
-            size_t b = diff_bytes(pg, pc, g->codes_off, g->codes_bytes) + diff_bytes(pg, pc, g->scales_off, g->scales_bytes) +
-                       diff_bytes(pg, pc, g->tscales_off, g->tscales_bytes) + diff_bytes(pg, pc, g->zeros_off, g->zeros_bytes) +
-                       diff_bytes(pg, pc, g->index_off, g->index_bytes) +
-                       diff_bytes(pg, pc, g->centroids_off, g->centroids_bytes);
+            size_t b = stage_diff(pg, pc, g);
             if (b) report_planes(pg, pc, g, secs[t], t, st, c, t ? v : k, &sh, d);
             bad += b;
         }
@@ -348,32 +361,23 @@ static void compare_case(kvf_context *gpu, kvf_context *cpu, const run_case *c, 
     if (l.key.psac_rank == 0 && s->rope.placement != KVF_ROPE_PRE) assert_int_equal(kd, 0);
     else assert_true(kr < 2e-3);
     /* Same input, same GPU: the same bytes again. */
-    CK(cuMemsetD8(dp, 0x5a, packed_bytes));
-    assert_int_equal(kvf_encode(gpu, (void *)dk, (void *)dv, &sh, (void *)q.dev, (void *)dp, packed_bytes, NULL), KVF_OK);
-    CK(cuCtxSynchronize());
-    CK(cuMemcpyDtoH(pg2, dp, packed_bytes));
+    gpu_encode(gpu, dk, dv, &sh, q.dev, dp, packed_bytes, 0x5a, pg2);
     for (int t = 0; t < 2; t++)
-        for (int st = 0; st < secs[t]->stages || st == 0; st++) {
-            const kvf_stage_layout *g = &secs[t]->stage[st];
-            assert_int_equal(diff_bytes(pg2, pg, g->codes_off, g->codes_bytes), 0);
-            assert_int_equal(diff_bytes(pg2, pg, g->centroids_off, g->centroids_bytes), 0);
-        }
+        for (int st = 0; st < secs[t]->stages || st == 0; st++) assert_int_equal(stage_diff(pg2, pg, &secs[t]->stage[st]), 0);
     if (l.key.psac_rank > 0) assert_int_equal(diff_bytes(pg2, pg, l.key.coef_off, l.key.coef_bytes), 0);
     if (l.key.psac_rank > 0 && q.dev) {
         /* The CPU's statistics on the GPU: then PSAC's basis, coefficients
          * and scales, and the decoded keys, are bit-identical too (above,
          * each side used its own eigenvectors). */
         CK(cuMemcpyHtoD(q.dev, q.host, q.bytes));
-        CK(cuMemsetD8(dp, 0x5a, packed_bytes));
-        assert_int_equal(kvf_encode(gpu, (void *)dk, (void *)dv, &sh, (void *)q.dev, (void *)dp, packed_bytes, NULL),
-                         KVF_OK);
-        CK(cuCtxSynchronize());
-        CK(cuMemcpyDtoH(pg2, dp, packed_bytes));
+        gpu_encode(gpu, dk, dv, &sh, q.dev, dp, packed_bytes, 0x5a, pg2);
         size_t kept = 0;
         for (size_t i = 0; i < l.key.cscale_bytes / 2; i++) kept += ((const uint16_t *)(pc + l.key.cscale_off))[i] != 0;
         if (verbose) printf("  PSAC with the CPU's statistics: %zu of %zu tokens keep a correction\n", kept, l.key.cscale_bytes / 2);
         /* The first full-size case, plain data, keeps corrections (small mode's few tokens may not). */
         if (verbose && !small) assert_true(kept > 0);
+        for (int t = 0; t < 2; t++)
+            for (int st = 0; st < secs[t]->stages || st == 0; st++) assert_int_equal(stage_diff(pg2, pc, &secs[t]->stage[st]), 0);
         assert_int_equal(diff_bytes(pg2, pc, l.key.basis_off, l.key.basis_bytes), 0);
         assert_int_equal(diff_bytes(pg2, pc, l.key.coef_off, l.key.coef_bytes), 0);
         assert_int_equal(diff_bytes(pg2, pc, l.key.cscale_off, l.key.cscale_bytes), 0);
