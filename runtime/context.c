@@ -614,23 +614,19 @@ int kvf_qstats_init(kvf_context *ctx, void *qstats, size_t bytes, int32_t n_kv_h
 /* kvf_qstats_update on a device (inside push_ctx). */
 static int qstats_update_device(kvf_context *ctx, void *qstats, size_t bytes, const void *q, const kvf_shape *q_shape,
                                 void *stream) {
-    /* The KV head count is the buffer's: read it from the header. */
-    uint32_t hdr[5];
-    CUresult r = ctx->cu->cuMemcpyDtoH(hdr, (CUdeviceptr)(uintptr_t)qstats, sizeof hdr);
+    /* The KV head count is the buffer's: its header, checked on a host copy
+     * as kvf_qstats_check checks a host buffer (a blocking read). */
+    _Alignas(16) uint32_t hdr[16];
+    _Static_assert(sizeof hdr == 64, "the qstats header (METHODS.md 4)");
+    CUresult r = bytes < sizeof hdr ? CUDA_SUCCESS
+                                    : ctx->cu->cuMemcpyDtoH(hdr, (CUdeviceptr)(uintptr_t)qstats, sizeof hdr);
     if (r != CUDA_SUCCESS) return kvf_cuda_fail(r, "cuMemcpyDtoH(qstats header)", __FILE__, __LINE__, ctx->device);
-    if (hdr[0] != KVF_QSTATS_MAGIC)
-        return kvf_set_error(KVF_EFORMAT, "kvf_qstats_update: buffer was not made by kvf_qstats_init");
-    if (hdr[1] != KVF_QSTATS_VERSION)
-        return kvf_set_error(KVF_EFORMAT, "kvf_qstats_update: buffer has version %u, this library writes %u", hdr[1],
-                             KVF_QSTATS_VERSION);
+    int rc = kvf_qstats_check(ctx->scheme, hdr, bytes, 0);
+    if (rc) return kvf_wrap_error(rc, "kvf_qstats_update");
     int32_t n_kv = (int32_t)hdr[2];
     qstats_arg qa;
-    size_t total;
     kvf_shape sh;
-    int rc = qstats_arg_of(ctx->scheme, n_kv, &qa, &total);
-    if (rc) return rc;
-    if (bytes < total || (int)hdr[3] != ctx->scheme->head_dim)
-        return kvf_set_error(KVF_EFORMAT, "kvf_qstats_update: buffer made for %u heads x d=%u, not this scheme", hdr[2], hdr[3]);
+    if ((rc = qstats_arg_of(ctx->scheme, n_kv, &qa, NULL))) return rc;
     if ((rc = kvf_shape_resolve(q_shape, ctx->scheme->head_dim, &sh))) return kvf_wrap_error(rc, "kvf_qstats_update");
     if (sh.n_heads % n_kv)
         return kvf_set_error(KVF_EINVAL, "kvf_qstats_update: %d query heads is not a multiple of %d KV heads",
