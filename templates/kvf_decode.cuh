@@ -77,6 +77,14 @@ __device__ __forceinline__ T *opaque(T *p) {
     asm("mov.b64 %0, %0;" : "+l"(p));
     return p;
 }
+__device__ __forceinline__ u32 opaque(u32 v) {
+    asm("mov.b32 %0, %0;" : "+r"(v));
+    return v;
+}
+__device__ __forceinline__ float opaque(float v) {
+    asm("mov.b32 %0, %0;" : "+f"(v));
+    return v;
+}
 
 // A lane-row's codes: 8 x BITS bits (hi: the upper word at BITS = 8).
 struct code_word { u32 lo, hi; };
@@ -98,9 +106,7 @@ __device__ __forceinline__ code_word load_code_word(const u8 *p) {
 // constant it can see, so it is built from zero = a kernel argument that is
 // 0 at run time (n_tokens >> 31: n_tokens is never negative).
 __device__ __forceinline__ u32 magic_reg(u32 zero) {
-    u32 r = 0x4b000000u | zero;
-    asm("mov.b32 %0, %0;" : "+r"(r)); // and NVVM must not re-associate the OR
-    return r;
+    return opaque(0x4b000000u | zero); // and NVVM must not re-associate the OR
 }
 
 // Code i of a lane-row as 2^23 + q_i * 2^code_pos(BITS, i); e = magic_reg().
@@ -226,7 +232,7 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
         // Opaque to NVVM, which otherwise sinks the shifts back into the
         // row loop (one extra op per basis entry and row).
 #pragma unroll
-        for (int i = 0; i < 8 * R; i++) asm("mov.b32 %0, %0;" : "+f"(ub[i]));
+        for (int i = 0; i < 8 * R; i++) ub[i] = opaque(ub[i]);
     }
 
     // gridDim.x * TILE <= n + TILE - 1 (runtime/context.c): no u32 overflow.
@@ -295,12 +301,14 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
                 const u8 *cp = coef_h + (u64)t[u] * R;
 #pragma unroll
                 for (int k = 0; k < CW; k++) {
-                    if (PSAC_R % 8 == 0 && k % 2 == 0) {
-                        const uint2 w = kvf_ldg_u64(cp + 4 * k);
-                        coefw[u][k] = w.x;
-                        coefw[u][k + 1] = w.y;
+                    if (PSAC_R % 8 == 0) {
+                        if (k % 2 == 0) {
+                            const uint2 w = kvf_ldg_u64(cp + 4 * k);
+                            coefw[u][k] = w.x;
+                            coefw[u][k + 1] = w.y;
+                        }
                     } else if (PSAC_R % 4 == 0) {
-                        if (PSAC_R % 8) coefw[u][k] = kvf_ldg_u32(cp + 4 * k);
+                        coefw[u][k] = kvf_ldg_u32(cp + 4 * k);
                     } else {
                         u32 w = 0;
 #pragma unroll

@@ -281,11 +281,10 @@ __device__ __forceinline__ double sensitivity(const void *x, const u16 *crow, co
 // and g+8 of the thread). COLLECT = 0: keep each row's K smallest over the
 // thread's columns. COLLECT = 1: append every j with s_j <= thr of a row
 // marked `again` to that row's candidates.
-template <int D, int K, int M, bool COLLECT>
+template <int D, int DP, int K, int M, bool COLLECT>
 __device__ __forceinline__ void filter(bool lo, const u32 (&ah)[D / 16][4], const u32 (&al)[D / 16][4],
                                        const u16 *cs, const float *nf, int cp, int g, int q, float (&bs0)[K],
                                        float (&bs1)[K], assign_warp<M> &wa) {
-    constexpr int DP = D + 16; // assign_geom's pitch
     const float neg = __int_as_float(0xff800000);
     const float thr0 = COLLECT && wa.again[g] ? wa.thr[g] : neg, thr1 = COLLECT && wa.again[g + 8] ? wa.thr[g + 8] : neg;
     for (int nt = 0; nt < cp / 8; nt += 4) {
@@ -447,7 +446,7 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
 #pragma unroll
         for (int i = 0; i < K; i++) bs0[i] = bs1[i] = __int_as_float(0x7f800000);
         if (M <= 8) {
-            filter<D, K, M, false>(lo, ah, al, cs, nf, cp, g, q, bs0, bs1, wa);
+            filter<D, DP, K, M, false>(lo, ah, al, cs, nf, cp, g, q, bs0, bs1, wa);
 #pragma unroll
             for (int i = 0; i < K; i++) {
                 wa.ls[g][q][i] = bs0[i];
@@ -485,7 +484,7 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
         }
         __syncwarp();
         if (M <= 8 && __any_sync(0xffffffffu, lane < TPW && wa.again[lane])) {
-            filter<D, K, M, true>(lo, ah, al, cs, nf, cp, g, q, bs0, bs1, wa);
+            filter<D, DP, K, M, true>(lo, ah, al, cs, nf, cp, g, q, bs0, bs1, wa);
             __syncwarp();
             if (lane < TPW && wa.nc[lane] > CAP) wa.nc[lane] = -1;
             __syncwarp();
@@ -663,12 +662,12 @@ constexpr int ACC_CH = 16, ACC_ROUND = 4096;
 // value past 2^36), rintf of it is llrint's integer, and that integer (<= 2^36,
 // 24 significant bits) splits exactly into floor(r / 2^20) and the remainder.
 __device__ __forceinline__ void fixed_point_split(float v, int &hi, u32 &lo) {
-    float r = __fmul_rn(v, 1048576.0f);
+    float r = __fmul_rn(v, (float)FIX);
     r = r != r ? 0.0f : fminf(fmaxf(r, -68719476736.0f), 68719476736.0f);
     r = rintf(r);
-    const float q = floorf(__fmul_rn(r, 9.5367431640625e-7f)); // r / 2^20
+    const float q = floorf(__fmul_rn(r, (float)(1.0 / FIX))); // r / 2^20
     hi = __float2int_rn(q);
-    lo = __float2uint_rn(__fmaf_rn(-q, 1048576.0f, r));
+    lo = __float2uint_rn(__fmaf_rn(-q, (float)FIX, r));
 }
 
 template <int D, bool BF>
@@ -716,7 +715,7 @@ __device__ __forceinline__ void accumulate(const void *__restrict__ src, i64 ts,
 #pragma unroll
         for (int k = 0; k < PER; k++) {
             const int i = threadIdx.x + k * BLOCK;
-            if (i < c_eff * ACC_CH) tot[k] += (long long)sh_hi[i] * 1048576 + (long long)sh_lo[i];
+            if (i < c_eff * ACC_CH) tot[k] += (long long)sh_hi[i] * (long long)FIX + (long long)sh_lo[i];
         }
         if (threadIdx.x < c_eff) count += sc[threadIdx.x];
         __syncthreads(); // the next round clears the words
