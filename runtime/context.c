@@ -106,6 +106,29 @@ static int kmeans_global(kvf_context *ctx, int t, const char *sym, size_t want, 
     return KVF_OK;
 }
 
+/* The packed format the image's kernels implement (kvf_format_version,
+ * templates/kvf_common.cuh) must be this library's: an image exported by a
+ * kvforge of another format would misread caches. */
+static int check_image_format(kvf_context *ctx) {
+    CUdeviceptr p;
+    size_t bytes = 0;
+    uint32_t v = 0;
+    CUresult r = ctx->cu->cuModuleGetGlobal(&p, &bytes, ctx->module, "kvf_format_version");
+    if (r != CUDA_SUCCESS || bytes != sizeof v)
+        return kvf_set_error(KVF_EFORMAT,
+                             "kernel image has no kvf_format_version: made by a kvforge older than packed format "
+                             "version %u (export or compile it again)",
+                             KVF_FORMAT_VERSION);
+    if ((r = ctx->cu->cuMemcpyDtoH(&v, p, sizeof v)) != CUDA_SUCCESS)
+        return kvf_cuda_fail(r, "cuMemcpyDtoH(kvf_format_version)", __FILE__, __LINE__, ctx->device);
+    if (v != KVF_FORMAT_VERSION)
+        return kvf_set_error(KVF_EFORMAT,
+                             "kernel image implements packed format version %u, this library reads version %u "
+                             "(export or compile it again)",
+                             v, KVF_FORMAT_VERSION);
+    return KVF_OK;
+}
+
 static int load_module(kvf_context *ctx, const void *image) {
     const kvf_cuda_api *cu = ctx->cu;
     int rc = push_ctx(ctx);
@@ -115,6 +138,7 @@ static int load_module(kvf_context *ctx, const void *image) {
         rc = kvf_cuda_fail(r, "cuModuleLoadData(&module, image)", __FILE__, __LINE__, ctx->device);
         ctx->module = NULL;
     }
+    if (rc == KVF_OK) rc = check_image_format(ctx);
     int present[KVF_ROLE_COUNT];
     kvf_gen_roles(ctx->scheme, present);
     for (int k = 0; k < KVF_ROLE_COUNT && rc == KVF_OK; k++) {
@@ -305,7 +329,7 @@ static int launch(kvf_context *ctx, int role, unsigned grid, void **args, void *
 
 /* The templates' plane structs (kvf_quant::stage_planes, kvf_decode::section_planes). */
 typedef struct { uint64_t codes, scales, tscales, zeros, index, centroids; } stage_arg;
-typedef struct { stage_arg stage[KVF_MAX_STAGES]; uint64_t basis, coef, cscale; } section_arg;
+typedef struct { stage_arg stage[KVF_MAX_STAGES]; uint64_t basis, coef, cscale, bscale; } section_arg;
 typedef struct { double log2_theta; int32_t n_sections, sections[4]; } rope_arg;
 _Static_assert(KVF_MAX_ROPE_SECTIONS == 4, "rope_arg.sections mirrors kvf_decode's rope_args");
 typedef struct { uint64_t count, msum, u, lambda; int32_t n_heads, d, r, pad; } qstats_arg;
@@ -322,6 +346,7 @@ static section_arg section_of(const kvf_section_layout *l) {
     a.basis = l->basis_off;
     a.coef = l->coef_off;
     a.cscale = l->cscale_off;
+    a.bscale = l->bscale_off;
     return a;
 }
 
@@ -483,13 +508,11 @@ static int encode_workspace(kvf_context *ctx, int t, const void *x, const kvf_sh
     const unsigned res_grid = blocks_for((int64_t)n * nh, (int64_t)BLOCK / (d / VEC) * ctx->assign_cfg[t][AC_RES_ROWS]);
     if ((rc = launch(ctx, KVF_R_K_RESIDUAL + base, res_grid, a_res, stream))) return rc;
     if (t == 1 || c->psac_rank == 0) return KVF_OK;
-    const int r = c->psac_rank;
-    CUdeviceptr basis = packed + l->basis_off;
-    uint64_t basis_off = l->basis_off, coef_off = l->coef_off, cscale_off = l->cscale_off;
-    void *a_b[] = {&qs, &q, &nh, &basis};
-    void *a_p[] = {(void *)&ws.e, &n, &nh, &qs, &q, &packed, &basis_off, &coef_off, &cscale_off};
-    if ((rc = launch(ctx, KVF_R_PSAC_BASIS, blocks_for((int64_t)nh * d * r, BLOCK), a_b, stream)))
-        return rc;
+    uint64_t basis_off = l->basis_off, bscale_off = l->bscale_off, coef_off = l->coef_off, cscale_off = l->cscale_off;
+    void *a_b[] = {&qs, &q, &packed, &basis_off, &bscale_off};
+    void *a_p[] = {(void *)&ws.e, &n, &qs, &q, &packed, &basis_off, &bscale_off, &coef_off, &cscale_off};
+    /* One block per head (kvf_psac::basis: the head's maximum, then its codes). */
+    if ((rc = launch(ctx, KVF_R_PSAC_BASIS, (unsigned)nh, a_b, stream))) return rc;
     /* Grid (token blocks, heads: at most 65535, prepare), kvf_psac::ENCODE_ROWS threads: one per token. */
     return launch3(ctx, KVF_R_PSAC_ENCODE, blocks_for(n, PSAC_ROWS), (unsigned)nh, 1, PSAC_ROWS, 0, a_p, stream);
 }

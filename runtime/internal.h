@@ -97,7 +97,7 @@ const kvf_embedded_file *kvf_find_embedded(const kvf_embedded_file *table, const
 /* -------------------------------------------------------------- layout (layout.c) */
 
 #define KVF_PACKED_MAGIC 0x3146564bu /* "KVF1" little-endian */
-#define KVF_FORMAT_VERSION 1u
+#define KVF_FORMAT_VERSION 2u /* 2: PSAC basis int8 with a per-head f32 scale (docs/FORMAT.md) */
 #define KVF_HEADER_BYTES 64u
 #define KVF_PLANE_ALIGN 256u
 
@@ -133,7 +133,8 @@ typedef struct kvf_section_layout {
     int64_t groups_along_tokens;  /* axis token: ceil(N / G) */
     size_t code_bytes_per_token;  /* per head: head_dim * bits / 8 */
     kvf_stage_layout stage[KVF_MAX_STAGES];
-    size_t basis_off, basis_bytes;   /* PSAC: bf16 [H][d][r] */
+    size_t basis_off, basis_bytes;   /* PSAC: int8 [H][d][r] basis codes */
+    size_t bscale_off, bscale_bytes; /* PSAC: f32 [H] basis scales */
     size_t coef_off, coef_bytes;     /* PSAC: int8 [H][N][r] */
     size_t cscale_off, cscale_bytes; /* PSAC: fp16 [H][N] */
 } kvf_section_layout;

@@ -165,7 +165,8 @@ static void place_section(placer *p, const kvf_tensor_cfg *c, int head_dim, int6
     for (int s = 0; s < l->stages; s++) place_stage(p, l, rows, heads, head_dim, &l->stage[s], s == 0);
     if (l->psac_rank > 0) {
         size_t r = (size_t)l->psac_rank;
-        place(p, heads * (size_t)head_dim, r * 2, &l->basis_off, &l->basis_bytes);
+        place(p, heads * (size_t)head_dim, r, &l->basis_off, &l->basis_bytes);
+        place(p, heads, 4, &l->bscale_off, &l->bscale_bytes);
         place(p, rows, r, &l->coef_off, &l->coef_bytes);
         place(p, rows, 2, &l->cscale_off, &l->cscale_bytes);
     }

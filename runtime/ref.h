@@ -7,6 +7,8 @@
 #define KVF_REF_H
 #include "internal.h"
 
+#include <string.h>
+
 /* ref_hadamard.c: normalized Walsh-Hadamard transform in place (METHODS.md 5). */
 void kvf_ref_hadamard(float *x, int d);
 
@@ -49,12 +51,14 @@ int kvf_ref_qstats_basis(const void *qstats, int32_t head, int d, int r, const f
  * in/out, iters steps, then lambda sorted descending (columns reordered). */
 void kvf_ref_orthogonal_iteration(const float *m, int d, int r, int iters, float *u, float *lambda);
 
-/* ref_psac.c: PSAC of one token (METHODS.md 4): e = x - x_hat_0 [d]; ubf
- * bf16 [d][r]; lambda [r]; writes coef int8 [r] and its fp16 scale (0 when
- * not kept). Adds the correction of stored coefficients to y (decode). */
-void kvf_ref_psac_encode(const float *e, const uint16_t *ubf, const float *lambda, int d, int r,
+/* ref_psac.c (METHODS.md 4). The stored basis of one head: u f32 [d][r] ->
+ * int8 codes b [d][r] and one f32 scale (all 0 when u has no usable maximum).
+ * PSAC of one token: e = x - x_hat_0 [d], lambda [r]; writes coef int8 [r] and
+ * its fp16 scale (0 when not kept). Apply adds the stored correction to y. */
+void kvf_ref_psac_basis(const float *u, int d, int r, int8_t *b, float *bscale);
+void kvf_ref_psac_encode(const float *e, const int8_t *b, float bscale, const float *lambda, int d, int r,
                          int8_t *coef, uint16_t *scale);
-void kvf_ref_psac_apply(float *y, const uint16_t *ubf, const int8_t *coef, uint16_t scale, int d, int r);
+void kvf_ref_psac_apply(float *y, const int8_t *b, float bscale, const int8_t *coef, uint16_t scale, int d, int r);
 
 /* ref_quant.c: residual quantization of head h at one stage (METHODS.md 2,
  * FORMAT.md): r [n][d] f32 -> the stage's codes and scale planes of that head
@@ -71,5 +75,17 @@ static inline void kvf_put_u16(uint8_t *p, uint16_t v) {
     p[1] = (uint8_t)(v >> 8);
 }
 static inline uint16_t kvf_get_u16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+/* Little-endian f32 fields (the PSAC basis scales). */
+static inline void kvf_put_f32(uint8_t *p, float v) {
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    for (int i = 0; i < 4; i++) p[i] = (uint8_t)(u >> (8 * i));
+}
+static inline float kvf_get_f32(const uint8_t *p) {
+    uint32_t u = (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+    float v;
+    memcpy(&v, &u, 4);
+    return v;
+}
 
 #endif

@@ -23,23 +23,21 @@ typedef struct head_buf {
     float *rhat;     /* what decode gets back for it */
     uint16_t *cent;  /* bf16 [C][d] */
     float *w;        /* [d] QSAC weights */
-    uint16_t *ubf;   /* bf16 [d][r] PSAC basis */
 } head_buf;
 
 static void head_buf_free(head_buf *b) {
     free(b->x0), free(b->e), free(b->y), free(b->r), free(b->rhat);
-    free(b->cent), free(b->w), free(b->ubf);
+    free(b->cent), free(b->w);
     memset(b, 0, sizeof *b);
 }
 
-static int head_buf_alloc(head_buf *b, int64_t n, int d, int centroids, int rank) {
+static int head_buf_alloc(head_buf *b, int64_t n, int d, int centroids) {
     size_t nd = (size_t)n * (size_t)d * sizeof(float);
     memset(b, 0, sizeof *b);
     b->x0 = malloc(nd), b->e = malloc(nd), b->y = malloc(nd), b->r = malloc(nd), b->rhat = malloc(nd);
     b->cent = malloc((size_t)(centroids > 0 ? centroids : 1) * (size_t)d * 2);
     b->w = malloc((size_t)d * sizeof(float));
-    b->ubf = malloc((size_t)d * (size_t)(rank > 0 ? rank : 1) * 2);
-    if (b->x0 && b->e && b->y && b->r && b->rhat && b->cent && b->w && b->ubf) return KVF_OK;
+    if (b->x0 && b->e && b->y && b->r && b->rhat && b->cent && b->w) return KVF_OK;
     head_buf_free(b);
     return kvf_set_error(KVF_ENOMEM, "CPU reference: out of memory for %lld tokens", (long long)n);
 }
@@ -166,17 +164,16 @@ static int psac_head(const section_job *j, int32_t h, const void *qstats, head_b
     const float *u = NULL, *lambda = NULL;
     int have = qstats ? kvf_ref_qstats_basis(qstats, h, d, r, &u, &lambda) : 0;
     if (have <= 0) return have; /* 0: no basis; < 0: an error status */
-    uint8_t *basis = packed + l->basis_off + (size_t)h * (size_t)d * (size_t)r * 2;
-    for (int i = 0; i < d * r; i++) {
-        b->ubf[i] = kvf_f32_to_bf16(u[i]);
-        kvf_put_u16(basis + 2 * i, b->ubf[i]);
-    }
+    int8_t *basis = (int8_t *)(packed + l->basis_off + (size_t)h * (size_t)d * (size_t)r);
+    float bscale;
+    kvf_ref_psac_basis(u, d, r, basis, &bscale);
+    kvf_put_f32(packed + l->bscale_off + (size_t)h * 4, bscale);
     float *E = b->r; /* the residual buffer is free now */
     for (int64_t t = 0; t < j->L->n_tokens; t++) {
         size_t row = row_of(j->L, h, t);
         for (int c = 0; c < d; c++) E[c] = b->x0[t * d + c] - b->y[t * d + c];
         uint16_t cs;
-        kvf_ref_psac_encode(E, b->ubf, lambda, d, r, (int8_t *)(packed + l->coef_off + row * (size_t)r), &cs);
+        kvf_ref_psac_encode(E, basis, bscale, lambda, d, r, (int8_t *)(packed + l->coef_off + row * (size_t)r), &cs);
         kvf_put_u16(packed + l->cscale_off + row * 2, cs);
     }
     return KVF_OK;
@@ -208,7 +205,7 @@ static int encode_section(const section_job *j, const uint16_t *x, const void *q
         return KVF_OK;
     }
     head_buf b;
-    int rc = head_buf_alloc(&b, j->L->n_tokens, j->L->head_dim, j->l->centroids, j->l->psac_rank);
+    int rc = head_buf_alloc(&b, j->L->n_tokens, j->L->head_dim, j->l->centroids);
     for (int32_t h = 0; !rc && h < j->L->n_heads; h++) rc = encode_head(j, x, h, qstats, &b, packed);
     head_buf_free(&b);
     return rc;
@@ -223,15 +220,13 @@ static void finish_head(const section_job *j, int32_t h, const uint8_t *packed, 
     int d = j->L->head_dim, r = l->psac_rank, axes = kvf_rope_sections(j->s, NULL), axis[KVF_REF_MAX_DIM / 2];
     float inv[KVF_REF_MAX_DIM / 2];
     if (pos) kvf_ref_rope_table(d, &j->s->rope, inv, axis);
-    if (r > 0) {
-        const uint8_t *basis = packed + l->basis_off + (size_t)h * (size_t)d * (size_t)r * 2;
-        for (int i = 0; i < d * r; i++) b->ubf[i] = kvf_get_u16(basis + 2 * i);
-    }
+    const int8_t *basis = r > 0 ? (const int8_t *)(packed + l->basis_off + (size_t)h * (size_t)d * (size_t)r) : NULL;
+    const float bscale = r > 0 ? kvf_get_f32(packed + l->bscale_off + (size_t)h * 4) : 0.0f;
     for (int64_t t = 0; t < j->L->n_tokens; t++) {
         size_t row = row_of(j->L, h, t);
         float *y = b->y + t * d;
         if (r > 0) /* skips a token whose coefficient scale is 0 */
-            kvf_ref_psac_apply(y, b->ubf, (const int8_t *)(packed + l->coef_off + row * (size_t)r),
+            kvf_ref_psac_apply(y, basis, bscale, (const int8_t *)(packed + l->coef_off + row * (size_t)r),
                                kvf_get_u16(packed + l->cscale_off + row * 2), d, r);
         if (l->rotation == KVF_ROTATION_HADAMARD) kvf_ref_hadamard(y, d);
         if (pos) kvf_ref_rope_apply(y, d, j->s->rope.layout, inv, axis, pos + t * axes);
@@ -246,7 +241,7 @@ static int decode_section(const section_job *j, const uint8_t *packed, const int
         return KVF_OK;
     }
     head_buf b;
-    int rc = head_buf_alloc(&b, j->L->n_tokens, j->L->head_dim, 0, j->l->psac_rank);
+    int rc = head_buf_alloc(&b, j->L->n_tokens, j->L->head_dim, 0);
     for (int32_t h = 0; !rc && h < j->L->n_heads; h++) {
         sum_stages(j, h, packed, &b);
         finish_head(j, h, packed, pos, &b, out);

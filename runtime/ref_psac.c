@@ -1,7 +1,8 @@
 /*
- * PSAC of one key token (docs/METHODS.md section 4): the error's coordinates
- * in the stored bf16 basis of the query statistics' principal subspace, INT8
- * with an fp16 scale, kept only where they lower the query-weighted error.
+ * PSAC (docs/METHODS.md section 4): the stored basis of a head (int8 codes of
+ * the query statistics' principal subspace with one scale), and per key token
+ * the error's coordinates in it, INT8 with an fp16 scale, kept only where
+ * they lower the query-weighted error.
  */
 #include "ref.h"
 
@@ -10,12 +11,35 @@
 
 #define PSAC_MAX_RANK 1024
 
-/* C_j = sum_c e[c] U[c][j], f64 in channel order, U the bf16 basis. */
-static void project_error(const float *e, const uint16_t *ubf, int d, int r, double *cj) {
+/* The stored basis: one scale per head, s = max |u| / 127 (f32; NaN entries
+ * left out of the maximum), codes b = clamp(rintf(u / s), -127, 127) (NaN: 0).
+ * A maximum that gives no finite positive s stores s = 0 and zero codes. */
+void kvf_ref_psac_basis(const float *u, int d, int r, int8_t *b, float *bscale) {
+    size_t n = (size_t)d * (size_t)r;
+    float amax = 0.0f;
+    for (size_t i = 0; i < n; i++)
+        if (fabsf(u[i]) > amax) amax = fabsf(u[i]);
+    float s = amax / 127.0f;
+    if (!(s > 0.0f) || !isfinite(s)) {
+        memset(b, 0, n);
+        *bscale = 0.0f;
+        return;
+    }
+    for (size_t i = 0; i < n; i++) {
+        float q = u[i] / s;
+        q = isnan(q) ? 0.0f : rintf(q);
+        b[i] = (int8_t)(q < -127.0f ? -127.0f : q > 127.0f ? 127.0f : q);
+    }
+    *bscale = s;
+}
+
+/* C_j = s * sum_c e[c] b[c][j]: the sum in f64 in channel order (each product
+ * of an f32 and an int8 is exact), then one f64 product with the scale. */
+static void project_error(const float *e, const int8_t *b, float bscale, int d, int r, double *cj) {
     for (int j = 0; j < r; j++) {
         double s = 0;
-        for (int c = 0; c < d; c++) s += (double)e[c] * (double)kvf_bf16_to_f32(ubf[(size_t)c * r + j]);
-        cj[j] = s;
+        for (int c = 0; c < d; c++) s += (double)e[c] * (double)b[(size_t)c * r + j];
+        cj[j] = (double)bscale * s;
     }
 }
 
@@ -41,11 +65,11 @@ static void no_correction(int8_t *coef, int r, uint16_t *scale) {
     *scale = 0;
 }
 
-void kvf_ref_psac_encode(const float *e, const uint16_t *ubf, const float *lambda, int d, int r, int8_t *coef,
-                         uint16_t *scale) {
+void kvf_ref_psac_encode(const float *e, const int8_t *b, float bscale, const float *lambda, int d, int r,
+                         int8_t *coef, uint16_t *scale) {
     double cj[PSAC_MAX_RANK];
     if (r < 1 || r > PSAC_MAX_RANK) return;
-    project_error(e, ubf, d, r, cj);
+    project_error(e, b, bscale, d, r, cj);
     float amax = max_abs(cj, r);
     uint16_t cs = kvf_f32_to_f16(amax / 127.0f);
     float csf = kvf_f16_to_f32(cs);
@@ -68,11 +92,16 @@ void kvf_ref_psac_encode(const float *e, const uint16_t *ubf, const float *lambd
     *scale = cs;
 }
 
-void kvf_ref_psac_apply(float *y, const uint16_t *ubf, const int8_t *coef, uint16_t scale, int d, int r) {
+/* y[c] += (f32(scale) * bscale) * sum_j coef[j] b[c][j]: the dot product is
+ * an exact integer (|sum| <= 64 * 127 * 127 < 2^24, so its float is exact
+ * too), added with one fma per channel. */
+void kvf_ref_psac_apply(float *y, const int8_t *b, float bscale, const int8_t *coef, uint16_t scale, int d, int r) {
     float s = kvf_f16_to_f32(scale);
     if (s == 0.0f) return; /* no correction stored: y untouched (keeps -0.0) */
-    for (int j = 0; j < r; j++) {
-        float c_hat = s * (float)coef[j];
-        for (int c = 0; c < d; c++) y[c] = fmaf(c_hat, kvf_bf16_to_f32(ubf[(size_t)c * r + j]), y[c]);
+    float k = s * bscale;
+    for (int c = 0; c < d; c++) {
+        int32_t dot = 0;
+        for (int j = 0; j < r; j++) dot += (int32_t)coef[j] * (int32_t)b[(size_t)c * r + j];
+        y[c] = fmaf(k, (float)dot, y[c]);
     }
 }

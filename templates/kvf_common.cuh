@@ -216,6 +216,12 @@ __device__ __forceinline__ void kvf_write_header(u8 *packed, const kvf_header_wo
     for (int i = 0; i < 8; i++) p[i] = h.w[i];
 }
 
+// The packed format version the module's kernels read and write (the
+// generator writes runtime/internal.h's KVF_FORMAT_VERSION here). A context
+// reads it on load and refuses an image of another format: a kernel image
+// exported by an older kvforge would otherwise misread the caches.
+#define KVF_FORMAT_VERSION_GLOBAL(V) extern "C" __device__ unsigned kvf_format_version = V;
+
 // A kernel that writes the packed header (the methods whose encoders run as
 // several launches write it first).
 #define KVF_HEADER_KERNEL(NAME)                                                     \

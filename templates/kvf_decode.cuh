@@ -41,7 +41,7 @@ struct tiling {
 
 struct section_planes {
     kvf_quant::stage_planes stage[8];
-    u64 basis, coef, cscale; // PSAC
+    u64 basis, coef, cscale, bscale; // PSAC
 };
 
 struct rope_args {
@@ -186,12 +186,27 @@ __device__ __forceinline__ void bf16x8_to_f32(uint4 w, float *out) {
     }
 }
 
-// A lane's PSAC basis entries (8 channels x R, bf16, contiguous) as f32.
+// Word k of channel i of a lane's PSAC basis codes (8 channels x R int8,
+// contiguous): codes 4k .. 4k+3 of the channel, lowest in the low byte, zero
+// past R. With R % 4 == 0 one aligned 32-bit load (the plane is 256-byte
+// aligned and each channel starts at a multiple of R).
 template <int R>
-__device__ __forceinline__ void load_basis(const u8 *basis, float *out) {
+__device__ __forceinline__ u32 basis_word(const u8 *b, int i, int k) {
+    if (R % 4 == 0) return kvf_ldg_u32(b + i * R + 4 * k);
+    u32 w = 0;
 #pragma unroll
-    for (int k = 0; k < R; k++) bf16x8_to_f32(kvf_ldg16(basis + 16 * k), out + 8 * k);
+    for (int e = 0; e < 4; e++)
+        if (4 * k + e < R) w |= kvf_ldg_u8(b + i * R + 4 * k + e) << (8 * e);
+    return w;
 }
+
+// PSAC's integer dot product sum_j c_j b[c][j] as a float, exactly: dp4a
+// accumulates onto the bits of 2^23 + 2^22, and |sum| <= 64 * 128 * 128 <
+// 2^22 (even for codes of -128 in a hostile cache) keeps the sum inside that
+// float's binade, where adding 1 to the bits adds 1 to the value; subtracting
+// 2^23 + 2^22 then leaves the sum (one integer op per 4 products, one float op).
+constexpr int DOT_BIAS_BITS = 0x4b400000;
+constexpr float DOT_BIAS = 12582912.0f; // 2^23 + 2^22
 
 template <int D, int BITS, int G, int MODE, int SFMT, int AXIS, int NCENT, int STAGES, int ROT, int PSAC_R, int ROPE>
 __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const section_planes &p, int n_tokens,
@@ -202,7 +217,8 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
     constexpr int CB = D * BITS / 8; // code bytes per row (bits 16: the bf16 row)
     constexpr int QMAX = (1 << (BITS < 16 ? BITS - 1 : 1)) - 1;
     constexpr int R = PSAC_R > 0 ? PSAC_R : 1, CW = (R + 3) / 4;
-    constexpr bool REG_BASIS = PSAC_R > 0 && PSAC_R <= 8; // basis in registers as f32 (8R of them)
+    constexpr bool REG_BASIS = PSAC_R > 0 && PSAC_R <= 32; // basis codes in registers (8 x CW words)
+    static_assert(R <= 64, "PSAC's dot product must stay below 2^22 (DOT_BIAS)");
     constexpr int SCALE_BYTES = SFMT == KVF_SCALE_FP16 ? 2 : 1;
     static_assert(D % 8 == 0 && LPR <= 32 && BLOCK % LPR == 0, "row shape");
     const int lane = threadIdx.x % LPR, sub = threadIdx.x / LPR;
@@ -223,17 +239,18 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
     const u8 *const kscales_h = opaque(packed + p.stage[0].scales + ((u64)h * tok_groups * D + lane * 8) * 2);
     const u8 *const kzeros_h = opaque(packed + p.stage[0].zeros + ((u64)h * tok_groups * D + lane * 8) * 2);
 
-    // PSAC basis of this head: the lane's 8 channels x R entries are
-    // contiguous (16R bytes); with R <= 8 converted to f32 once per thread.
-    const u8 *const basis_h = opaque(packed + p.basis + ((u64)h * D + lane * 8) * R * 2);
-    float ub[REG_BASIS ? 8 * R : 1];
+    // PSAC basis codes of this head: the lane's 8 channels x R codes are
+    // contiguous (8R bytes); with R <= 32 loaded once per thread, opaque to
+    // NVVM, which otherwise sinks the loads back into the row loop.
+    const u8 *const basis_h = opaque(packed + p.basis + ((u64)h * D + lane * 8) * R);
+    u32 ubw[REG_BASIS ? 8 * CW : 1];
     if (REG_BASIS) {
-        load_basis<R>(basis_h, ub);
-        // Opaque to NVVM, which otherwise sinks the shifts back into the
-        // row loop (one extra op per basis entry and row).
 #pragma unroll
-        for (int i = 0; i < 8 * R; i++) ub[i] = opaque(ub[i]);
+        for (int i = 0; i < 8; i++)
+#pragma unroll
+            for (int k = 0; k < CW; k++) ubw[i * CW + k] = opaque(basis_word<R>(basis_h, i, k));
     }
+    const float bscale = PSAC_R ? __uint_as_float(kvf_ldg_u32(packed + p.bscale + (u64)h * 4)) : 0.0f;
 
     // gridDim.x * TILE <= n + TILE - 1 (runtime/context.c): no u32 overflow.
     for (u32 t0 = blockIdx.x * (u32)TILE; t0 < n; t0 += gridDim.x * (u32)TILE) {
@@ -408,19 +425,20 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
                 for (int i = 0; i < 8; i++) y[i] = __fadd_rn(c[i], y[i]);
             }
             if (PSAC_R) {
-                // y += sum_j c_j U[:, j], j in order, each term one fma, as
-                // kvf_ref_psac_apply; skipped when the coefficient scale is
-                // 0 (+0 or -0: the reference tests the f32 value).
+                // y[i] += (cs * s) * sum_j c_j b[i][j]: one fma per channel
+                // with the exact integer dot product, as kvf_ref_psac_apply;
+                // skipped when the coefficient scale is 0 (+0 or -0: the
+                // reference tests the f32 value).
                 const float csf = kvf_f16_to_f32((u16)cs[u]);
                 if (csf != 0.0f) {
-                    float bj[REG_BASIS ? 1 : 8 * R];
-                    if (!REG_BASIS) load_basis<R>(basis_h, bj);
+                    const float k = __fmul_rn(csf, bscale);
 #pragma unroll
-                    for (int j = 0; j < PSAC_R; j++) {
-                        const float c = __fmul_rn(csf, int8_float(coefw[u][j / 4] ^ 0x80808080u, j & 3));
+                    for (int i = 0; i < 8; i++) {
+                        int acc = DOT_BIAS_BITS;
 #pragma unroll
-                        for (int i = 0; i < 8; i++)
-                            y[i] = __fmaf_rn(c, REG_BASIS ? ub[i * R + j] : bj[i * R + j], y[i]);
+                        for (int w = 0; w < CW; w++)
+                            acc = __dp4a((int)coefw[u][w], (int)(REG_BASIS ? ubw[i * CW + w] : basis_word<R>(basis_h, i, w)), acc);
+                        y[i] = __fmaf_rn(k, __fsub_rn(__int_as_float(acc), DOT_BIAS), y[i]);
                     }
                 }
             }

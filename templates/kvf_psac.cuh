@@ -8,14 +8,34 @@
 
 namespace kvf_psac {
 
-// Stored basis: bf16 of the statistics' U, zeros where a head has no queries yet.
+// The stored basis of head blockIdx.x (any block size that is a multiple of
+// 32, up to 1024): s = max |u| / 127 over the head's D x R entries (fmaxf from
+// 0 leaves NaNs out, as the reference's comparison does; a maximum is the
+// same in any order), codes clamp(rint(u / s), -127, 127), NaN: 0. Where the
+// head has no queries yet, or s is not finite and positive: zero codes, s = 0.
 template <int D, int R>
-__device__ __forceinline__ void basis(const u8 *qs, kvf_qstats::layout l, int n_heads, u16 *out) {
-    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (i64)n_heads * D * R) return;
-    const i64 h = i / (D * R);
+__device__ __forceinline__ void basis(const u8 *qs, kvf_qstats::layout l, u8 *packed, u64 basis_off, u64 bscale_off) {
+    constexpr int N = D * R;
+    __shared__ float warp_max[32];
+    const int h = blockIdx.x;
     const double cnt = qs ? ((const double *)(qs + l.count))[h] : 0.0;
-    out[i] = cnt > 0.0 ? kvf_f32_to_bf16(((const float *)(qs + l.u))[i]) : (u16)0;
+    const float *u = cnt > 0.0 ? (const float *)(qs + l.u) + (i64)h * N : nullptr;
+    float m = 0.0f;
+    if (u)
+        for (int i = threadIdx.x; i < N; i += blockDim.x) m = fmaxf(m, fabsf(u[i]));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = m;
+    __syncthreads();
+    for (int w = 0; w < (int)blockDim.x / 32; w++) m = fmaxf(m, warp_max[w]);
+    const float s = __fdiv_rn(m, 127.0f);
+    const bool ok = u && s > 0.0f && s <= 3.40282347e38f;
+    signed char *b = (signed char *)(packed + basis_off) + (i64)h * N;
+    for (int i = threadIdx.x; i < N; i += blockDim.x) {
+        const float q = ok ? __fdiv_rn(u[i], s) : 0.0f;
+        b[i] = (signed char)(int)(q != q ? 0.0f : kvf_clamp(kvf_rint(q), -127.0f, 127.0f));
+    }
+    if (threadIdx.x == 0) ((float *)(packed + bscale_off))[h] = ok ? s : 0.0f;
 }
 
 // w_c = M_h[c][c] (all ones before any query), for QSAC.
@@ -32,17 +52,17 @@ __device__ __forceinline__ void weights(const u8 *qs, kvf_qstats::layout l, int 
 // block size up to this is correct (runtime/context.c launches this many).
 constexpr int ENCODE_ROWS = 128;
 
-// One thread per row of one head (blockIdx.y): C_j = sum_c e[c] U[c][j] in
-// channel order in f64, as the reference, JC coordinates at a time, with the
-// head's basis as f64 in shared memory (read by every thread at the same
-// address: broadcast). fma is exact here: e[c] (f32) times U[c][j] (bf16)
-// needs at most 32 significand bits, so the product is exact in f64 and fma
-// rounds once where dmul (exact) then dadd rounded once. The row's e is read
-// 16 bytes at a time, once per JC coordinates (not once per coordinate), and
-// converted to f64 once per channel.
+// One thread per row of one head (blockIdx.y): C_j = s * sum_c e[c] b[c][j],
+// the sum in channel order in f64, as the reference, JC coordinates at a
+// time, with the head's basis codes as f64 in shared memory (read by every
+// thread at the same address: broadcast). fma is exact here: e[c] (f32)
+// times an int8 code needs at most 31 significand bits, so the product is
+// exact in f64 and fma rounds once where dmul (exact) then dadd rounded once.
+// The row's e is read 16 bytes at a time, once per JC coordinates (not once
+// per coordinate), and converted to f64 once per channel.
 template <int D, int R>
 __device__ __forceinline__ void encode(const float *e, int n_tokens, const u8 *qs, kvf_qstats::layout l, u8 *packed,
-                                       u64 basis_off, u64 coef_off, u64 cscale_off) {
+                                       u64 basis_off, u64 bscale_off, u64 coef_off, u64 cscale_off) {
     constexpr int JC = R < 8 ? R : 8;
     static_assert(D % 4 == 0 && R % JC == 0, "shape");
     __shared__ double ush[D * JC];
@@ -50,14 +70,15 @@ __device__ __forceinline__ void encode(const float *e, int n_tokens, const u8 *q
     const bool live = t < n_tokens;
     const i64 row = (i64)h * n_tokens + (live ? t : n_tokens - 1);
     const double cnt = qs ? ((const double *)(qs + l.count))[h] : 0.0;
-    const u16 *ub = (const u16 *)(packed + basis_off) + (i64)h * D * R;
+    const signed char *ub = (const signed char *)(packed + basis_off) + (i64)h * D * R;
+    const double bscale = (double)((const float *)(packed + bscale_off))[h];
     const float4 *er = (const float4 *)(e + row * D);
     double C[R];
 #pragma unroll
     for (int j0 = 0; j0 < R; j0 += JC) {
         __syncthreads(); // the previous coordinates' basis has been read
         for (int i = threadIdx.x; i < D * JC; i += blockDim.x)
-            ush[i] = (double)kvf_bf16_to_f32(ub[(i / JC) * R + j0 + i % JC]);
+            ush[i] = (double)ub[(i / JC) * R + j0 + i % JC];
         __syncthreads();
         double acc[JC];
 #pragma unroll
@@ -75,7 +96,7 @@ __device__ __forceinline__ void encode(const float *e, int n_tokens, const u8 *q
             }
         }
 #pragma unroll
-        for (int j = 0; j < JC; j++) C[j0 + j] = acc[j];
+        for (int j = 0; j < JC; j++) C[j0 + j] = __dmul_rn(bscale, acc[j]);
     }
     // The scale from max_j |C_j| (fmax skips NaNs; NaN only if all are).
     double cmax = fabs(C[0]);
@@ -113,14 +134,14 @@ __device__ __forceinline__ void encode(const float *e, int n_tokens, const u8 *q
 } // namespace kvf_psac
 
 #define KVF_PSAC_KERNELS(PREFIX, D, R)                                                                      \
-    extern "C" __global__ void PREFIX##_psac_basis(const u8 *qs, kvf_qstats::layout l, int nh, u16 *out) {  \
-        kvf_psac::basis<D, R>(qs, l, nh, out);                                                              \
+    extern "C" __global__ void PREFIX##_psac_basis(const u8 *qs, kvf_qstats::layout l, u8 *packed,          \
+                                                   u64 basis_off, u64 bscale_off) {                         \
+        kvf_psac::basis<D, R>(qs, l, packed, basis_off, bscale_off);                                        \
     }                                                                                                       \
     extern "C" __global__ void __launch_bounds__(kvf_psac::ENCODE_ROWS)                                     \
-    PREFIX##_psac_encode(const float *e, int n, int nh, const u8 *qs, kvf_qstats::layout l, u8 *packed,     \
-                         u64 basis_off, u64 coef_off, u64 cscale_off) {                                     \
-        (void)nh; /* gridDim.y */                                                                           \
-        kvf_psac::encode<D, R>(e, n, qs, l, packed, basis_off, coef_off, cscale_off);                      \
+    PREFIX##_psac_encode(const float *e, int n, const u8 *qs, kvf_qstats::layout l, u8 *packed,             \
+                         u64 basis_off, u64 bscale_off, u64 coef_off, u64 cscale_off) {                     \
+        kvf_psac::encode<D, R>(e, n, qs, l, packed, basis_off, bscale_off, coef_off, cscale_off);           \
     }
 
 #define KVF_QSAC_WEIGHTS_KERNEL(PREFIX, D)                                                                  \

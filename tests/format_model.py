@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-# Independent pure-Python model of docs/FORMAT.md version 1 (RTN), stdlib only.
+# Independent pure-Python model of docs/FORMAT.md version 2 (RTN), stdlib only.
 # Prints the digests that test_golden in tests/test_ref.c pins: python3 tests/format_model.py
 import struct, math
 M64 = (1 << 64) - 1
@@ -42,7 +42,7 @@ def encode(d, G, N, H, kb, vb, mode, k, v, hsh):
         secs.append((b, cb, ng, co, so, zo))
     total = al(off)
     out = bytearray(total)
-    struct.pack_into('<IIQQIIQBB', out, 0, 0x3146564b, 1, hsh, N, H, d, total, kb, vb)
+    struct.pack_into('<IIQQIIQBB', out, 0, 0x3146564b, 2, hsh, N, H, d, total, kb, vb)
     for (b, cb, ng, co, so, zo), x in zip(secs, (k, v)):
         for r in range(rows):
             row = x[r * d:(r + 1) * d]

@@ -488,9 +488,9 @@ static void test_other_scheme_or_version(void **state) {
 
     /* Header fields, one at a time: version, magic, bits, sizes, reserved. */
     static const struct { size_t off; uint8_t x; const char *want; } field[] = {
-        {4, 0x01, "format version 0, this library reads version 1"},
-        {4, 0x03, "format version 2, this library reads version 1"},
-        {7, 0x80, "format version 2147483649"},
+        {4, 0x02, "format version 0, this library reads version 2"},
+        {4, 0x03, "format version 1, this library reads version 2"}, /* a cache of kvforge before the int8 PSAC basis */
+        {7, 0x80, "format version 2147483650"},
         {0, 0xff, "not a kvforge packed cache: magic"},
         {40, 0x06, "key_bits is 4, expected 2"},
         {41, 0x0a, "value_bits is 8, expected 2"},

@@ -341,8 +341,11 @@ static void compare_case(kvf_context *gpu, kvf_context *cpu, const run_case *c, 
         const int8_t *cg = (const int8_t *)(pg + l.key.coef_off), *cc = (const int8_t *)(pc + l.key.coef_off);
         for (size_t i = 0; i < l.key.coef_bytes; i++) coef_far += abs(cg[i] - cc[i]) > 1;
         if (verbose)
-            printf("  PSAC: basis bytes differing %zu of %zu, coefficients off by more than one step %zu of %zu\n",
-                   diff_bytes(pg, pc, l.key.basis_off, l.key.basis_bytes), l.key.basis_bytes, coef_far, l.key.coef_bytes);
+            printf("  PSAC: basis codes differing %zu of %zu, scales %zu of %zu bytes, coefficients off by more than "
+                   "one step %zu of %zu\n",
+                   diff_bytes(pg, pc, l.key.basis_off, l.key.basis_bytes), l.key.basis_bytes,
+                   diff_bytes(pg, pc, l.key.bscale_off, l.key.bscale_bytes), l.key.bscale_bytes, coef_far,
+                   l.key.coef_bytes);
         assert_true(coef_far <= l.key.coef_bytes / 1000);
     }
     assert_int_equal(kvf_decode(gpu, (void *)dp, packed_bytes, &sh, dp_pos, (void *)dk2, (void *)dv2, NULL), KVF_OK);
@@ -364,7 +367,12 @@ static void compare_case(kvf_context *gpu, kvf_context *cpu, const run_case *c, 
     gpu_encode(gpu, dk, dv, &sh, q.dev, dp, packed_bytes, 0x5a, pg2);
     for (int t = 0; t < 2; t++)
         for (int st = 0; st < secs[t]->stages || st == 0; st++) assert_int_equal(stage_diff(pg2, pg, &secs[t]->stage[st]), 0);
-    if (l.key.psac_rank > 0) assert_int_equal(diff_bytes(pg2, pg, l.key.coef_off, l.key.coef_bytes), 0);
+    if (l.key.psac_rank > 0) {
+        assert_int_equal(diff_bytes(pg2, pg, l.key.basis_off, l.key.basis_bytes), 0);
+        assert_int_equal(diff_bytes(pg2, pg, l.key.bscale_off, l.key.bscale_bytes), 0);
+        assert_int_equal(diff_bytes(pg2, pg, l.key.coef_off, l.key.coef_bytes), 0);
+        assert_int_equal(diff_bytes(pg2, pg, l.key.cscale_off, l.key.cscale_bytes), 0);
+    }
     if (l.key.psac_rank > 0 && q.dev) {
         /* The CPU's statistics on the GPU: then PSAC's basis, coefficients
          * and scales, and the decoded keys, are bit-identical too (above,
@@ -379,6 +387,7 @@ static void compare_case(kvf_context *gpu, kvf_context *cpu, const run_case *c, 
         for (int t = 0; t < 2; t++)
             for (int st = 0; st < secs[t]->stages || st == 0; st++) assert_int_equal(stage_diff(pg2, pc, &secs[t]->stage[st]), 0);
         assert_int_equal(diff_bytes(pg2, pc, l.key.basis_off, l.key.basis_bytes), 0);
+        assert_int_equal(diff_bytes(pg2, pc, l.key.bscale_off, l.key.bscale_bytes), 0);
         assert_int_equal(diff_bytes(pg2, pc, l.key.coef_off, l.key.coef_bytes), 0);
         assert_int_equal(diff_bytes(pg2, pc, l.key.cscale_off, l.key.cscale_bytes), 0);
         assert_int_equal(kvf_decode(gpu, (void *)dp, packed_bytes, &sh, dp_pos, (void *)dk2, (void *)dv2, NULL), KVF_OK);
@@ -583,8 +592,8 @@ static uint16_t sv_f16(uint64_t *s) {
     return (r & 3) ? (uint16_t)(r >> 8) : sp[(r >> 8) % (sizeof sp / sizeof sp[0])];
 }
 
-/* bf16 patterns for centroids and the PSAC basis: subnormals (1 in 8), zeros,
- * infinities, NaNs, the largest finite, random bits. */
+/* bf16 patterns for centroids (and the upper halves of PSAC basis scales):
+ * subnormals (1 in 8), zeros, infinities, NaNs, the largest finite, random bits. */
 static uint16_t sv_bf16(uint64_t *s) {
     static const uint16_t sp[] = {0x0000, 0x8000, 0x7f80, 0xff80, 0x7fc1, 0xffff, 0x7f7f, 0xff7f, 0x3f80, 0x0080};
     uint64_t r = sv_next(s);
@@ -593,10 +602,15 @@ static uint16_t sv_bf16(uint64_t *s) {
     return (uint16_t)(r >> 8);
 }
 
+/* what: 0 random bytes, 1 fp16, 2 bf16, 3 f32 (a special bf16 with random low bits). */
 static void sv_fill(uint8_t *p, size_t off, size_t bytes, int what, uint64_t *s) {
-    for (size_t i = 0; i + (what ? 1 : 0) < bytes; i += what ? 2 : 1) {
+    const size_t step = what == 0 ? 1 : what == 3 ? 4 : 2;
+    for (size_t i = 0; i + step <= bytes; i += step) {
         if (what == 0) p[off + i] = (uint8_t)sv_next(s);
-        else {
+        else if (what == 3) {
+            uint32_t v = (uint32_t)sv_bf16(s) << 16 | (uint32_t)(sv_next(s) & 0xffffu);
+            memcpy(p + off + i, &v, 4);
+        } else {
             uint16_t v = what == 1 ? sv_f16(s) : sv_bf16(s);
             memcpy(p + off + i, &v, 2);
         }
@@ -623,7 +637,8 @@ static void sv_packed(const kvf_scheme *s, const kvf_layout *l, uint8_t *p, uint
             for (size_t i = 0; i < g->index_bytes; i++) p[g->index_off + i] = (uint8_t)(sv_next(&r) % (uint64_t)c->centroids);
             sv_fill(p, g->centroids_off, g->centroids_bytes, 2, &r);
         }
-        sv_fill(p, c->basis_off, c->basis_bytes, 2, &r);
+        sv_fill(p, c->basis_off, c->basis_bytes, 0, &r); /* int8 codes, -128 included */
+        sv_fill(p, c->bscale_off, c->bscale_bytes, 3, &r);
         sv_fill(p, c->coef_off, c->coef_bytes, 0, &r);
         sv_fill(p, c->cscale_off, c->cscale_bytes, 1, &r);
         if (c->bits == 16) continue;
@@ -766,6 +781,18 @@ static void context_from_cache_and_image(void **state) {
     kvf_context *bad;
     assert_int_equal(kvf_context_create_from_image(kvf_scheme_canonical(other), image, size, 0, &bad), KVF_ECUDA);
     assert_non_null(strstr(kvf_last_error(), "not in the image"));
+    free(image);
+    /* An image of another packed format (its PTX with kvf_format_version 1),
+     * or of a kvforge from before the version global, is refused. */
+    assert_int_equal(kvf_jit_image(s, kvf_context_backend(a), 1, &image, &size, &origin), KVF_OK);
+    char *ver = strstr((char *)image, "kvf_format_version = 2;");
+    assert_non_null(ver);
+    ver[strlen("kvf_format_version = ")] = '1';
+    assert_int_equal(kvf_context_create_from_image(kvf_scheme_canonical(s), image, size, 0, &bad), KVF_EFORMAT);
+    assert_non_null(strstr(kvf_last_error(), "implements packed format version 1, this library reads version 2"));
+    ver[strlen("kvf_format_versio")] = 'm'; /* the global renamed away */
+    assert_int_equal(kvf_context_create_from_image(kvf_scheme_canonical(s), image, size, 0, &bad), KVF_EFORMAT);
+    assert_non_null(strstr(kvf_last_error(), "has no kvf_format_version"));
     free(image);
     kvf_context_destroy(a); kvf_context_destroy(b); kvf_context_destroy(img_ctx); kvf_context_destroy(cpu);
     kvf_scheme_free(s); kvf_scheme_free(other);

@@ -501,12 +501,16 @@ static void test_quantwm_with_stats(void **state) {
     decode_with(s, warm, bytes, N, 1, NULL, k1, vo);
     kvf_layout L;
     assert_int_equal(kvf_layout_compute(s, N, 1, &L), KVF_OK);
-    /* Cold start: basis, coefficients and scales all zero. Warm: the stored basis is bf16(U). */
+    /* Cold start: basis, its scale, coefficients and scales all zero. Warm:
+     * U = the first R unit vectors, stored as codes 127 with scale 1/127. */
     for (size_t i = 0; i < L.key.basis_bytes; i++) assert_int_equal(cold[L.key.basis_off + i], 0);
+    for (size_t i = 0; i < L.key.bscale_bytes; i++) assert_int_equal(cold[L.key.bscale_off + i], 0);
     for (size_t i = 0; i < L.key.cscale_bytes; i++) assert_int_equal(cold[L.key.cscale_off + i], 0);
+    assert_int_equal(L.key.basis_bytes, D * R);
+    assert_int_equal(L.key.bscale_bytes, 4);
     for (int c = 0; c < D; c++)
-        for (int j = 0; j < R; j++)
-            assert_int_equal(kvf_get_u16(warm + L.key.basis_off + (c * R + j) * 2), c == j ? 0x3F80 : 0);
+        for (int j = 0; j < R; j++) assert_int_equal((int8_t)warm[L.key.basis_off + c * R + j], c == j ? 127 : 0);
+    assert_true(kvf_get_f32(warm + L.key.bscale_off) == 1.0f / 127.0f);
     int kept = 0;
     for (int t = 0; t < N; t++) kept += kvf_get_u16(warm + L.key.cscale_off + t * 2) != 0;
     double e0 = weighted_error(k, k0, N, D, m), e1 = weighted_error(k, k1, N, D, m);

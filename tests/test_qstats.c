@@ -585,29 +585,71 @@ static double quad(const double *m, const double *e, int d) {
     return s;
 }
 
-/* Hand case: U = the first two unit vectors, exact in bf16. */
+/* U = the first r unit vectors, stored: codes 127 on the diagonal, scale 1/127. */
+static void unit_basis(int d, int r, int8_t *b, float *bscale) {
+    float u[64 * 8] = {0};
+    assert_true(d * r <= 64 * 8);
+    for (int j = 0; j < r; j++) u[j * r + j] = 1.0f;
+    kvf_ref_psac_basis(u, d, r, b, bscale);
+    assert_true(*bscale == 1.0f / 127.0f);
+    for (int i = 0; i < d * r; i++) assert_int_equal(b[i], i / r == i % r ? 127 : 0);
+}
+
+/* The stored basis (METHODS.md 4): one scale per head from the largest |u|,
+ * codes rounded to nearest (ties to even) and clamped; NaN entries are left
+ * out of the maximum and get code 0; a basis without a finite positive scale
+ * is stored as zeros. */
+static void test_psac_basis_codes(void **state) {
+    (void)state;
+    enum { D = 4, R = 2 };
+    float u[D * R] = {0.5f, -1.0f, 0.25f, 1.0f / 254.0f, NAN, -0.75f, 0.0f, -0.0f}, s;
+    int8_t b[D * R];
+    kvf_ref_psac_basis(u, D, R, b, &s);
+    assert_true(s == 1.0f / 127.0f);
+    const int want[D * R] = {(int)rintf(0.5f / s), -127, (int)rintf(0.25f / s), (int)rintf((1.0f / 254.0f) / s), 0,
+                             (int)rintf(-0.75f / s), 0, 0};
+    for (int i = 0; i < D * R; i++) assert_int_equal(b[i], want[i]);
+    assert_int_equal(b[0], 64); /* 63.5 to even */
+    /* Zero, Inf and all-NaN bases store nothing. */
+    const float bad[3] = {0.0f, INFINITY, NAN};
+    for (int k = 0; k < 3; k++) {
+        for (int i = 0; i < D * R; i++) u[i] = i == 3 ? bad[k] : (k == 1 ? 0.5f : bad[k]);
+        memset(b, 0x55, sizeof b);
+        s = -1.0f;
+        kvf_ref_psac_basis(u, D, R, b, &s);
+        assert_true(s == 0.0f);
+        for (int i = 0; i < D * R; i++) assert_int_equal(b[i], 0);
+    }
+}
+
 static void test_psac_hand(void **state) {
     (void)state;
     enum { D = 8, R = 2 };
-    uint16_t ubf[D * R] = {0};
-    ubf[0 * R + 0] = kvf_f32_to_bf16(1.0f);
-    ubf[1 * R + 1] = kvf_f32_to_bf16(1.0f);
+    int8_t b[D * R];
+    float bs;
+    unit_basis(D, R, b, &bs);
     float e[D] = {3.0f, -1.5f, 0.25f, 7.0f, 0, 0, 0, 0}, lam[R] = {2.0f, 1.0f};
     int8_t c[R];
     uint16_t cs;
-    kvf_ref_psac_encode(e, ubf, lam, D, R, c, &cs);
-    assert_int_equal(cs, kvf_f32_to_f16(3.0f / 127.0f));
+    kvf_ref_psac_encode(e, b, bs, lam, D, R, c, &cs);
+    /* C_j = s * 127 e_j in f64. */
+    const double c0 = (double)bs * 127.0 * 3.0, c1 = (double)bs * 127.0 * -1.5;
+    assert_int_equal(cs, kvf_f32_to_f16((float)c0 / 127.0f));
     float csf = kvf_f16_to_f32(cs);
-    assert_int_equal(c[0], (int)fminf(127.0f, rintf(3.0f / csf)));
-    assert_int_equal(c[1], (int)rintf(-1.5f / csf));
-    /* Decode: y = fma(c_hat_j, U[c][j], y), j in order. */
+    assert_int_equal(c[0], (int)fminf(127.0f, rintf((float)c0 / csf)));
+    assert_int_equal(c[1], (int)rintf((float)c1 / csf));
+    /* Decode: y[k] = fma(f32(cs) * s, sum_j c_j b[k][j], y[k]). */
     float y[D] = {-0.0f, 1, 2, 3, 4, 5, 6, 7}, want[D];
     memcpy(want, y, sizeof y);
-    for (int j = 0; j < R; j++)
-        for (int k = 0; k < D; k++) want[k] = fmaf(csf * (float)c[j], kvf_bf16_to_f32(ubf[k * R + j]), want[k]);
-    kvf_ref_psac_apply(y, ubf, c, cs, D, R);
+    for (int k = 0; k < D; k++) {
+        int dot = 0;
+        for (int j = 0; j < R; j++) dot += c[j] * b[k * R + j];
+        want[k] = fmaf(csf * bs, (float)dot, want[k]);
+    }
+    kvf_ref_psac_apply(y, b, bs, c, cs, D, R);
     assert_memory_equal(y, want, sizeof y);
     assert_true(fabsf(y[0] - 3.0f) < 0.02f && fabsf(y[1] + 1.5f - 1.0f) < 0.02f);
+    assert_true(y[2] == 2.0f && y[7] == 7.0f); /* outside the basis: + 0 */
 }
 
 /* PSAC lowers the full quadratic form e^T M e, with the true M of the
@@ -631,8 +673,10 @@ static void test_psac_lowers_error(void **state) {
     true_m(qs, &l, 0, m);
     const float *u, *lf;
     assert_int_equal(kvf_ref_qstats_basis(qs, 0, D, R, &u, &lf), 1);
-    uint16_t ubf[D * R];
-    for (int i = 0; i < D * R; i++) ubf[i] = kvf_f32_to_bf16(u[i]);
+    int8_t b[D * R];
+    float bs;
+    kvf_ref_psac_basis(u, D, R, b, &bs);
+    assert_true(bs > 0.0f);
     double total_before = 0, total_after = 0;
     int kept = 0;
     for (int t = 0; t < T; t++) {
@@ -642,8 +686,8 @@ static void test_psac_lowers_error(void **state) {
         for (int i = 0; i < D; i++) e[i] = (float)(mag * rng_gauss(&st)), e0[i] = e[i];
         int8_t c[R];
         uint16_t cs;
-        kvf_ref_psac_encode(e, ubf, lf, D, R, c, &cs);
-        kvf_ref_psac_apply(y, ubf, c, cs, D, R); /* x_hat_0 = 0: y is the correction */
+        kvf_ref_psac_encode(e, b, bs, lf, D, R, c, &cs);
+        kvf_ref_psac_apply(y, b, bs, c, cs, D, R); /* x_hat_0 = 0: y is the correction */
         for (int i = 0; i < D; i++) e1[i] = e0[i] - y[i];
         double before = quad(m, e0, D), after = quad(m, e1, D);
         if (cs) {
@@ -660,31 +704,33 @@ static void test_psac_lowers_error(void **state) {
     free(qs), free(q), free(m), free(x);
 }
 
-/* Where U holds exact eigenvectors (M diagonal, U unit vectors, exact in bf16)
- * delta is the exact change of e^T M e. */
+/* Where U holds eigenvectors (M diagonal, U unit vectors, stored as codes 127
+ * with scale f32(1/127), which is 1 within 2^-24) delta is the change of e^T M e. */
 static void test_psac_delta_exact(void **state) {
     (void)state;
     enum { D = 16, R = 4 };
     uint64_t st = 33;
     double m[D * D] = {0};
     float lam[R];
-    uint16_t ubf[D * R] = {0};
+    int8_t b[D * R];
+    float bs;
+    unit_basis(D, R, b, &bs);
     for (int i = 0; i < D; i++) m[i * D + i] = i < R ? 8.0 - i : 0.5;
-    for (int j = 0; j < R; j++) lam[j] = (float)m[j * D + j], ubf[j * R + j] = kvf_f32_to_bf16(1.0f);
+    for (int j = 0; j < R; j++) lam[j] = (float)m[j * D + j];
     for (int t = 0; t < 100; t++) {
         float e[D], y[D] = {0};
         double e0[D], e1[D];
         for (int i = 0; i < D; i++) e[i] = (float)rng_gauss(&st), e0[i] = e[i];
         int8_t c[R];
         uint16_t cs;
-        kvf_ref_psac_encode(e, ubf, lam, D, R, c, &cs);
+        kvf_ref_psac_encode(e, b, bs, lam, D, R, c, &cs);
         assert_int_not_equal(cs, 0);
-        kvf_ref_psac_apply(y, ubf, c, cs, D, R);
+        kvf_ref_psac_apply(y, b, bs, c, cs, D, R);
         for (int i = 0; i < D; i++) e1[i] = e0[i] - y[i];
         double delta = 0, csf = kvf_f16_to_f32(cs);
         for (int j = 0; j < R; j++) {
-            double miss = (double)(float)(csf * c[j]) - e0[j];
-            delta += lam[j] * (miss * miss - e0[j] * e0[j]);
+            double cj = (double)bs * 127.0 * e[j], miss = (double)(float)(csf * c[j]) - cj;
+            delta += lam[j] * (miss * miss - cj * cj);
         }
         assert_true(delta < 0);
         assert_true(fabs(delta - (quad(m, e1, D) - quad(m, e0, D))) < 1e-6 * quad(m, e0, D));
@@ -697,45 +743,45 @@ static void test_psac_delta_exact(void **state) {
 static void test_psac_refuses(void **state) {
     (void)state;
     enum { D = 8, R = 2 };
-    uint16_t ubf[D * R] = {0};
-    ubf[0 * R + 0] = kvf_f32_to_bf16(1.0f);
-    ubf[1 * R + 1] = kvf_f32_to_bf16(1.0f);
+    int8_t b[D * R];
+    float bs;
+    unit_basis(D, R, b, &bs);
     int8_t c[R];
     uint16_t cs;
     float e[D] = {3.0f, 1.0f};
     /* Kept with positive lambda. */
     float lam[R] = {1.0f, 1.0f};
-    kvf_ref_psac_encode(e, ubf, lam, D, R, c, &cs);
+    kvf_ref_psac_encode(e, b, bs, lam, D, R, c, &cs);
     assert_int_not_equal(cs, 0);
     /* lambda = 0: delta = 0, no gain. */
     lam[0] = lam[1] = 0.0f;
     memset(c, 0x55, sizeof c);
-    kvf_ref_psac_encode(e, ubf, lam, D, R, c, &cs);
+    kvf_ref_psac_encode(e, b, bs, lam, D, R, c, &cs);
     assert_int_equal(cs, 0);
     assert_int_equal(c[0], 0);
     assert_int_equal(c[1], 0);
     /* Mixed signs: the gain on column 0 weighs less than the loss on column 1. */
     lam[0] = 0.01f, lam[1] = -1.0f;
-    kvf_ref_psac_encode(e, ubf, lam, D, R, c, &cs);
+    kvf_ref_psac_encode(e, b, bs, lam, D, R, c, &cs);
     assert_int_equal(cs, 0);
     lam[0] = 1.0f, lam[1] = -0.01f;
-    kvf_ref_psac_encode(e, ubf, lam, D, R, c, &cs);
+    kvf_ref_psac_encode(e, b, bs, lam, D, R, c, &cs);
     assert_int_not_equal(cs, 0);
     /* Zero error, fp16 underflow of the scale, NaN. */
     lam[0] = lam[1] = 1.0f;
     float zero[D] = {0}, tiny[D] = {1e-7f, -1e-7f}, nan_e[D] = {NAN, 1.0f};
-    kvf_ref_psac_encode(zero, ubf, lam, D, R, c, &cs);
+    kvf_ref_psac_encode(zero, b, bs, lam, D, R, c, &cs);
     assert_int_equal(cs, 0);
-    kvf_ref_psac_encode(tiny, ubf, lam, D, R, c, &cs);
+    kvf_ref_psac_encode(tiny, b, bs, lam, D, R, c, &cs);
     assert_int_equal(cs, 0);
-    kvf_ref_psac_encode(nan_e, ubf, lam, D, R, c, &cs);
+    kvf_ref_psac_encode(nan_e, b, bs, lam, D, R, c, &cs);
     assert_int_equal(cs, 0);
     assert_int_equal(c[0], 0);
     /* Apply with scale 0 leaves y alone, signed zeros included. */
     float y[D] = {-0.0f, -0.0f, 1, 2, 3, 4, 5, 6}, y0[D];
     memcpy(y0, y, sizeof y);
     int8_t junk[R] = {5, -3};
-    kvf_ref_psac_apply(y, ubf, junk, 0, D, R);
+    kvf_ref_psac_apply(y, b, bs, junk, 0, D, R);
     assert_memory_equal(y, y0, sizeof y);
 }
 
@@ -1030,6 +1076,7 @@ int main(void) {
         cmocka_unit_test(test_orthogonal_vs_jacobi),
         cmocka_unit_test(test_update_basis),
         cmocka_unit_test(test_warm_start),
+        cmocka_unit_test(test_psac_basis_codes),
         cmocka_unit_test(test_psac_hand),
         cmocka_unit_test(test_psac_lowers_error),
         cmocka_unit_test(test_psac_delta_exact),
