@@ -72,14 +72,20 @@ static int do_fill(void *p) {
 typedef struct codec_arg {
     kvf_context *ctx;
     CUdeviceptr k, v, packed, k2, v2, qs, pos;
-    size_t packed_bytes;
-    kvf_shape sh;
+    size_t packed_bytes, qs_bytes;
+    kvf_shape sh, qsh; /* qsh: one chunk of queries (the first 4680 rows of K) */
 } codec_arg;
 
 static int do_encode(void *p) {
     codec_arg *c = p;
     return kvf_encode(c->ctx, (void *)c->k, (void *)c->v, &c->sh, c->qs ? (void *)c->qs : NULL, (void *)c->packed,
                       c->packed_bytes, NULL);
+}
+
+/* One chunk's update of the query statistics (warm: 6 iterations per head). */
+static int do_qstats(void *p) {
+    codec_arg *c = p;
+    return kvf_qstats_update(c->ctx, (void *)c->qs, c->qs_bytes, (void *)c->k, &c->qsh, NULL);
 }
 
 static int do_decode(void *p) {
@@ -186,15 +192,16 @@ int main(int argc, char **argv) {
         CK(cuMemAlloc(&c.packed, c.packed_bytes));
         c.qs = 0;
         if (kvf_scheme_reads_qstats(s)) { /* statistics from one chunk of queries */
-            size_t qb;
-            kvf_qstats_size(s, heads, &qb);
-            CK(cuMemAlloc(&c.qs, qb));
-            kvf_shape qsh = {4680, heads, 0, 0};
-            if (kvf_qstats_init(c.ctx, (void *)c.qs, qb, heads, NULL) ||
-                kvf_qstats_update(c.ctx, (void *)c.qs, qb, (void *)c.k, &qsh, NULL)) {
+            kvf_qstats_size(s, heads, &c.qs_bytes);
+            CK(cuMemAlloc(&c.qs, c.qs_bytes));
+            c.qsh = (kvf_shape){tokens < 4680 ? tokens : 4680, heads, 0, 0};
+            if (kvf_qstats_init(c.ctx, (void *)c.qs, c.qs_bytes, heads, NULL) || do_qstats(&c)) {
                 fprintf(stderr, "%s\n", kvf_last_error());
                 return 1;
             }
+            float upd = time_median(do_qstats, &c, reps < 5 ? reps : 5);
+            fprintf(stderr, "  %s query statistics: one update of %lld queries x %d heads %.3f ms (median of %d)\n",
+                    names[i], (long long)c.qsh.n_tokens, heads, upd, reps < 5 ? reps : 5);
         }
         c.pos = s->rope.placement == KVF_ROPE_PRE ? dpos : 0;
         float enc = time_median(do_encode, &c, reps < 5 ? reps : 5);
