@@ -46,10 +46,14 @@ __device__ __forceinline__ bool row_finite(const u16 *row, int part, int parts) 
 // (f64, head then token order), one thread per (a, b) of a 16 x 16 tile.
 // Rows that are not finite load as zeros: their products are +0 and leave the
 // sum as it is (it starts at +0 and never becomes -0), as the CPU's skipping.
+// The staged values are f64 already (converted once per element, not once per
+// product: f32 -> f64 conversions are a sixteenth of the f64 fma rate), and
+// fma(qa, qb, acc) is the CPU's acc + qa * qb: the product of two bf16 values
+// is exact in f64.
 template <int D>
 __device__ __forceinline__ void accumulate(const u16 *__restrict__ q, i64 ts, i64 hs, int n_tokens, int group,
                                            u8 *qs, layout l) {
-    __shared__ float qa[32][16], qb[32][16];
+    __shared__ double qa[32][16], qb[32][16];
     __shared__ int ok[32];
     const int h = blockIdx.z, ta = blockIdx.y * 16, tb = blockIdx.x * 16;
     const int a = threadIdx.x / 16, b = threadIdx.x % 16;
@@ -65,12 +69,12 @@ __device__ __forceinline__ void accumulate(const u16 *__restrict__ q, i64 ts, i6
             __syncthreads();
             for (int k = threadIdx.x; k < 32 * 16; k += 256) {
                 const int tt = t0 + k / 16, c = k % 16;
-                qa[k / 16][c] = ok[k / 16] ? kvf_bf16_to_f32(q[tt * ts + j * hs + ta + c]) : 0.0f;
-                qb[k / 16][c] = ok[k / 16] ? kvf_bf16_to_f32(q[tt * ts + j * hs + tb + c]) : 0.0f;
+                qa[k / 16][c] = ok[k / 16] ? (double)kvf_bf16_to_f32(q[tt * ts + j * hs + ta + c]) : 0.0;
+                qb[k / 16][c] = ok[k / 16] ? (double)kvf_bf16_to_f32(q[tt * ts + j * hs + tb + c]) : 0.0;
             }
             __syncthreads();
             const int n = min(32, n_tokens - t0);
-            for (int k = 0; k < n; k++) acc = __dadd_rn(acc, __dmul_rn((double)qa[k][a], (double)qb[k][b]));
+            for (int k = 0; k < n; k++) acc = __fma_rn(qa[k][a], qb[k][b], acc);
             __syncthreads();
         }
     float *m = (float *)(qs + l.msum) + ((i64)h * D + ta + a) * D + tb + b;
@@ -119,15 +123,27 @@ __device__ __forceinline__ void mgs(float *z, float *red) {
     }
 }
 
-// z = M u with M = msum / count (f32), serial over b in channel order.
+// z = M u with M = msum / count (f32), serial over b in channel order. One
+// thread per row a and JC columns at a time (JC independent f64 chains), so
+// M[a][b]'s f64 division runs once per row and JC columns, not once per
+// (a, j). fma is the dadd + dmul of the sum: the product of two f32 values is
+// exact in f64.
 template <int D, int R>
 __device__ __forceinline__ void mat_u(const float *msum, double cnt, const float *u, float *z) {
-    for (int o = threadIdx.x; o < D * R; o += 256) {
-        const int a = o / R, j = o % R;
-        double acc = 0.0;
-        for (int b = 0; b < D; b++)
-            acc = __dadd_rn(acc, __dmul_rn((double)(float)__ddiv_rn((double)msum[a * D + b], cnt), (double)u[b * R + j]));
-        z[o] = (float)acc;
+    constexpr int JC = R <= 8 ? (R > 0 ? R : 1) : R % 8 == 0 ? 8 : R % 4 == 0 ? 4 : R % 2 == 0 ? 2 : 1;
+    for (int o = threadIdx.x; o < D * (R / JC); o += blockDim.x) {
+        const int a = o % D, j0 = o / D * JC;
+        const float *ma = msum + (i64)a * D;
+        double acc[JC];
+#pragma unroll
+        for (int j = 0; j < JC; j++) acc[j] = 0.0;
+        for (int b = 0; b < D; b++) {
+            const double m = (double)(float)__ddiv_rn((double)ma[b], cnt);
+#pragma unroll
+            for (int j = 0; j < JC; j++) acc[j] = __fma_rn(m, (double)u[b * R + j0 + j], acc[j]);
+        }
+#pragma unroll
+        for (int j = 0; j < JC; j++) z[a * R + j0 + j] = (float)acc[j];
     }
     __syncthreads();
 }
