@@ -324,6 +324,12 @@ static int gpu_check(const struct kvf_scheme *s) {
         return kvf_set_error(KVF_ENOTIMPL,
                              "key.psac_rank = %d: the GPU PSAC kernel needs a power of two up to 32 "
                              "(the CPU backend, KVF_DEVICE_CPU, takes any rank)", r);
+    /* kvf_qstats::eigen holds U and M U of a head in static shared memory (2 x d x r f32, within 48 KB). */
+    if (r > 0 && s->head_dim * r > 4096)
+        return kvf_set_error(KVF_ENOTIMPL,
+                             "key.psac_rank = %d with head_dim = %d: the GPU statistics kernel needs head_dim x "
+                             "psac_rank <= 4096 (the CPU backend, KVF_DEVICE_CPU, takes any rank)",
+                             r, s->head_dim);
     /* gen_encode_section and kvf_gen_roles give values the plain nearest centroid. */
     if (s->value.qsac_candidates > 1)
         return kvf_set_error(KVF_ENOTIMPL,

@@ -98,6 +98,9 @@ static void expect_gen_refused(const char *text, const char *field) {
 static void unimplemented_method_refused(void **state) {
     (void)state;
     expect_gen_refused("return { base = 'quantwm_int2', name = 'wm6', key = { psac_rank = 6 } }", "key.psac_rank = 6");
+    /* Valid and a power of two, but U and M U of a head would not fit the statistics kernel's shared memory. */
+    expect_gen_refused("return { base = 'quantwm_int2', name = 'wm32', head_dim = 256, key = { psac_rank = 32 } }",
+                       "key.psac_rank = 32 with head_dim = 256");
 }
 
 /* Values with QSAC: the CPU runs it (w = 1), the GPU encoder would take the
