@@ -622,6 +622,24 @@ static void test_psac_basis_codes(void **state) {
     }
 }
 
+/* The GPU decode's exact dot product (templates/kvf_decode.cuh, DOT_BIAS):
+ * integer sums added to the bits of the float 2^23 + 2^22 give that float plus
+ * the sum, for every sum PSAC can produce (|sum| <= 64 * 128 * 128 = 2^20),
+ * so subtracting 2^23 + 2^22 leaves the sum exactly. */
+static void test_psac_dot_bias(void **state) {
+    (void)state;
+    const uint32_t bias_bits = 0x4b400000u;
+    float bias;
+    memcpy(&bias, &bias_bits, 4);
+    assert_true(bias == 12582912.0f);
+    for (int32_t dot = -(1 << 20); dot <= (1 << 20); dot++) {
+        uint32_t u = bias_bits + (uint32_t)dot;
+        float f;
+        memcpy(&f, &u, 4);
+        if (f - bias != (float)dot) fail_msg("sum %d comes out as %.1f", dot, (double)(f - bias));
+    }
+}
+
 static void test_psac_hand(void **state) {
     (void)state;
     enum { D = 8, R = 2 };
@@ -1077,6 +1095,7 @@ int main(void) {
         cmocka_unit_test(test_update_basis),
         cmocka_unit_test(test_warm_start),
         cmocka_unit_test(test_psac_basis_codes),
+        cmocka_unit_test(test_psac_dot_bias),
         cmocka_unit_test(test_psac_hand),
         cmocka_unit_test(test_psac_lowers_error),
         cmocka_unit_test(test_psac_delta_exact),
