@@ -191,7 +191,7 @@ int main(int argc, char **argv) {
         kvf_packed_size(s, tokens, heads, &c.packed_bytes);
         CK(cuMemAlloc(&c.packed, c.packed_bytes));
         c.qs = 0;
-        if (kvf_scheme_reads_qstats(s)) { /* statistics from one chunk of queries */
+        if (kvf_scheme_reads_qstats(s)) { /* statistics of one chunk of queries, added several times (timed) */
             kvf_qstats_size(s, heads, &c.qs_bytes);
             CK(cuMemAlloc(&c.qs, c.qs_bytes));
             c.qsh = (kvf_shape){tokens < 4680 ? tokens : 4680, heads, 0, 0};

@@ -21,9 +21,9 @@ extern "C" {
 #endif
 
 #define KVF_VERSION_MAJOR 0
-#define KVF_VERSION_MINOR 1
+#define KVF_VERSION_MINOR 2
 #define KVF_VERSION_PATCH 0
-#define KVF_VERSION_STRING "0.1.0"
+#define KVF_VERSION_STRING "0.2.0"
 
 typedef enum kvf_status {
     KVF_OK = 0,

@@ -114,6 +114,8 @@ static int check_image_format(kvf_context *ctx) {
     size_t bytes = 0;
     uint32_t v = 0;
     CUresult r = ctx->cu->cuModuleGetGlobal(&p, &bytes, ctx->module, "kvf_format_version");
+    if (r != CUDA_SUCCESS && r != CUDA_ERROR_NOT_FOUND)
+        return kvf_cuda_fail(r, "cuModuleGetGlobal(kvf_format_version)", __FILE__, __LINE__, ctx->device);
     if (r != CUDA_SUCCESS || bytes != sizeof v)
         return kvf_set_error(KVF_EFORMAT,
                              "kernel image has no kvf_format_version: made by a kvforge older than packed format "

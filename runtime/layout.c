@@ -1,5 +1,5 @@
 /*
- * Packed cache layout (format version 1): plane offsets, the 64-byte header,
+ * Packed cache layout (format version 2): plane offsets, the 64-byte header,
  * shapes and strides. docs/FORMAT.md describes the bytes; this file is the
  * one place that computes them.
  */

@@ -93,8 +93,9 @@ void kvf_ref_psac_encode(const float *e, const int8_t *b, float bscale, const fl
 }
 
 /* y[c] += (f32(scale) * bscale) * sum_j coef[j] b[c][j]: the dot product is
- * an exact integer (|sum| <= 64 * 127 * 127 < 2^24, so its float is exact
- * too), added with one fma per channel. */
+ * an exact integer (|sum| <= 64 * 128 * 128 = 2^20, codes of -128 from a
+ * hostile cache included, so its float is exact too), added with one fma per
+ * channel. */
 void kvf_ref_psac_apply(float *y, const int8_t *b, float bscale, const int8_t *coef, uint16_t scale, int d, int r) {
     float s = kvf_f16_to_f32(scale);
     if (s == 0.0f) return; /* no correction stored: y untouched (keeps -0.0) */

@@ -6,7 +6,8 @@
 --                          "was 10x slower for no gain");
 --   key.psac_rank = 8      PSAC: the key error projected on the top r = 8 eigenvectors of
 --                          the queries' second-moment matrix, stored INT8 per token with
---                          the BF16 basis, kept only where it lowers e^T M e; values get none;
+--                          an INT8 basis (one scale per head), kept only where it lowers
+--                          e^T M e; values get none;
 --   scale_format = "int8_fp16"  QuantWM's storage: INT8 group scales under an FP16 scale per
 --                          token ("a group costs one byte of scale"), for keys and values;
 --   centroids 256, group 64, 2 k-means iterations: QuantWM's reproduction of QVG (SPEC.md).

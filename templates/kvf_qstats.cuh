@@ -47,7 +47,7 @@ __device__ __forceinline__ bool row_finite(const u16 *row, int part, int parts) 
 // Rows that are not finite load as zeros: their products are +0 and leave the
 // sum as it is (it starts at +0 and never becomes -0), as the CPU's skipping.
 // The staged values are f64 already (converted once per element, not once per
-// product: f32 -> f64 conversions are a sixteenth of the f64 fma rate), and
+// product: f32 -> f64 conversions run at a quarter of the f64 fma rate), and
 // fma(qa, qb, acc) is the CPU's acc + qa * qb: the product of two bf16 values
 // is exact in f64.
 template <int D>
@@ -125,8 +125,7 @@ __device__ __forceinline__ void mgs(float *z, float *red) {
 
 // z = M u with M = msum / count (f32), serial over b in channel order. One
 // thread per row a and JC columns at a time (JC independent f64 chains), so
-// M[a][b]'s f64 division runs once per row and JC columns, not once per
-// (a, j). fma is the dadd + dmul of the sum: the product of two f32 values is
+// each M[a][b] is divided once per JC columns, not once per column. fma is the dadd + dmul of the sum: the product of two f32 values is
 // exact in f64.
 template <int D, int R>
 __device__ __forceinline__ void mat_u(const float *msum, double cnt, const float *u, float *z) {

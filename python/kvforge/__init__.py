@@ -10,7 +10,7 @@ from .cache import QuantizedKVCache
 from .context import Context, device_count
 from .scheme import Scheme, SchemeInfo, builtin_schemes, load_scheme
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "KvforgeError", "LibraryNotFoundError", "library_path", "version", "QuantizedKVCache",

@@ -15,7 +15,7 @@ from conftest import PYDIR
 
 def test_library_and_version():
     assert os.path.exists(kvforge.library_path())
-    assert kvforge.version() == "0.1.0"
+    assert kvforge.version() == "0.2.0"
     assert {"rtn_int2", "rtn_int4"} <= set(kvforge.builtin_schemes())
     assert kvforge.device_count() >= 0
 
