@@ -4,7 +4,8 @@
  *
  * KVF_TEST_SMALL=1: the same tests on a few dozen tokens and 2 heads (every
  * kernel still runs, shared-memory loops included), sized for compute-sanitizer
- * racecheck; KVF_TEST_SCHEMES=a,b limits the shipped schemes. */
+ * racecheck; KVF_TEST_SCHEMES=a,b limits the shipped schemes (and runs
+ * gpu_psac_shapes' variants only when it names psac_shapes). */
 #include "testutil.h"
 #include "cuda_api.h"
 #include "jit.h"
@@ -428,11 +429,12 @@ static const run_case tiny_cases[] = {
     {1, 1, 1, 16},
 };
 
-static void run_scheme(kvf_scheme *s) {
+/* cs: 4 cases, or NULL for the default set of the scheme's kind. */
+static void run_scheme_cases(kvf_scheme *s, const run_case *cs) {
     kvf_context *gpu, *cpu;
     if (kvf_context_create(s, 0, &gpu)) fail_msg("%s: %s", kvf_scheme_id(s), kvf_last_error());
     assert_int_equal(kvf_context_create(s, KVF_DEVICE_CPU, &cpu), KVF_OK);
-    const run_case *cs = small ? tiny_cases : s->key.centroids || s->value.centroids ? small_cases : cases;
+    if (!cs) cs = small ? tiny_cases : s->key.centroids || s->value.centroids ? small_cases : cases;
     printf("%s on %s:\n", kvf_scheme_id(s), kvf_context_backend(gpu));
     for (size_t i = 0; i < 4; i++)
         for (int data = 0; data < (i == 0 ? 3 : 2); data++) compare_case(gpu, cpu, &cs[i], data, i == 0 && data == 0);
@@ -440,6 +442,8 @@ static void run_scheme(kvf_scheme *s) {
     kvf_context_destroy(gpu);
     kvf_context_destroy(cpu);
 }
+
+static void run_scheme(kvf_scheme *s) { run_scheme_cases(s, NULL); }
 
 /* KVF_TEST_SCHEMES=a,b limits the shipped schemes run (e.g. under compute-sanitizer). */
 static int selected(const char *name) {
@@ -472,6 +476,30 @@ static void gpu_rope_pre(void **state) {
     for (int i = 0; i < 2; i++) {
         kvf_scheme *s = tu_scheme_text(texts[i]);
         run_scheme(s);
+        kvf_scheme_free(s);
+    }
+}
+
+/* PSAC at the ranks and head sizes the GPU takes besides the shipped rank 8
+ * at head_dim 128: ranks below 4 (byte loads of the basis codes and
+ * coefficients), 16 and 32 (more codes held in registers), head_dim 64 and
+ * 256 (statistics tiles, basis blocks). 300 tokens: more than the 256 centroids. */
+static void gpu_psac_shapes(void **state) {
+    (void)state;
+    SKIP_WITHOUT_GPU();
+    static const run_case psac_cases[] = {{300, 2, 0, 0}, {40, 2, 1, 0}, {37, 2, 0, 8}, {1, 1, 1, 16}};
+    const char *texts[] = {
+        "return { base = 'quantwm_int2', name = 'wm_d64_r1', head_dim = 64, key = { psac_rank = 1 } }",
+        "return { base = 'quantwm_int2', name = 'wm_d64_r2', head_dim = 64, key = { psac_rank = 2 } }",
+        "return { base = 'quantwm_int2', name = 'wm_d64_r4', head_dim = 64, key = { psac_rank = 4 } }",
+        "return { base = 'quantwm_int2', name = 'wm_d64_r32', head_dim = 64, key = { psac_rank = 32 } }",
+        "return { base = 'quantwm_int2', name = 'wm_d128_r32', key = { psac_rank = 32 } }",
+        "return { base = 'quantwm_int2', name = 'wm_d256_r16', head_dim = 256, key = { psac_rank = 16 } }",
+        NULL};
+    for (int i = 0; texts[i]; i++) {
+        if (!selected("psac_shapes")) continue;
+        kvf_scheme *s = tu_scheme_text(texts[i]);
+        run_scheme_cases(s, small ? tiny_cases : psac_cases);
         kvf_scheme_free(s);
     }
 }
@@ -608,7 +636,8 @@ static void sv_fill(uint8_t *p, size_t off, size_t bytes, int what, uint64_t *s)
     for (size_t i = 0; i + step <= bytes; i += step) {
         if (what == 0) p[off + i] = (uint8_t)sv_next(s);
         else if (what == 3) {
-            uint32_t v = (uint32_t)sv_bf16(s) << 16 | (uint32_t)(sv_next(s) & 0xffffu);
+            uint32_t hi = sv_bf16(s), lo = (uint32_t)(sv_next(s) & 0xffffu); /* in this order */
+            uint32_t v = hi << 16 | lo;
             memcpy(p + off + i, &v, 4);
         } else {
             uint16_t v = what == 1 ? sv_f16(s) : sv_bf16(s);
@@ -639,6 +668,16 @@ static void sv_packed(const kvf_scheme *s, const kvf_layout *l, uint8_t *p, uint
         }
         sv_fill(p, c->basis_off, c->basis_bytes, 0, &r); /* int8 codes, -128 included */
         sv_fill(p, c->bscale_off, c->bscale_bytes, 3, &r);
+        /* Basis scales of heads 0..5 (of every 7): NaN, +Inf, the largest
+         * finite, +0, -0, the smallest subnormal; head 2's token 1 also gets
+         * the largest coefficient scale, so cs * s overflows to Inf. */
+        static const uint32_t special_scale[6] = {0x7fc00001u, 0x7f800000u, 0x7f7fffffu, 0u, 0x80000000u, 1u};
+        for (size_t h = 0; h * 4 < c->bscale_bytes; h++)
+            if (h % 7 < 6) memcpy(p + c->bscale_off + h * 4, &special_scale[h % 7], 4);
+        if (c->bscale_bytes >= 12 && l->n_tokens > 1) {
+            const uint16_t big = 0x7bff; /* 65504 */
+            memcpy(p + c->cscale_off + ((size_t)2 * l->n_tokens + 1) * 2, &big, 2);
+        }
         sv_fill(p, c->coef_off, c->coef_bytes, 0, &r);
         sv_fill(p, c->cscale_off, c->cscale_bytes, 1, &r);
         if (c->bits == 16) continue;
@@ -729,7 +768,7 @@ static void decode_special_values(void **state) {
         "return { base = 'kivi_int2', name = 'sv_sym', key = { mode = 'symmetric', bits = 4, group_size = 16 }, "
         "value = { mode = 'symmetric', bits = 8, group_size = 16 } }",
         "return { base = 'quantwm_int2', name = 'sv_wm', head_dim = 64, key = { mode = 'symmetric', bits = 8, psac_rank = 16 }, "
-        "value = { stages = 3, bits = 4 } }",
+        "value = { stages = 3, bits = 4 } }", /* 8 heads: every special basis scale (sv_packed) */
         "return { base = 'rtn_int2', name = 'sv_bf16', key = { bits = 16 }, value = { bits = 4 } }",
         NULL};
     for (const char *const *name = kvf_builtin_schemes(); *name; name++) {
@@ -741,7 +780,7 @@ static void decode_special_values(void **state) {
     }
     for (int i = 0; texts[i]; i++) {
         kvf_scheme *s = tu_scheme_text(texts[i]);
-        sv_case(s, 203, 3, 3);
+        sv_case(s, 203, i == 1 ? 8 : 3, 3);
         kvf_scheme_free(s);
     }
 }
@@ -825,6 +864,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(gpu_matches_cpu),
         cmocka_unit_test(gpu_rope_pre),
+        cmocka_unit_test(gpu_psac_shapes),
         cmocka_unit_test(gpu_qstats_nonfinite),
         cmocka_unit_test(decode_special_values),
         cmocka_unit_test(context_from_cache_and_image),
