@@ -299,6 +299,24 @@ int kvf_ref_encode(const struct kvf_scheme *s, const uint16_t *k, const uint16_t
     return rc;
 }
 
+/* Every stored centroid index below the scheme's centroid count: a corrupt
+ * cache with a larger index would read past the head's table (with fewer than
+ * 256 centroids), so it is refused before anything is written. */
+static int check_indices(const kvf_layout *L, const kvf_section_layout *l, const uint8_t *packed, const char *tensor) {
+    if (l->centroids <= 0 || l->centroids >= 256) return KVF_OK; /* every byte is a valid index */
+    for (int s = 0; s < l->stages; s++) {
+        const uint8_t *ix = packed + l->stage[s].index_off;
+        for (size_t i = 0; i < l->stage[s].index_bytes; i++)
+            if (ix[i] >= l->centroids)
+                return kvf_set_error(KVF_EFORMAT,
+                                     "packed cache is corrupt: %s stage %d, head %lld, token %lld stores centroid %d "
+                                     "of %d",
+                                     tensor, s, (long long)(i / (size_t)L->n_tokens),
+                                     (long long)(i % (size_t)L->n_tokens), ix[i], l->centroids);
+    }
+    return KVF_OK;
+}
+
 int kvf_ref_decode(const struct kvf_scheme *s, const uint8_t *packed, size_t packed_bytes,
                    const kvf_shape *shape, const int32_t *positions, uint16_t *k_out, uint16_t *v_out) {
     if (!s || !packed || !shape || !k_out || !v_out)
@@ -317,6 +335,8 @@ int kvf_ref_decode(const struct kvf_scheme *s, const uint8_t *packed, size_t pac
     if (packed_bytes < L.total_bytes)
         return kvf_set_error(KVF_ERANGE, "packed buffer is %zu bytes, its header says %zu",
                              packed_bytes, L.total_bytes);
+    if ((rc = check_indices(&L, &L.key, packed, "key")) || (rc = check_indices(&L, &L.value, packed, "value")))
+        return rc;
     section_job jk = job_of(s, &L, &sh, true), jv = job_of(s, &L, &sh, false);
     rc = decode_section(&jk, packed, rope ? positions : NULL, k_out);
     if (!rc) rc = decode_section(&jv, packed, NULL, v_out);

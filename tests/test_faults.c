@@ -316,6 +316,39 @@ static void test_zero_length_chunks(void **state) {
 }
 
 /* K and V laid out for another head_dim, or strides that overlap. */
+/* A corrupt centroid index (past a 16-centroid table) is refused by the CPU
+ * decode, naming the plane, head and token, before anything is written; the
+ * largest valid index decodes. */
+static void test_corrupt_centroid_index(void **state) {
+    (void)state;
+    kvf_scheme *s = tu_scheme_text("return { base = 'qvg_int2', name = 'qvg16', key = { centroids = 16 }, "
+                                   "value = { centroids = 16, stages = 2 } }");
+    kvf_context *ctx;
+    assert_int_equal(kvf_context_create(s, KVF_DEVICE_CPU, &ctx), KVF_OK);
+    const int64_t n = 40;
+    const int32_t h = 2;
+    uint16_t *k = synth(n, h, 11), *v = synth(n, h, 12);
+    size_t bytes;
+    uint8_t *p = encode_alone(ctx, k, v, n, h, &bytes);
+    kvf_layout L;
+    assert_int_equal(kvf_layout_compute(s, n, h, &L), KVF_OK);
+    kvf_shape sh = {n, h, 0, 0};
+    const size_t out = (size_t)n * h * D * 2;
+    uint8_t *kix = p + L.key.stage[0].index_off, *vix = p + L.value.stage[1].index_off;
+    kix[n + 7] = 15; /* the last centroid: valid */
+    gbuf ko = gb_new(out, 0), vo = gb_new(out, 0);
+    expect(kvf_decode(ctx, p, bytes, &sh, NULL, ko.p, vo.p, NULL), KVF_OK, NULL);
+    gb_free(&ko), gb_free(&vo);
+    kix[n + 7] = 16;
+    decode_fails(ctx, p, bytes, &sh, out, KVF_EFORMAT, "key stage 0, head 1, token 7 stores centroid 16 of 16");
+    kix[n + 7] = 0;
+    vix[3] = 255;
+    decode_fails(ctx, p, bytes, &sh, out, KVF_EFORMAT, "value stage 1, head 0, token 3 stores centroid 255 of 16");
+    free(p), free(k), free(v);
+    kvf_context_destroy(ctx);
+    kvf_scheme_free(s);
+}
+
 static void test_shape_mismatch(void **state) {
     fixture *fx = *state;
     const int64_t n = 6;
@@ -668,6 +701,7 @@ int main(void) {
         cmocka_unit_test(test_null_pointers),
         cmocka_unit_test(test_host_alignment),
         cmocka_unit_test(test_other_scheme_or_version),
+        cmocka_unit_test(test_corrupt_centroid_index),
         cmocka_unit_test(test_other_chunks_intact),
     };
     return cmocka_run_group_tests_name("faults", tests, setup, teardown);
