@@ -38,6 +38,35 @@ static const char *const fuzz_variant_text[2] = {
     "  value = { bits = 2, mode = 'symmetric', group_size = 256 } }\n",
 };
 
+/* Two more schemes only fuzz_packed.c reads (mkseeds.c writes their seeds): the
+ * centroid methods' planes (16 centroids, so a stored index can be out of
+ * range; two value stages), PSAC's basis codes, basis scales and
+ * coefficients, two-level int8_fp16 scales, and KIVI's groups along tokens. */
+static const char *const fuzz_packed_more_text[2] = {
+    "return { base = 'quantwm_int2', name = 'fz_cent16', head_dim = 64,\n"
+    "  key = { centroids = 16, psac_rank = 4 },\n"
+    "  value = { centroids = 16, stages = 2 } }\n",
+    "return { base = 'kivi_int2', name = 'fz_kivi' }\n",
+};
+
+/* Whether every stored centroid index of a packed cache of scheme s (n tokens,
+ * h heads, size bytes) is below the centroid count: the CPU decode refuses the
+ * cache otherwise (runtime/ref_encode.c). Planes past size count as valid. */
+static inline int fuzz_indices_ok(const kvf_scheme *s, const uint8_t *data, size_t size, int64_t n, int32_t h) {
+    kvf_layout L;
+    if (kvf_layout_compute(s, n, h, &L) != KVF_OK) return 1;
+    const kvf_section_layout *sec[2] = {&L.key, &L.value};
+    for (int t = 0; t < 2; t++) {
+        if (sec[t]->centroids <= 0 || sec[t]->centroids >= 256) continue;
+        for (int st = 0; st < sec[t]->stages; st++)
+            for (size_t i = 0; i < sec[t]->stage[st].index_bytes; i++) {
+                size_t at = sec[t]->stage[st].index_off + i;
+                if (at < size && data[at] >= sec[t]->centroids) return 0;
+            }
+    }
+    return 1;
+}
+
 /* Little-endian reads of the packed header (the targets never cast the input). */
 static inline uint32_t fuzz_le32(const uint8_t *p) {
     return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;

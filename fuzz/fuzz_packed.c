@@ -2,20 +2,22 @@
  * libFuzzer target: the packed-cache reader on arbitrary bytes. The input is a
  * whole packed cache (header and planes, packed_bytes = the input size), read
  * by kvf_packed_check and by the CPU decode (kvf_decode on a CPU context, i.e.
- * runtime/ref_quant.c) for a few fixed schemes: the shipped rtn_int2 and
- * rtn_int4, and two variants that reach the other code paths (symmetric,
- * 8 and 16 bits, head_dim 64 and 256).
+ * runtime/ref_quant.c, ref_encode.c) for a few fixed schemes: the shipped
+ * rtn_int2 and rtn_int4, two variants that reach the other RTN code paths
+ * (symmetric, 8 and 16 bits, head_dim 64 and 256), and two that reach the
+ * other methods' planes (fuzz_packed_more_text: centroids and their indices,
+ * two stages, PSAC, int8_fp16 scales, KIVI).
  *
  * The shape is the header's own when it is small, else 3 tokens x 2 heads;
  * the scheme is the one whose hash the header holds, else one picked by size.
  * Output buffers are exactly the tensor's size (ASan sees a write past them).
- * Oracles: decode fails exactly when the header check fails or the buffer is
- * too small, and then writes nothing; a decode that succeeds gives the same
+ * Oracles: decode fails exactly when the header check fails, the buffer is
+ * too small or a stored centroid index is out of range, and then writes nothing; a decode that succeeds gives the same
  * values head-major and token-major.
  */
 #include "fuzz_common.h"
 
-#define FP_SCHEMES 4
+#define FP_SCHEMES 6
 
 typedef struct fp_scheme {
     kvf_scheme *s;
@@ -28,8 +30,8 @@ static fp_scheme *fp_schemes(void) {
     if (ready) return sch;
     FUZZ_CHECK(kvf_scheme_load_builtin("rtn_int2", &sch[0].s) == KVF_OK);
     FUZZ_CHECK(kvf_scheme_load_builtin("rtn_int4", &sch[1].s) == KVF_OK);
-    for (int i = 0; i < 2; i++) {
-        const char *t = fuzz_variant_text[i];
+    for (int i = 0; i < 4; i++) {
+        const char *t = i < 2 ? fuzz_variant_text[i] : fuzz_packed_more_text[i - 2];
         FUZZ_CHECK(kvf_scheme_load_string(t, strlen(t), "=fuzz_packed", &sch[2 + i].s) == KVF_OK);
     }
     for (int i = 0; i < FP_SCHEMES; i++)
@@ -54,7 +56,9 @@ static void fp_read(const fp_scheme *f, const uint8_t *data, size_t size, int64_
     kvf_shape hm = {n, h, 0, 0};
     uint16_t *k, *v;
     int rc = fp_decode(f, data, size, &hm, elems, &k, &v);
-    FUZZ_CHECK(rc == (size < total ? KVF_ERANGE : check));
+    const int want = size < total ? KVF_ERANGE : check ? check : fuzz_indices_ok(f->s, data, size, n, h) ? KVF_OK
+                                                                                                           : KVF_EFORMAT;
+    FUZZ_CHECK(rc == want);
     if (rc != KVF_OK) {
         FUZZ_CHECK(fuzz_all_equal((uint8_t *)k, elems * 2, 0xA5));
         FUZZ_CHECK(fuzz_all_equal((uint8_t *)v, elems * 2, 0xA5));

@@ -76,14 +76,15 @@ int main(int argc, char **argv) {
     char packed[900], roundtrip[900];
     snprintf(packed, sizeof packed, "%s/packed", argv[1]);
     snprintf(roundtrip, sizeof roundtrip, "%s/roundtrip", argv[1]);
-    kvf_scheme *s[4];
+    kvf_scheme *s[6];
     if (kvf_scheme_load_builtin("rtn_int2", &s[0]) || kvf_scheme_load_builtin("rtn_int4", &s[1]))
         die("builtin");
-    for (int i = 0; i < 2; i++)
-        if (kvf_scheme_load_string(fuzz_variant_text[i], strlen(fuzz_variant_text[i]), "=fuzz_packed", &s[2 + i]))
-            die("variant");
+    for (int i = 0; i < 4; i++) {
+        const char *t = i < 2 ? fuzz_variant_text[i] : fuzz_packed_more_text[i - 2];
+        if (kvf_scheme_load_string(t, strlen(t), "=fuzz_packed", &s[2 + i])) die("variant");
+    }
     static const struct { int64_t n; int32_t h; } shapes[] = {{1, 1}, {3, 2}, {17, 3}, {64, 2}};
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < 6; i++)
         for (size_t j = 0; j < sizeof shapes / sizeof shapes[0]; j++)
             if (s[i]->head_dim * shapes[j].n * shapes[j].h <= 128 * 64 * 2)
                 packed_seed(packed, s[i], shapes[j].n, shapes[j].h, 100 + j);
@@ -91,6 +92,6 @@ int main(int argc, char **argv) {
     roundtrip_seed(roundtrip, "rtn_int4_1x1_special", 1, 1, 1, 128, 1);
     roundtrip_seed(roundtrip, "sym_d64_3x2_special", 2, 3, 2, 64, 1);
     roundtrip_seed(roundtrip, "bf16_d256_1x1_special", 3, 1, 1, 256, 1);
-    for (int i = 0; i < 4; i++) kvf_scheme_free(s[i]);
+    for (int i = 0; i < 6; i++) kvf_scheme_free(s[i]);
     return 0;
 }
