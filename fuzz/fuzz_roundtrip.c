@@ -1,26 +1,29 @@
 /*
  * libFuzzer target: the CPU encoder on arbitrary BF16 values (NaN, Inf,
  * subnormals, signed zeros: docs/FORMAT.md "Special values"), then the
- * decoder. Bytes 0-2 pick the scheme (as fuzz_packed.c's), the tokens (1..8)
- * and heads (1..4); the rest are the K then V values, repeated as needed.
+ * decoder. Bytes 0-2 pick the scheme (fuzz_packed.c's RTN four, then its
+ * 16-centroid QuantWM variant: k-means, two stages, int8_fp16 scales; PSAC
+ * stays off without query statistics), the tokens (1..8) and heads (1..4);
+ * the rest are the K then V values, repeated as needed.
  *
  * Oracles: encode succeeds and writes a header kvf_packed_check accepts and
  * nothing past the packed size; encoding twice gives the same bytes; decode
  * succeeds; 16-bit sections come back bit for bit; a group of finite values
- * of magnitude <= 60000 decodes to finite values.
+ * of magnitude <= 60000 decodes to finite values (with centroids, whose
+ * means mix tokens: when every value of the section is).
  */
 #include "fuzz_common.h"
 
 #include <math.h>
 
-#define FR_SCHEMES 4
+#define FR_SCHEMES 5
 
 static kvf_context *fr_contexts(int i) {
     static kvf_context *ctx[FR_SCHEMES];
     if (!ctx[0]) {
         for (int j = 0; j < FR_SCHEMES; j++) {
             kvf_scheme *s = NULL;
-            const char *t = j >= 2 ? fuzz_variant_text[j - 2] : NULL;
+            const char *t = j >= 4 ? fuzz_packed_more_text[0] : j >= 2 ? fuzz_variant_text[j - 2] : NULL;
             int rc = t ? kvf_scheme_load_string(t, strlen(t), "=fuzz", &s)
                        : kvf_scheme_load_builtin(j ? "rtn_int4" : "rtn_int2", &s);
             FUZZ_CHECK(rc == KVF_OK);
@@ -31,21 +34,27 @@ static kvf_context *fr_contexts(int i) {
     return ctx[i];
 }
 
-/* Finite in, finite out, for each group of a quantized section. */
+static int fr_tame(const uint16_t *x, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        float f = kvf_bf16_to_f32(x[i]);
+        if (!isfinite(f) || fabsf(f) > 60000.0f) return 0;
+    }
+    return 1;
+}
+
+/* Finite in, finite out, for each group of a quantized section (with
+ * centroids: for the whole section, as a centroid is a mean over tokens). */
 static void fr_check_section(const kvf_tensor_cfg *c, int d, const uint16_t *x, const uint16_t *y,
                              size_t rows) {
     if (c->bits == 16) {
         FUZZ_CHECK(!memcmp(x, y, rows * (size_t)d * 2));
         return;
     }
+    const int all_tame = fr_tame(x, rows * (size_t)d);
     for (size_t r = 0; r < rows; r++)
         for (int g0 = 0; g0 < d; g0 += c->group_size) {
             const uint16_t *xg = x + r * (size_t)d + g0, *yg = y + r * (size_t)d + g0;
-            int tame = 1;
-            for (int i = 0; i < c->group_size && tame; i++) {
-                float f = kvf_bf16_to_f32(xg[i]);
-                tame = isfinite(f) && fabsf(f) <= 60000.0f;
-            }
+            const int tame = c->centroids ? all_tame : fr_tame(xg, (size_t)c->group_size);
             for (int i = 0; tame && i < c->group_size; i++)
                 FUZZ_CHECK(isfinite(kvf_bf16_to_f32(yg[i])));
         }

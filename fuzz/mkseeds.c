@@ -92,6 +92,8 @@ int main(int argc, char **argv) {
     roundtrip_seed(roundtrip, "rtn_int4_1x1_special", 1, 1, 1, 128, 1);
     roundtrip_seed(roundtrip, "sym_d64_3x2_special", 2, 3, 2, 64, 1);
     roundtrip_seed(roundtrip, "bf16_d256_1x1_special", 3, 1, 1, 256, 1);
+    roundtrip_seed(roundtrip, "cent16_d64_8x2", 4, 8, 2, 64, 0);
+    roundtrip_seed(roundtrip, "cent16_d64_3x2_special", 4, 3, 2, 64, 1);
     for (int i = 0; i < 6; i++) kvf_scheme_free(s[i]);
     return 0;
 }
