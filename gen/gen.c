@@ -94,18 +94,25 @@ static int template_group(const kvf_tensor_cfg *c) { return c->bits == 16 ? 8 : 
 /* Stage 0 reads the BF16 input itself (no rotation, one stage). */
 static int reads_bf16(const kvf_tensor_cfg *c) { return c->rotation != KVF_ROTATION_HADAMARD && c->stages == 1; }
 
-/* KVF_KMEANS_KERNELS' template arguments of a section, QSAC's aside. */
-static int same_kmeans_args(const kvf_tensor_cfg *a, const kvf_tensor_cfg *b) {
-    return a->rotation == b->rotation && template_group(a) == template_group(b) && a->bits == b->bits &&
-           a->mode == b->mode && a->scale_format == b->scale_format && a->centroids == b->centroids &&
-           reads_bf16(a) == reads_bf16(b);
+static const char *mode_macro(int mode) {
+    return mode == KVF_MODE_SYMMETRIC ? "KVF_MODE_SYMMETRIC" : "KVF_MODE_AFFINE";
+}
+
+static const char *sfmt_macro(int f) { return f == KVF_SCALE_INT8_FP16 ? "KVF_SCALE_INT8_FP16" : "KVF_SCALE_FP16"; }
+
+/* KVF_KMEANS_KERNELS' arguments after the prefix, with QSAC = qsac. */
+static void kmeans_args(const struct kvf_scheme *s, const kvf_tensor_cfg *c, int qsac, char *buf, size_t len) {
+    snprintf(buf, len, "%d, %d, %d, %d, %d, %s, %s, %d, %d", s->head_dim, c->rotation == KVF_ROTATION_HADAMARD,
+             template_group(c), qsac, c->bits, mode_macro(c->mode), sfmt_macro(c->scale_format), c->centroids,
+             reads_bf16(c));
 }
 
 int kvf_gen_kmeans_owner(const struct kvf_scheme *s, int t) {
-    return t && kvf_section_path(&s->key) == 'B' && kvf_section_path(&s->value) == 'B' &&
-                   same_kmeans_args(&s->key, &s->value)
-               ? 0
-               : t;
+    char a[160], b[160];
+    if (!t || kvf_section_path(&s->key) != 'B' || kvf_section_path(&s->value) != 'B') return t;
+    kmeans_args(s, &s->key, 1, a, sizeof a); /* QSAC aside: values never run it */
+    kmeans_args(s, &s->value, 1, b, sizeof b);
+    return strcmp(a, b) ? t : 0;
 }
 
 int kvf_gen_role_kernel(const struct kvf_scheme *s, int role) {
@@ -137,12 +144,6 @@ static void upper_id(const struct kvf_scheme *s, char *buf, size_t len) {
     snprintf(buf, len, "KVF_%s", s->id);
     for (char *p = buf; *p; p++) *p = (char)toupper((unsigned char)*p);
 }
-
-static const char *mode_macro(int mode) {
-    return mode == KVF_MODE_SYMMETRIC ? "KVF_MODE_SYMMETRIC" : "KVF_MODE_AFFINE";
-}
-
-static const char *sfmt_macro(int f) { return f == KVF_SCALE_INT8_FP16 ? "KVF_SCALE_INT8_FP16" : "KVF_SCALE_FP16"; }
 
 static const char *rope_macro(const struct kvf_scheme *s, int is_key) {
     if (!is_key || s->rope.placement != KVF_ROPE_PRE) return "KVF_ROPE_NONE";
@@ -176,10 +177,8 @@ static void gen_encode_section(kvf_buf *b, const struct kvf_scheme *s, int t) {
             kvf_buf_printf(b, "// value section: the key section's k-means kernels (same template arguments)\n");
             break;
         }
-        kvf_buf_printf(b, "KVF_KMEANS_KERNELS(kvf_%s_%c, %d, %d, %d, %d, %d, %s, %s, %d, %d)\n", s->id,
-                       t ? 'v' : 'k', s->head_dim, c->rotation == KVF_ROTATION_HADAMARD, g,
-                       t ? 1 : c->qsac_candidates, c->bits, mode_macro(c->mode), sfmt_macro(c->scale_format),
-                       c->centroids, bf);
+        kmeans_args(s, c, t ? 1 : c->qsac_candidates, name, sizeof name);
+        kvf_buf_printf(b, "KVF_KMEANS_KERNELS(kvf_%s_%c, %s)\n", s->id, t ? 'v' : 'k', name);
         if (t == 0 && c->qsac_candidates > 1) /* kvf_gen_roles' KVF_R_K_ASSIGN_QSAC */
             kvf_buf_printf(b, "KVF_KMEANS_QSAC_KERNEL(kvf_%s_k, %d, %d, %d, %d)\n", s->id, s->head_dim, g,
                            c->qsac_candidates, bf);

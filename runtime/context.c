@@ -601,7 +601,7 @@ int kvf_decode(kvf_context *ctx, const void *packed, size_t packed_bytes, const 
     for (int t = 0; t < 2 && rc == KVF_OK; t++) {
         /* Tokens per block: BLOCK / (d/8) rows x 4 (kvf_decode::tiling's
          * largest rows per thread; where it takes 2 a block loops twice), and
-         * 4 such tiles with PSAC (each thread then converts its head's basis
+         * 4 such tiles with PSAC (each thread then loads its head's basis codes
          * once for all of them). The kernel loops over tiles x, x + gridDim.x,
          * ... of its own size, so this only tunes speed; it keeps gridDim.x
          * x tile below 2^32 for the kernel's u32 token math. */

@@ -81,10 +81,6 @@ __device__ __forceinline__ u32 opaque(u32 v) {
     asm("mov.b32 %0, %0;" : "+r"(v));
     return v;
 }
-__device__ __forceinline__ float opaque(float v) {
-    asm("mov.b32 %0, %0;" : "+f"(v));
-    return v;
-}
 
 // A lane-row's codes: 8 x BITS bits (hi: the upper word at BITS = 8).
 struct code_word { u32 lo, hi; };
@@ -170,10 +166,10 @@ __device__ __forceinline__ void store_row(u16 *dst, const float y[8]) {
     kvf_st16(dst, w[0], w[1], w[2], w[3]);
 }
 
-// The signed byte k of w (k = 0..3) as a float, exactly: w ^ 0x80808080
-// holds b + 128 in 0..255, 2^23 + that minus (2^23 + 128) is b.
-__device__ __forceinline__ float int8_float(u32 w_biased, int k) {
-    return __fsub_rn(kvf_magic((w_biased >> (8 * k)) & 0xffu), MAGIC + 128.0f);
+// The signed low byte b of w as a float, exactly: w ^ 0x80 holds b + 128 in
+// its low byte (0..255), 2^23 + that minus (2^23 + 128) is b.
+__device__ __forceinline__ float int8_float(u32 w_biased) {
+    return __fsub_rn(kvf_magic(w_biased & 0xffu), MAGIC + 128.0f);
 }
 
 // Eight bf16 values (one 16-byte load, lowest channel in the low half of .x) as f32.
@@ -186,17 +182,17 @@ __device__ __forceinline__ void bf16x8_to_f32(uint4 w, float *out) {
     }
 }
 
-// Word k of channel i of a lane's PSAC basis codes (8 channels x R int8,
-// contiguous): codes 4k .. 4k+3 of the channel, lowest in the low byte, zero
-// past R. With R % 4 == 0 one aligned 32-bit load (the plane is 256-byte
-// aligned and each channel starts at a multiple of R).
+// Word k of a row of R int8 PSAC codes (a channel's basis codes, or a
+// token's coefficients): codes 4k .. 4k+3, lowest in the low byte, zero past
+// R. With R % 4 == 0 one aligned 32-bit load (the planes are 256-byte aligned
+// and each row starts at a multiple of R).
 template <int R>
-__device__ __forceinline__ u32 basis_word(const u8 *b, int i, int k) {
-    if (R % 4 == 0) return kvf_ldg_u32(b + i * R + 4 * k);
+__device__ __forceinline__ u32 int8_word(const u8 *p, int k) {
+    if (R % 4 == 0) return kvf_ldg_u32(p + 4 * k);
     u32 w = 0;
 #pragma unroll
     for (int e = 0; e < 4; e++)
-        if (4 * k + e < R) w |= kvf_ldg_u8(b + i * R + 4 * k + e) << (8 * e);
+        if (4 * k + e < R) w |= kvf_ldg_u8(p + 4 * k + e) << (8 * e);
     return w;
 }
 
@@ -217,7 +213,6 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
     constexpr int CB = D * BITS / 8; // code bytes per row (bits 16: the bf16 row)
     constexpr int QMAX = (1 << (BITS < 16 ? BITS - 1 : 1)) - 1;
     constexpr int R = PSAC_R > 0 ? PSAC_R : 1, CW = (R + 3) / 4;
-    constexpr bool REG_BASIS = PSAC_R > 0 && PSAC_R <= 32; // basis codes in registers (8 x CW words)
     static_assert(R <= 64, "PSAC's dot product must stay below 2^22 (DOT_BIAS)");
     constexpr int SCALE_BYTES = SFMT == KVF_SCALE_FP16 ? 2 : 1;
     static_assert(D % 8 == 0 && LPR <= 32 && BLOCK % LPR == 0, "row shape");
@@ -243,12 +238,12 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
     // contiguous (8R bytes); with R <= 32 loaded once per thread, opaque to
     // NVVM, which otherwise sinks the loads back into the row loop.
     const u8 *const basis_h = opaque(packed + p.basis + ((u64)h * D + lane * 8) * R);
-    u32 ubw[REG_BASIS ? 8 * CW : 1];
-    if (REG_BASIS) {
+    u32 ubw[8 * CW];
+    if (PSAC_R) {
 #pragma unroll
         for (int i = 0; i < 8; i++)
 #pragma unroll
-            for (int k = 0; k < CW; k++) ubw[i * CW + k] = opaque(basis_word<R>(basis_h, i, k));
+            for (int k = 0; k < CW; k++) ubw[i * CW + k] = opaque(int8_word<R>(basis_h + i * R, k));
     }
     const float bscale = PSAC_R ? __uint_as_float(kvf_ldg_u32(packed + p.bscale + (u64)h * 4)) : 0.0f;
 
@@ -324,14 +319,8 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
                             coefw[u][k] = w.x;
                             coefw[u][k + 1] = w.y;
                         }
-                    } else if (PSAC_R % 4 == 0) {
-                        coefw[u][k] = kvf_ldg_u32(cp + 4 * k);
                     } else {
-                        u32 w = 0;
-#pragma unroll
-                        for (int b = 0; b < 4; b++)
-                            if (4 * k + b < PSAC_R) w |= kvf_ldg_u8(cp + 4 * k + b) << (8 * b);
-                        coefw[u][k] = w;
+                        coefw[u][k] = int8_word<R>(cp, k);
                     }
                 }
             }
@@ -401,7 +390,7 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
                 // (m - 2^23) - z * 2^P = (q - z) * 2^P, one fma, exact (an
                 // integer times 2^P below 2^24 in magnitude).
                 const float S = __fmul_rn(kvf_f16_to_f32((u16)ts[u]), __fsub_rn(kvf_magic(sc[u] & 0xffu), MAGIC));
-                const float zf = MODE == KVF_MODE_AFFINE ? int8_float(zr[u] ^ 0x80u, 0) : (float)QMAX;
+                const float zf = MODE == KVF_MODE_AFFINE ? int8_float(zr[u] ^ 0x80u) : (float)QMAX;
 #pragma unroll
                 for (int i = 0; i < 8; i++) {
                     const int P = code_pos(BITS, i);
@@ -437,7 +426,7 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
                         int acc = DOT_BIAS_BITS;
 #pragma unroll
                         for (int w = 0; w < CW; w++)
-                            acc = __dp4a((int)coefw[u][w], (int)(REG_BASIS ? ubw[i * CW + w] : basis_word<R>(basis_h, i, w)), acc);
+                            acc = __dp4a((int)coefw[u][w], (int)ubw[i * CW + w], acc);
                         y[i] = __fmaf_rn(k, __fsub_rn(__int_as_float(acc), DOT_BIAS), y[i]);
                     }
                 }

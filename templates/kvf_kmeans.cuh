@@ -321,7 +321,7 @@ __device__ __forceinline__ void filter(bool lo, const u32 (&ah)[D / 16][4], cons
 
 // One block per (head, WARPS x 16 tokens). M = 1: nearest centroid; M > 1:
 // QSAC over the M nearest by the weighted distance (weights[h][D], or ones).
-// stats (optional, [4]): tokens, candidates scored in f64, full scans, second filters.
+// stats (optional, [4]): tokens, candidates, full scans, second filters.
 template <int D, int G, int M, bool BF>
 __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64 hs, int n_tokens, int c_eff,
                                        const u16 *__restrict__ cent, int c_alloc, int *idx_ws, u8 *idx_plane,

@@ -23,8 +23,7 @@ __device__ __forceinline__ void basis(const u8 *qs, kvf_qstats::layout l, u8 *pa
     float m = 0.0f;
     if (u)
         for (int i = threadIdx.x; i < N; i += blockDim.x) m = fmaxf(m, fabsf(u[i]));
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    m = kvf_group_max<32>(m);
     if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = m;
     __syncthreads();
     for (int w = 0; w < (int)blockDim.x / 32; w++) m = fmaxf(m, warp_max[w]);

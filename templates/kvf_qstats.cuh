@@ -125,11 +125,11 @@ __device__ __forceinline__ void mgs(float *z, float *red) {
 
 // z = M u with M = msum / count (f32), serial over b in channel order. One
 // thread per row a and JC columns at a time (JC independent f64 chains), so
-// each M[a][b] is divided once per JC columns, not once per column. fma is the dadd + dmul of the sum: the product of two f32 values is
-// exact in f64.
+// each M[a][b] is divided once per JC columns, not once per column. fma is
+// the dadd + dmul of the sum: the product of two f32 values is exact in f64.
 template <int D, int R>
 __device__ __forceinline__ void mat_u(const float *msum, double cnt, const float *u, float *z) {
-    constexpr int JC = R <= 8 ? (R > 0 ? R : 1) : R % 8 == 0 ? 8 : R % 4 == 0 ? 4 : R % 2 == 0 ? 2 : 1;
+    constexpr int JC = R <= 0 ? 1 : R < 8 ? R : 8;
     for (int o = threadIdx.x; o < D * (R / JC); o += blockDim.x) {
         const int a = o % D, j0 = o / D * JC;
         const float *ma = msum + (i64)a * D;
