@@ -276,6 +276,10 @@ static int check_device_args(const void *a, const void *b, const void *packed, c
     if (sh->n_tokens > INT32_MAX || (int64_t)sh->n_tokens * sh->n_heads > (int64_t)INT32_MAX * BLOCK / 32)
         return kvf_set_error(KVF_EINVAL, "%s: %lld tokens x %d heads is too large for one launch", fn,
                              (long long)sh->n_tokens, sh->n_heads);
+    /* The kernels take the head from grid y or z (k-means, PSAC, decode, query
+     * statistics): checked before any of them writes. */
+    if (sh->n_heads > 65535)
+        return kvf_set_error(KVF_EINVAL, "%s: %d heads: the GPU kernels take at most 65535", fn, sh->n_heads);
     return KVF_OK;
 }
 
@@ -289,9 +293,6 @@ static int prepare(const kvf_context *ctx, const void *a, const void *b, const v
     if (packed_bytes < l->total_bytes)
         return kvf_set_error(KVF_ERANGE, "%s: packed buffer has %zu bytes, %lld tokens x %d heads need %zu", fn,
                              packed_bytes, (long long)sh->n_tokens, sh->n_heads, l->total_bytes);
-    /* The GPU kernels take the head from grid y (k-means, PSAC, decode): before any of them writes. */
-    if (ctx->device != KVF_DEVICE_CPU && sh->n_heads > 65535)
-        return kvf_set_error(KVF_EINVAL, "%s: %d heads: the GPU kernels take at most 65535 (grid y)", fn, sh->n_heads);
     if (ctx->device != KVF_DEVICE_CPU) return check_device_args(a, b, packed, sh, fn);
     /* The CPU reads and writes BF16 elements as uint16_t: they must be 2-byte
      * aligned (any other alignment, and any stride, is fine; packed is bytes). */
@@ -515,7 +516,7 @@ static int encode_workspace(kvf_context *ctx, int t, const void *x, const kvf_sh
     void *a_p[] = {(void *)&ws.e, &n, &qs, &q, &packed, &basis_off, &bscale_off, &coef_off, &cscale_off};
     /* One block per head (kvf_psac::basis: the head's maximum, then its codes). */
     if ((rc = launch(ctx, KVF_R_PSAC_BASIS, (unsigned)nh, a_b, stream))) return rc;
-    /* Grid (token blocks, heads: at most 65535, prepare), kvf_psac::ENCODE_ROWS threads: one per token. */
+    /* Grid (token blocks, heads: at most 65535, check_device_args), kvf_psac::ENCODE_ROWS threads: one a token. */
     return launch3(ctx, KVF_R_PSAC_ENCODE, blocks_for(n, PSAC_ROWS), (unsigned)nh, 1, PSAC_ROWS, 0, a_p, stream);
 }
 
@@ -592,7 +593,8 @@ int kvf_decode(kvf_context *ctx, const void *packed, size_t packed_bytes, const 
                              ctx->scheme->name);
     if (ctx->device == KVF_DEVICE_CPU)
         return kvf_ref_decode(ctx->scheme, packed, packed_bytes, &sh, positions, k_out, v_out);
-    /* Grid (token tiles, heads): blockIdx.y is the head (templates/kvf_decode.cuh; at most 65535, prepare). */
+    /* Grid (token tiles, heads): blockIdx.y is the head (templates/kvf_decode.cuh;
+     * at most 65535, check_device_args). */
     int n_tokens = (int)sh.n_tokens, n_heads = sh.n_heads;
     void *dst[2] = {k_out, v_out};
     const kvf_section_layout *sec[2] = {&l.key, &l.value};
@@ -640,11 +642,14 @@ int kvf_qstats_init(kvf_context *ctx, void *qstats, size_t bytes, int32_t n_kv_h
 static int qstats_update_device(kvf_context *ctx, void *qstats, size_t bytes, const void *q, const kvf_shape *q_shape,
                                 void *stream) {
     /* The KV head count is the buffer's: its header, checked on a host copy
-     * as kvf_qstats_check checks a host buffer (a blocking read). */
+     * as kvf_qstats_check checks a host buffer (a blocking read). The caller's
+     * stream is drained first: cuMemcpyDtoH runs on the legacy stream, which
+     * does not wait for a non-blocking stream's kvf_qstats_init or update. */
     _Alignas(16) uint32_t hdr[16];
     _Static_assert(sizeof hdr == 64, "the qstats header (METHODS.md 4)");
-    CUresult r = bytes < sizeof hdr ? CUDA_SUCCESS
-                                    : ctx->cu->cuMemcpyDtoH(hdr, (CUdeviceptr)(uintptr_t)qstats, sizeof hdr);
+    CUresult r = ctx->cu->cuStreamSynchronize((CUstream)stream);
+    if (r != CUDA_SUCCESS) return kvf_cuda_fail(r, "cuStreamSynchronize(stream)", __FILE__, __LINE__, ctx->device);
+    r = bytes < sizeof hdr ? CUDA_SUCCESS : ctx->cu->cuMemcpyDtoH(hdr, (CUdeviceptr)(uintptr_t)qstats, sizeof hdr);
     if (r != CUDA_SUCCESS) return kvf_cuda_fail(r, "cuMemcpyDtoH(qstats header)", __FILE__, __LINE__, ctx->device);
     int rc = kvf_qstats_check(ctx->scheme, hdr, bytes, 0);
     if (rc) return kvf_wrap_error(rc, "kvf_qstats_update");

@@ -67,6 +67,7 @@ static int load_cuda_locked(void) {
     SYM(lib, a, cuEventRecord, "cuEventRecord");
     SYM(lib, a, cuEventSynchronize, "cuEventSynchronize");
     SYM(lib, a, cuEventElapsedTime, "cuEventElapsedTime_v2");
+    SYM(lib, a, cuStreamSynchronize, "cuStreamSynchronize");
     CUresult r = a->cuInit(0);
     if (r == CUDA_ERROR_NO_DEVICE) {
         snprintf(cuda_msg, sizeof cuda_msg, "no CUDA device: cuInit(0) returned CUDA_ERROR_NO_DEVICE");

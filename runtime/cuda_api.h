@@ -40,6 +40,7 @@ typedef struct kvf_cuda_api {
     CUresult (*cuEventRecord)(CUevent, CUstream);
     CUresult (*cuEventSynchronize)(CUevent);
     CUresult (*cuEventElapsedTime)(float *, CUevent, CUevent);
+    CUresult (*cuStreamSynchronize)(CUstream);
 } kvf_cuda_api;
 
 typedef struct kvf_nvrtc_api {
