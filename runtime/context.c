@@ -12,7 +12,8 @@
  * shared bytes, threads and tokens per block of the plain and the QSAC
  * assignment, whether stage 0 reads the BF16 input, the residual's rows per
  * thread. */
-enum { AC_SMEM, AC_SMEM_QSAC, AC_THREADS, AC_THREADS_QSAC, AC_TOKENS, AC_TOKENS_QSAC, AC_BF16_SOURCE, AC_RES_ROWS };
+enum { AC_SMEM, AC_SMEM_QSAC, AC_THREADS, AC_THREADS_QSAC, AC_TOKENS, AC_TOKENS_QSAC, AC_BF16_SOURCE, AC_RES_ROWS,
+       AC_COUNT };
 
 struct kvf_context {
     struct kvf_scheme *scheme;
@@ -25,7 +26,7 @@ struct kvf_context {
     CUmodule module;
     CUfunction fn[KVF_ROLE_COUNT]; /* NULL where the scheme has no such kernel */
     int sms;                       /* multiprocessors (sizes the k-means assignment grid) */
-    int assign_cfg[2][8];          /* per section: kvf_kmeans assign_cfg, indexed by AC_* */
+    int assign_cfg[2][AC_COUNT];   /* per section: kvf_kmeans assign_cfg, indexed by AC_* */
     CUdeviceptr ws;                /* workspace of the k-means/PSAC path, grown on demand */
     size_t ws_bytes;
 };

@@ -129,12 +129,10 @@ static void place_quant(placer *p, const kvf_section_layout *l, size_t rows, siz
     }
 }
 
-/* The planes of one stage (METHODS.md section 7), in their order: the
- * quantized planes for stage 0 only (the last residual is quantized into
- * them, METHODS.md 1), then the stage's centroid indices and centroids. */
-static void place_stage(placer *p, const kvf_section_layout *l, size_t rows, size_t heads,
-                        int head_dim, kvf_stage_layout *st, bool quant) {
-    if (quant) place_quant(p, l, rows, heads, head_dim, st);
+/* A stage's centroid indices and centroids (METHODS.md section 7; stage 0's
+ * come after its quantized planes, into which the last residual goes). */
+static void place_centroids(placer *p, const kvf_section_layout *l, size_t rows, size_t heads, int head_dim,
+                            kvf_stage_layout *st) {
     if (l->centroids > 0) { /* 0 at bits 16 */
         place(p, rows, 1, &st->index_off, &st->index_bytes);
         place(p, heads * (size_t)l->centroids, (size_t)head_dim * 2, &st->centroids_off,
@@ -162,7 +160,8 @@ static void place_section(placer *p, const kvf_tensor_cfg *c, int head_dim, int6
     l->psac_rank = q ? c->psac_rank : 0;
     l->rotation = q ? c->rotation : KVF_ROTATION_NONE; /* BF16 is kept as it is */
     l->code_bytes_per_token = (size_t)head_dim * (size_t)c->bits / 8;
-    for (int s = 0; s < l->stages; s++) place_stage(p, l, rows, heads, head_dim, &l->stage[s], s == 0);
+    place_quant(p, l, rows, heads, head_dim, &l->stage[0]);
+    for (int s = 0; s < l->stages; s++) place_centroids(p, l, rows, heads, head_dim, &l->stage[s]);
     if (l->psac_rank > 0) {
         size_t r = (size_t)l->psac_rank;
         place(p, heads * (size_t)head_dim, r, &l->basis_off, &l->basis_bytes);

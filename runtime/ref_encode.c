@@ -14,7 +14,9 @@
 
 /* ------------------------------------------------------------ work space */
 
-/* Buffers of one head: f32 [n][d] planes and the k-means results. */
+/* Buffers of one head: f32 [n][d] planes and the k-means results. Encode
+ * uses all but y and rhat, which only PSAC's error needs; decode uses y and
+ * rhat alone. The others stay NULL. */
 typedef struct head_buf {
     float *x0;       /* the input (rotated): E = x0 - y for PSAC */
     float *e;        /* stage input e_s */
@@ -31,13 +33,23 @@ static void head_buf_free(head_buf *b) {
     memset(b, 0, sizeof *b);
 }
 
-static int head_buf_alloc(head_buf *b, int64_t n, int d, int centroids) {
+enum { HB_ENCODE = 1, HB_DECODE_SUM = 2 }; /* head_buf_alloc's parts */
+
+static int head_buf_alloc(head_buf *b, int64_t n, int d, int centroids, int parts) {
     size_t nd = (size_t)n * (size_t)d * sizeof(float);
     memset(b, 0, sizeof *b);
-    b->x0 = malloc(nd), b->e = malloc(nd), b->y = malloc(nd), b->r = malloc(nd), b->rhat = malloc(nd);
-    b->cent = malloc((size_t)(centroids > 0 ? centroids : 1) * (size_t)d * 2);
-    b->w = malloc((size_t)d * sizeof(float));
-    if (b->x0 && b->e && b->y && b->r && b->rhat && b->cent && b->w) return KVF_OK;
+    int ok = 1;
+    if (parts & HB_ENCODE) {
+        b->x0 = malloc(nd), b->e = malloc(nd), b->r = malloc(nd);
+        b->cent = malloc((size_t)(centroids > 0 ? centroids : 1) * (size_t)d * 2);
+        b->w = malloc((size_t)d * sizeof(float));
+        ok = b->x0 && b->e && b->r && b->cent && b->w;
+    }
+    if (parts & HB_DECODE_SUM) {
+        b->y = malloc(nd), b->rhat = malloc(nd);
+        ok = ok && b->y && b->rhat;
+    }
+    if (ok) return KVF_OK;
     head_buf_free(b);
     return kvf_set_error(KVF_ENOMEM, "CPU reference: out of memory for %lld tokens", (long long)n);
 }
@@ -205,7 +217,8 @@ static int encode_section(const section_job *j, const uint16_t *x, const void *q
         return KVF_OK;
     }
     head_buf b;
-    int rc = head_buf_alloc(&b, j->L->n_tokens, j->L->head_dim, j->l->centroids);
+    int rc = head_buf_alloc(&b, j->L->n_tokens, j->L->head_dim, j->l->centroids,
+                            HB_ENCODE | (j->l->psac_rank > 0 ? HB_DECODE_SUM : 0));
     for (int32_t h = 0; !rc && h < j->L->n_heads; h++) rc = encode_head(j, x, h, qstats, &b, packed);
     head_buf_free(&b);
     return rc;
@@ -215,11 +228,9 @@ static int encode_section(const section_job *j, const uint16_t *x, const void *q
 
 /* PSAC correction, inverse rotation, RoPE, BF16 out, for every token of head h. */
 static void finish_head(const section_job *j, int32_t h, const uint8_t *packed, const int32_t *pos,
-                        head_buf *b, uint16_t *out) {
+                        const float *inv, const int *axis, head_buf *b, uint16_t *out) {
     const kvf_section_layout *l = j->l;
-    int d = j->L->head_dim, r = l->psac_rank, axes = kvf_rope_sections(j->s, NULL), axis[KVF_REF_MAX_DIM / 2];
-    float inv[KVF_REF_MAX_DIM / 2];
-    if (pos) kvf_ref_rope_table(d, &j->s->rope, inv, axis);
+    int d = j->L->head_dim, r = l->psac_rank, axes = kvf_rope_sections(j->s, NULL);
     const int8_t *basis = r > 0 ? (const int8_t *)(packed + l->basis_off + (size_t)h * (size_t)d * (size_t)r) : NULL;
     const float bscale = r > 0 ? kvf_get_f32(packed + l->bscale_off + (size_t)h * 4) : 0.0f;
     for (int64_t t = 0; t < j->L->n_tokens; t++) {
@@ -240,11 +251,15 @@ static int decode_section(const section_job *j, const uint8_t *packed, const int
         bf16_decode(j, packed, pos, out);
         return KVF_OK;
     }
+    /* RoPE's frequencies and axes depend on the channel only: once per section. */
+    int axis[KVF_REF_MAX_DIM / 2];
+    float inv[KVF_REF_MAX_DIM / 2];
+    if (pos) kvf_ref_rope_table(j->L->head_dim, &j->s->rope, inv, axis);
     head_buf b;
-    int rc = head_buf_alloc(&b, j->L->n_tokens, j->L->head_dim, 0);
+    int rc = head_buf_alloc(&b, j->L->n_tokens, j->L->head_dim, 0, HB_DECODE_SUM);
     for (int32_t h = 0; !rc && h < j->L->n_heads; h++) {
         sum_stages(j, h, packed, &b);
-        finish_head(j, h, packed, pos, &b, out);
+        finish_head(j, h, packed, pos, inv, axis, &b, out);
     }
     head_buf_free(&b);
     return rc;

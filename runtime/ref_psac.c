@@ -9,7 +9,7 @@
 #include <math.h>
 #include <string.h>
 
-#define PSAC_MAX_RANK 1024
+#define PSAC_MAX_RANK 64 /* the scheme loader's bound on psac_rank (scheme.c) */
 
 /* The stored basis: one scale per head, s = max |u| / 127 (f32; NaN entries
  * left out of the maximum), codes b = clamp(rintf(u / s), -127, 127) (NaN: 0).

@@ -23,7 +23,6 @@
 
 #define QSTATS_HEADER_BYTES 64u
 #define QSTATS_ALIGN 256u
-#define QSTATS_MAX_DIM 1024 /* head_dim bound: the iteration's scratch lives on the stack */
 #define COLD_ITERS 24
 #define WARM_ITERS 6
 /* A column whose norm after Gram-Schmidt is at most this fraction of its norm
@@ -75,9 +74,9 @@ static int layout_of(int32_t n_heads, int d, int r, kvf_qstats_layout *out) {
 }
 
 static int check_dims(int d, int r) {
-    if (d < 8 || d % 8 != 0 || d > QSTATS_MAX_DIM)
+    if (d < 8 || d % 8 != 0 || d > KVF_REF_MAX_DIM)
         return kvf_set_error(KVF_ESCHEME, "head_dim = %d: query statistics need a multiple of 8 in [8, %d]",
-                             d, QSTATS_MAX_DIM);
+                             d, KVF_REF_MAX_DIM);
     if (r < 0 || r >= d)
         return kvf_set_error(KVF_ESCHEME, "key.psac_rank = %d: must be in [0, head_dim = %d)", r, d);
     return KVF_OK;
@@ -164,7 +163,7 @@ static int header_layout(const void *qstats, kvf_qstats_layout *l) {
     memcpy(&h, qstats, sizeof h);
     if (h.magic != KVF_QSTATS_MAGIC || h.n_heads < 1 || h.n_heads > INT32_MAX)
         return kvf_set_error(KVF_EFORMAT, "not a kvforge query-statistics buffer");
-    if (h.head_dim > QSTATS_MAX_DIM || h.rank >= h.head_dim)
+    if (h.head_dim > KVF_REF_MAX_DIM || h.rank >= h.head_dim)
         return kvf_set_error(KVF_EFORMAT, "query statistics header: head_dim %" PRIu32 ", rank %" PRIu32,
                              h.head_dim, h.rank);
     return layout_of((int32_t)h.n_heads, (int)h.head_dim, (int)h.rank, l);
@@ -258,7 +257,7 @@ static void store_column(float *u, int d, int r, int j, const double *v, double 
 /* A zero column j: the first unit vector e_c whose part orthogonal to columns
  * 0..j-1 has norm >= UNIT_RESIDUAL_MIN (else the one with the largest part). */
 static void replace_zero_column(float *u, int d, int r, int j) {
-    double v[QSTATS_MAX_DIM];
+    double v[KVF_REF_MAX_DIM];
     int best = 0;
     double best_norm = -1;
     for (int c = 0; c < d; c++) {
@@ -300,7 +299,7 @@ static void matvec_column(const float *m, const float *u, int d, int r, int j, d
 /* One step: U <- MGS(M U), in place column by column (column j of M U needs
  * only the old column j; columns before it are already the new ones). */
 static void iteration_step(const float *m, int d, int r, float *u) {
-    double v[QSTATS_MAX_DIM];
+    double v[KVF_REF_MAX_DIM];
     for (int j = 0; j < r; j++) {
         matvec_column(m, u, d, r, j, v);
         gram_schmidt_column(u, d, r, j, v);
@@ -309,7 +308,7 @@ static void iteration_step(const float *m, int d, int r, float *u) {
 
 /* u_j^T M u_j (f64, rounded to f32). */
 static float rayleigh(const float *m, const float *u, int d, int r, int j) {
-    double v[QSTATS_MAX_DIM], s = 0;
+    double v[KVF_REF_MAX_DIM], s = 0;
     matvec_column(m, u, d, r, j, v);
     for (int i = 0; i < d; i++) s += (double)u[(size_t)i * r + j] * v[i];
     return (float)s;
@@ -335,7 +334,7 @@ static void sort_by_lambda(float *u, float *lambda, int d, int r) {
 }
 
 void kvf_ref_orthogonal_iteration(const float *m, int d, int r, int iters, float *u, float *lambda) {
-    if (d < 1 || d > QSTATS_MAX_DIM || r < 1 || r > d) return;
+    if (d < 1 || d > KVF_REF_MAX_DIM || r < 1 || r > d) return;
     for (int it = 0; it < iters; it++) iteration_step(m, d, r, u);
     for (int j = 0; j < r; j++) lambda[j] = rayleigh(m, u, d, r, j);
     sort_by_lambda(u, lambda, d, r);
@@ -344,7 +343,7 @@ void kvf_ref_orthogonal_iteration(const float *m, int d, int r, int iters, float
 /* Cold start: the first r columns of the identity plus
  * 0.01 * ((i*7 + j*13) % 17 - 8) / 8, in f64, orthonormalized by MGS. */
 static void cold_start(float *u, int d, int r) {
-    double v[QSTATS_MAX_DIM];
+    double v[KVF_REF_MAX_DIM];
     for (int j = 0; j < r; j++) {
         for (int i = 0; i < d; i++) v[i] = (i == j ? 1.0 : 0.0) + 0.01 * (double)((i * 7 + j * 13) % 17 - 8) / 8.0;
         gram_schmidt_column(u, d, r, j, v);
@@ -365,7 +364,7 @@ static int row_finite(const uint16_t *row, int d) {
  * h*group .. h*group+group-1, heads then tokens in order; exact for bf16.
  * Returns how many rows it summed. */
 static int64_t accumulate_head(const uint16_t *q, const kvf_shape *sh, int32_t h, int group, int d, double *acc) {
-    double x[QSTATS_MAX_DIM];
+    double x[KVF_REF_MAX_DIM];
     int64_t used = 0;
     memset(acc, 0, sizeof(double) * (size_t)d * d);
     for (int g = 0; g < group; g++) {
