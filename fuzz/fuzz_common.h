@@ -26,33 +26,43 @@
         if (!(cond)) FUZZ_FAIL(__FILE__ ":" FUZZ_STR(__LINE__) ": " #cond);           \
     } while (0)
 
-/* The two schemes the packed-cache targets use besides the shipped rtn_int2 and
- * rtn_int4, to reach the other code paths (symmetric, 8 and 16 bits, head_dim
- * 64 and 256): fuzz_packed.c and fuzz_roundtrip.c read them, mkseeds.c writes
- * seeds for them (a seed's header holds the scheme's hash). */
-static const char *const fuzz_variant_text[2] = {
+/* The schemes of the packed-cache targets, in their order (a seed's header
+ * holds its scheme's hash; fuzz_roundtrip's first byte picks one by index):
+ * the shipped rtn_int2 and rtn_int4; two RTN variants for the other code paths
+ * (symmetric, 8 and 16 bits, head_dim 64 and 256); the centroid methods'
+ * planes (16 centroids, so a stored index can be out of range; two value
+ * stages), PSAC's basis codes, basis scales and coefficients, two-level
+ * int8_fp16 scales; and KIVI's groups along tokens. fuzz_packed.c reads all
+ * of them, fuzz_roundtrip.c the first FUZZ_ROUNDTRIP_SCHEMES (KIVI's CPU
+ * encode adds nothing there), mkseeds.c writes seeds for them. A name is a
+ * shipped scheme, a text starts with "return". */
+#define FUZZ_SCHEMES 6
+#define FUZZ_ROUNDTRIP_SCHEMES 5
+static const char *const fuzz_scheme_source[FUZZ_SCHEMES] = {
+    "rtn_int2",
+    "rtn_int4",
     "return { name = 'fz_sym_d64', head_dim = 64,\n"
     "  key = { bits = 4, mode = 'symmetric', group_size = 32 },\n"
     "  value = { bits = 8, group_size = 16 } }\n",
     "return { name = 'fz_bf16_d256', head_dim = 256, key = { bits = 16 },\n"
     "  value = { bits = 2, mode = 'symmetric', group_size = 256 } }\n",
-};
-
-/* Two more schemes only fuzz_packed.c reads (mkseeds.c writes their seeds): the
- * centroid methods' planes (16 centroids, so a stored index can be out of
- * range; two value stages), PSAC's basis codes, basis scales and
- * coefficients, two-level int8_fp16 scales, and KIVI's groups along tokens. */
-static const char *const fuzz_packed_more_text[2] = {
     "return { base = 'quantwm_int2', name = 'fz_cent16', head_dim = 64,\n"
     "  key = { centroids = 16, psac_rank = 4 },\n"
     "  value = { centroids = 16, stages = 2 } }\n",
     "return { base = 'kivi_int2', name = 'fz_kivi' }\n",
 };
 
+/* Scheme i of fuzz_scheme_source. */
+static inline int fuzz_load_scheme(int i, kvf_scheme **s) {
+    const char *src = fuzz_scheme_source[i];
+    return strncmp(src, "return", 6) ? kvf_scheme_load_builtin(src, s)
+                                     : kvf_scheme_load_string(src, strlen(src), "=fuzz", s);
+}
+
 /* Whether every stored centroid index of a packed cache of scheme s (n tokens,
- * h heads, size bytes) is below the centroid count: the CPU decode refuses the
- * cache otherwise (runtime/ref_encode.c). Planes past size count as valid. */
-static inline int fuzz_indices_ok(const kvf_scheme *s, const uint8_t *data, size_t size, int64_t n, int32_t h) {
+ * h heads; the whole cache present) is below the centroid count: the CPU
+ * decode refuses the cache otherwise (runtime/ref_encode.c). */
+static inline int fuzz_indices_ok(const kvf_scheme *s, const uint8_t *data, int64_t n, int32_t h) {
     kvf_layout L;
     if (kvf_layout_compute(s, n, h, &L) != KVF_OK) return 1;
     const kvf_section_layout *sec[2] = {&L.key, &L.value};
@@ -60,8 +70,7 @@ static inline int fuzz_indices_ok(const kvf_scheme *s, const uint8_t *data, size
         if (sec[t]->centroids <= 0 || sec[t]->centroids >= 256) continue;
         for (int st = 0; st < sec[t]->stages; st++)
             for (size_t i = 0; i < sec[t]->stage[st].index_bytes; i++) {
-                size_t at = sec[t]->stage[st].index_off + i;
-                if (at < size && data[at] >= sec[t]->centroids) return 0;
+                if (data[sec[t]->stage[st].index_off + i] >= sec[t]->centroids) return 0;
             }
     }
     return 1;

@@ -5,8 +5,8 @@
  * runtime/ref_quant.c, ref_encode.c) for a few fixed schemes: the shipped
  * rtn_int2 and rtn_int4, two variants that reach the other RTN code paths
  * (symmetric, 8 and 16 bits, head_dim 64 and 256), and two that reach the
- * other methods' planes (fuzz_packed_more_text: centroids and their indices,
- * two stages, PSAC, int8_fp16 scales, KIVI).
+ * other methods' planes (centroids and their indices, two stages, PSAC,
+ * int8_fp16 scales, KIVI): fuzz_scheme_source in fuzz_common.h.
  *
  * The shape is the header's own when it is small, else 3 tokens x 2 heads;
  * the scheme is the one whose hash the header holds, else one picked by size.
@@ -17,7 +17,7 @@
  */
 #include "fuzz_common.h"
 
-#define FP_SCHEMES 6
+#define FP_SCHEMES FUZZ_SCHEMES
 
 typedef struct fp_scheme {
     kvf_scheme *s;
@@ -28,14 +28,10 @@ static fp_scheme *fp_schemes(void) {
     static fp_scheme sch[FP_SCHEMES];
     static int ready;
     if (ready) return sch;
-    FUZZ_CHECK(kvf_scheme_load_builtin("rtn_int2", &sch[0].s) == KVF_OK);
-    FUZZ_CHECK(kvf_scheme_load_builtin("rtn_int4", &sch[1].s) == KVF_OK);
-    for (int i = 0; i < 4; i++) {
-        const char *t = i < 2 ? fuzz_variant_text[i] : fuzz_packed_more_text[i - 2];
-        FUZZ_CHECK(kvf_scheme_load_string(t, strlen(t), "=fuzz_packed", &sch[2 + i].s) == KVF_OK);
-    }
-    for (int i = 0; i < FP_SCHEMES; i++)
+    for (int i = 0; i < FP_SCHEMES; i++) {
+        FUZZ_CHECK(fuzz_load_scheme(i, &sch[i].s) == KVF_OK);
         FUZZ_CHECK(kvf_context_create(sch[i].s, KVF_DEVICE_CPU, &sch[i].ctx) == KVF_OK);
+    }
     ready = 1;
     return sch;
 }
@@ -56,8 +52,8 @@ static void fp_read(const fp_scheme *f, const uint8_t *data, size_t size, int64_
     kvf_shape hm = {n, h, 0, 0};
     uint16_t *k, *v;
     int rc = fp_decode(f, data, size, &hm, elems, &k, &v);
-    const int want = size < total ? KVF_ERANGE : check ? check : fuzz_indices_ok(f->s, data, size, n, h) ? KVF_OK
-                                                                                                           : KVF_EFORMAT;
+    int want = size < total ? KVF_ERANGE : check;
+    if (want == KVF_OK && !fuzz_indices_ok(f->s, data, n, h)) want = KVF_EFORMAT;
     FUZZ_CHECK(rc == want);
     if (rc != KVF_OK) {
         FUZZ_CHECK(fuzz_all_equal((uint8_t *)k, elems * 2, 0xA5));

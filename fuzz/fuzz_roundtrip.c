@@ -10,23 +10,20 @@
  * nothing past the packed size; encoding twice gives the same bytes; decode
  * succeeds; 16-bit sections come back bit for bit; a group of finite values
  * of magnitude <= 60000 decodes to finite values (with centroids, whose
- * means mix tokens: when every value of the section is).
+ * means mix a head's tokens: when every value of the head is).
  */
 #include "fuzz_common.h"
 
 #include <math.h>
 
-#define FR_SCHEMES 5
+#define FR_SCHEMES FUZZ_ROUNDTRIP_SCHEMES
 
 static kvf_context *fr_contexts(int i) {
     static kvf_context *ctx[FR_SCHEMES];
     if (!ctx[0]) {
         for (int j = 0; j < FR_SCHEMES; j++) {
             kvf_scheme *s = NULL;
-            const char *t = j >= 4 ? fuzz_packed_more_text[0] : j >= 2 ? fuzz_variant_text[j - 2] : NULL;
-            int rc = t ? kvf_scheme_load_string(t, strlen(t), "=fuzz", &s)
-                       : kvf_scheme_load_builtin(j ? "rtn_int4" : "rtn_int2", &s);
-            FUZZ_CHECK(rc == KVF_OK);
+            FUZZ_CHECK(fuzz_load_scheme(j, &s) == KVF_OK);
             FUZZ_CHECK(kvf_context_create(s, KVF_DEVICE_CPU, &ctx[j]) == KVF_OK);
             kvf_scheme_free(s);
         }
@@ -42,22 +39,26 @@ static int fr_tame(const uint16_t *x, size_t n) {
     return 1;
 }
 
-/* Finite in, finite out, for each group of a quantized section (with
- * centroids: for the whole section, as a centroid is a mean over tokens). */
-static void fr_check_section(const kvf_tensor_cfg *c, int d, const uint16_t *x, const uint16_t *y,
-                             size_t rows) {
+/* Finite in, finite out, for each group of a quantized section (head-major
+ * [heads][n][d]; with centroids: for the whole head, as a centroid is a mean
+ * over the head's tokens). */
+static void fr_check_section(const kvf_tensor_cfg *c, int d, const uint16_t *x, const uint16_t *y, size_t n,
+                             size_t heads) {
+    const size_t rows = n * heads, hd = n * (size_t)d;
     if (c->bits == 16) {
         FUZZ_CHECK(!memcmp(x, y, rows * (size_t)d * 2));
         return;
     }
-    const int all_tame = fr_tame(x, rows * (size_t)d);
-    for (size_t r = 0; r < rows; r++)
+    int head_tame = 0;
+    for (size_t r = 0; r < rows; r++) {
+        if (c->centroids && r % n == 0) head_tame = fr_tame(x + r / n * hd, hd);
         for (int g0 = 0; g0 < d; g0 += c->group_size) {
             const uint16_t *xg = x + r * (size_t)d + g0, *yg = y + r * (size_t)d + g0;
-            const int tame = c->centroids ? all_tame : fr_tame(xg, (size_t)c->group_size);
+            const int tame = c->centroids ? head_tame : fr_tame(xg, (size_t)c->group_size);
             for (int i = 0; tame && i < c->group_size; i++)
                 FUZZ_CHECK(isfinite(kvf_bf16_to_f32(yg[i])));
         }
+    }
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
@@ -83,9 +84,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     FUZZ_CHECK(kvf_encode(ctx, kv, kv + elems, &sh, NULL, p2, bytes, NULL) == KVF_OK);
     FUZZ_CHECK(!memcmp(p1, p2, bytes));
     FUZZ_CHECK(kvf_decode(ctx, p1, bytes, &sh, NULL, ko, vo, NULL) == KVF_OK);
-    size_t rows = (size_t)sh.n_tokens * (size_t)sh.n_heads;
-    fr_check_section(&s->key, d, kv, ko, rows);
-    fr_check_section(&s->value, d, kv + elems, vo, rows);
+    fr_check_section(&s->key, d, kv, ko, (size_t)sh.n_tokens, (size_t)sh.n_heads);
+    fr_check_section(&s->value, d, kv + elems, vo, (size_t)sh.n_tokens, (size_t)sh.n_heads);
     free(kv), free(ko), free(vo), free(p1), free(p2);
     return 0;
 }

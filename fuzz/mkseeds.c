@@ -7,7 +7,7 @@
  *
  *   out/fuzz/mkseeds fuzz/corpus
  */
-#include "fuzz_common.h" /* fuzz_variant_text */
+#include "fuzz_common.h" /* fuzz_scheme_source, fuzz_load_scheme */
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -76,15 +76,11 @@ int main(int argc, char **argv) {
     char packed[900], roundtrip[900];
     snprintf(packed, sizeof packed, "%s/packed", argv[1]);
     snprintf(roundtrip, sizeof roundtrip, "%s/roundtrip", argv[1]);
-    kvf_scheme *s[6];
-    if (kvf_scheme_load_builtin("rtn_int2", &s[0]) || kvf_scheme_load_builtin("rtn_int4", &s[1]))
-        die("builtin");
-    for (int i = 0; i < 4; i++) {
-        const char *t = i < 2 ? fuzz_variant_text[i] : fuzz_packed_more_text[i - 2];
-        if (kvf_scheme_load_string(t, strlen(t), "=fuzz_packed", &s[2 + i])) die("variant");
-    }
+    kvf_scheme *s[FUZZ_SCHEMES];
+    for (int i = 0; i < FUZZ_SCHEMES; i++)
+        if (fuzz_load_scheme(i, &s[i])) die(fuzz_scheme_source[i]);
     static const struct { int64_t n; int32_t h; } shapes[] = {{1, 1}, {3, 2}, {17, 3}, {64, 2}};
-    for (int i = 0; i < 6; i++)
+    for (int i = 0; i < FUZZ_SCHEMES; i++)
         for (size_t j = 0; j < sizeof shapes / sizeof shapes[0]; j++)
             if (s[i]->head_dim * shapes[j].n * shapes[j].h <= 128 * 64 * 2)
                 packed_seed(packed, s[i], shapes[j].n, shapes[j].h, 100 + j);
@@ -94,6 +90,6 @@ int main(int argc, char **argv) {
     roundtrip_seed(roundtrip, "bf16_d256_1x1_special", 3, 1, 1, 256, 1);
     roundtrip_seed(roundtrip, "cent16_d64_8x2", 4, 8, 2, 64, 0);
     roundtrip_seed(roundtrip, "cent16_d64_3x2_special", 4, 3, 2, 64, 1);
-    for (int i = 0; i < 6; i++) kvf_scheme_free(s[i]);
+    for (int i = 0; i < FUZZ_SCHEMES; i++) kvf_scheme_free(s[i]);
     return 0;
 }

@@ -17,7 +17,7 @@
 
 #define ARCH "sm_90"
 #define META "{\"scheme\":\"rtn_int2_1a2b3c4d\",\"arch\":\"sm_90\",\"nvrtc\":\"13.0\"," \
-             "\"kvforge\":\"0.2.0\",\"created\":1700000000}"
+             "\"kvforge\":\"" KVF_VERSION_STRING "\",\"created\":1700000000}"
 
 typedef struct fixture {
     char *tmp;             /* private temp dir, removed afterwards */

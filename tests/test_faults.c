@@ -315,7 +315,6 @@ static void test_zero_length_chunks(void **state) {
     free(k), free(v);
 }
 
-/* K and V laid out for another head_dim, or strides that overlap. */
 /* A corrupt centroid index (past a 16-centroid table) is refused by the CPU
  * decode, naming the plane, head and token, before anything is written; the
  * largest valid index decodes. */
@@ -349,6 +348,7 @@ static void test_corrupt_centroid_index(void **state) {
     kvf_scheme_free(s);
 }
 
+/* K and V laid out for another head_dim, or strides that overlap. */
 static void test_shape_mismatch(void **state) {
     fixture *fx = *state;
     const int64_t n = 6;

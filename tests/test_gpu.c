@@ -205,6 +205,21 @@ static size_t stage_diff(const uint8_t *a, const uint8_t *b, const kvf_stage_lay
            diff_bytes(a, b, g->index_off, g->index_bytes) + diff_bytes(a, b, g->centroids_off, g->centroids_bytes);
 }
 
+/* Every stage of both sections identical between two packed buffers. */
+static void assert_same_stages(const uint8_t *a, const uint8_t *b, const kvf_layout *l) {
+    const kvf_section_layout *secs[2] = {&l->key, &l->value};
+    for (int t = 0; t < 2; t++)
+        for (int st = 0; st < secs[t]->stages || st == 0; st++) assert_int_equal(stage_diff(a, b, &secs[t]->stage[st]), 0);
+}
+
+/* PSAC's four planes of the key section identical between two packed buffers. */
+static void assert_same_psac(const uint8_t *a, const uint8_t *b, const kvf_section_layout *k) {
+    assert_int_equal(diff_bytes(a, b, k->basis_off, k->basis_bytes), 0);
+    assert_int_equal(diff_bytes(a, b, k->bscale_off, k->bscale_bytes), 0);
+    assert_int_equal(diff_bytes(a, b, k->coef_off, k->coef_bytes), 0);
+    assert_int_equal(diff_bytes(a, b, k->cscale_off, k->cscale_bytes), 0);
+}
+
 /* Encode on the GPU into dp, first filled with `fill` (so a byte the encoder
  * does not write shows), and copy the packed buffer to host. */
 static void gpu_encode(kvf_context *gpu, CUdeviceptr dk, CUdeviceptr dv, const kvf_shape *sh, CUdeviceptr qs,
@@ -366,14 +381,8 @@ static void compare_case(kvf_context *gpu, kvf_context *cpu, const run_case *c, 
     else assert_true(kr < 2e-3);
     /* Same input, same GPU: the same bytes again. */
     gpu_encode(gpu, dk, dv, &sh, q.dev, dp, packed_bytes, 0x5a, pg2);
-    for (int t = 0; t < 2; t++)
-        for (int st = 0; st < secs[t]->stages || st == 0; st++) assert_int_equal(stage_diff(pg2, pg, &secs[t]->stage[st]), 0);
-    if (l.key.psac_rank > 0) {
-        assert_int_equal(diff_bytes(pg2, pg, l.key.basis_off, l.key.basis_bytes), 0);
-        assert_int_equal(diff_bytes(pg2, pg, l.key.bscale_off, l.key.bscale_bytes), 0);
-        assert_int_equal(diff_bytes(pg2, pg, l.key.coef_off, l.key.coef_bytes), 0);
-        assert_int_equal(diff_bytes(pg2, pg, l.key.cscale_off, l.key.cscale_bytes), 0);
-    }
+    assert_same_stages(pg2, pg, &l);
+    if (l.key.psac_rank > 0) assert_same_psac(pg2, pg, &l.key);
     if (l.key.psac_rank > 0 && q.dev) {
         /* The CPU's statistics on the GPU: then PSAC's basis, coefficients
          * and scales, and the decoded keys, are bit-identical too (above,
@@ -385,12 +394,8 @@ static void compare_case(kvf_context *gpu, kvf_context *cpu, const run_case *c, 
         if (verbose) printf("  PSAC with the CPU's statistics: %zu of %zu tokens keep a correction\n", kept, l.key.cscale_bytes / 2);
         /* The first full-size case, plain data, keeps corrections (small mode's few tokens may not). */
         if (verbose && !small) assert_true(kept > 0);
-        for (int t = 0; t < 2; t++)
-            for (int st = 0; st < secs[t]->stages || st == 0; st++) assert_int_equal(stage_diff(pg2, pc, &secs[t]->stage[st]), 0);
-        assert_int_equal(diff_bytes(pg2, pc, l.key.basis_off, l.key.basis_bytes), 0);
-        assert_int_equal(diff_bytes(pg2, pc, l.key.bscale_off, l.key.bscale_bytes), 0);
-        assert_int_equal(diff_bytes(pg2, pc, l.key.coef_off, l.key.coef_bytes), 0);
-        assert_int_equal(diff_bytes(pg2, pc, l.key.cscale_off, l.key.cscale_bytes), 0);
+        assert_same_stages(pg2, pc, &l);
+        assert_same_psac(pg2, pc, &l.key);
         assert_int_equal(kvf_decode(gpu, (void *)dp, packed_bytes, &sh, dp_pos, (void *)dk2, (void *)dv2, NULL), KVF_OK);
         CK(cuCtxSynchronize());
         CK(cuMemcpyDtoH(kg, dk2, n * 2));
@@ -496,8 +501,8 @@ static void gpu_psac_shapes(void **state) {
         "return { base = 'quantwm_int2', name = 'wm_d128_r32', key = { psac_rank = 32 } }",
         "return { base = 'quantwm_int2', name = 'wm_d256_r16', head_dim = 256, key = { psac_rank = 16 } }",
         NULL};
+    if (!selected("psac_shapes")) return;
     for (int i = 0; texts[i]; i++) {
-        if (!selected("psac_shapes")) continue;
         kvf_scheme *s = tu_scheme_text(texts[i]);
         run_scheme_cases(s, small ? tiny_cases : psac_cases);
         kvf_scheme_free(s);
@@ -668,6 +673,8 @@ static void sv_packed(const kvf_scheme *s, const kvf_layout *l, uint8_t *p, uint
         }
         sv_fill(p, c->basis_off, c->basis_bytes, 0, &r); /* int8 codes, -128 included */
         sv_fill(p, c->bscale_off, c->bscale_bytes, 3, &r);
+        sv_fill(p, c->coef_off, c->coef_bytes, 0, &r);
+        sv_fill(p, c->cscale_off, c->cscale_bytes, 1, &r);
         /* Basis scales of heads 0..5 (of every 7): NaN, +Inf, the largest
          * finite, +0, -0, the smallest subnormal; head 2's token 1 also gets
          * the largest coefficient scale, so cs * s overflows to Inf. */
@@ -678,8 +685,6 @@ static void sv_packed(const kvf_scheme *s, const kvf_layout *l, uint8_t *p, uint
             const uint16_t big = 0x7bff; /* 65504 */
             memcpy(p + c->cscale_off + ((size_t)2 * l->n_tokens + 1) * 2, &big, 2);
         }
-        sv_fill(p, c->coef_off, c->coef_bytes, 0, &r);
-        sv_fill(p, c->cscale_off, c->cscale_bytes, 1, &r);
         if (c->bits == 16) continue;
         /* Every 5th token of head 0: zero scales and offsets, so r_hat = 0 and
          * the centroid sum comes out alone (bf16 subnormals, -0 + 0). With
@@ -764,13 +769,14 @@ static void decode_special_values(void **state) {
     (void)state;
     SKIP_WITHOUT_GPU();
     /* Symmetric and 8-bit codes, and bits 16, beside the shipped schemes. */
-    const char *texts[] = {
-        "return { base = 'kivi_int2', name = 'sv_sym', key = { mode = 'symmetric', bits = 4, group_size = 16 }, "
-        "value = { mode = 'symmetric', bits = 8, group_size = 16 } }",
-        "return { base = 'quantwm_int2', name = 'sv_wm', head_dim = 64, key = { mode = 'symmetric', bits = 8, psac_rank = 16 }, "
-        "value = { stages = 3, bits = 4 } }", /* 8 heads: every special basis scale (sv_packed) */
-        "return { base = 'rtn_int2', name = 'sv_bf16', key = { bits = 16 }, value = { bits = 4 } }",
-        NULL};
+    static const struct { const char *text; int heads; } extra[] = {
+        {"return { base = 'kivi_int2', name = 'sv_sym', key = { mode = 'symmetric', bits = 4, group_size = 16 }, "
+         "value = { mode = 'symmetric', bits = 8, group_size = 16 } }", 3},
+        /* 8 heads: every special basis scale (sv_packed) */
+        {"return { base = 'quantwm_int2', name = 'sv_wm', head_dim = 64, key = { mode = 'symmetric', bits = 8, psac_rank = 16 }, "
+         "value = { stages = 3, bits = 4 } }", 8},
+        {"return { base = 'rtn_int2', name = 'sv_bf16', key = { bits = 16 }, value = { bits = 4 } }", 3},
+    };
     for (const char *const *name = kvf_builtin_schemes(); *name; name++) {
         if (!selected(*name)) continue;
         kvf_scheme *s = tu_scheme(*name);
@@ -778,9 +784,9 @@ static void decode_special_values(void **state) {
         sv_case(s, 1, 1, 2);
         kvf_scheme_free(s);
     }
-    for (int i = 0; texts[i]; i++) {
-        kvf_scheme *s = tu_scheme_text(texts[i]);
-        sv_case(s, 203, i == 1 ? 8 : 3, 3);
+    for (size_t i = 0; i < sizeof extra / sizeof extra[0]; i++) {
+        kvf_scheme *s = tu_scheme_text(extra[i].text);
+        sv_case(s, 203, extra[i].heads, 3);
         kvf_scheme_free(s);
     }
 }

@@ -606,8 +606,8 @@ static void test_psac_basis_codes(void **state) {
     int8_t b[D * R];
     kvf_ref_psac_basis(u, D, R, b, &s);
     assert_true(s == 1.0f / 127.0f);
-    const int want[D * R] = {(int)rintf(0.5f / s), -127, (int)rintf(0.25f / s), (int)rintf((1.0f / 254.0f) / s), 0,
-                             (int)rintf(-0.75f / s), 0, 0};
+    /* 0.5 and 1/254 fall on exact ties (63.5, 0.5): to even. */
+    const int want[D * R] = {64, -127, 32, 0, 0, -95, 0, 0};
     for (int i = 0; i < D * R; i++) assert_int_equal(b[i], want[i]);
     assert_int_equal(b[0], 64); /* 63.5 to even */
     /* Zero, Inf and all-NaN bases store nothing. */
@@ -628,10 +628,19 @@ static void test_psac_basis_codes(void **state) {
  * so subtracting 2^23 + 2^22 leaves the sum exactly. */
 static void test_psac_dot_bias(void **state) {
     (void)state;
-    const uint32_t bias_bits = 0x4b400000u;
+    /* The constants as the library's embedded template states them. */
+    const kvf_embedded_file *t = kvf_find_embedded(kvf_embedded_templates, "kvf_decode.cuh");
+    assert_non_null(t);
+    const char *pb = strstr(t->data, "constexpr int DOT_BIAS_BITS = "), *pf = strstr(t->data, "constexpr float DOT_BIAS = ");
+    assert_non_null(pb);
+    assert_non_null(pf);
+    const uint32_t bias_bits = (uint32_t)strtoul(pb + strlen("constexpr int DOT_BIAS_BITS = "), NULL, 0);
+    const float stated = strtof(pf + strlen("constexpr float DOT_BIAS = "), NULL);
+    assert_true(bias_bits == 0x4b400000u);
     float bias;
     memcpy(&bias, &bias_bits, 4);
     assert_true(bias == 12582912.0f);
+    assert_true(stated == bias); /* the float the kernel subtracts is the one its bits start from */
     for (int32_t dot = -(1 << 20); dot <= (1 << 20); dot++) {
         uint32_t u = bias_bits + (uint32_t)dot;
         float f;
