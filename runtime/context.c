@@ -267,6 +267,7 @@ int kvf_context_assign_stats(kvf_context *ctx, int enable, unsigned long long ou
 
 enum { BLOCK = 256, VEC = 8 }; /* the templates' block size and channels per lane */
 enum { PSAC_ROWS = 128 };       /* kvf_psac::ENCODE_ROWS: the PSAC encode's block size */
+enum { QSTATS_TILE = 32 };      /* kvf_qstats::ACC_TILE: channels per side of a statistics block's tile */
 
 static int check_device_args(const void *a, const void *b, const void *packed, const kvf_shape *sh, const char *fn) {
     if (((uintptr_t)a | (uintptr_t)b | (uintptr_t)packed) & 15u)
@@ -668,8 +669,8 @@ static int qstats_update_device(kvf_context *ctx, void *qstats, size_t bytes, co
      * out of the sums, eigen counts the others (the count is known only there). */
     void *a_acc[] = {(void *)&q, &sh.token_stride, &sh.head_stride, &n, &group, &qstats, &qa};
     void *a_eig[] = {&qstats, &qa, (void *)&q, &sh.token_stride, &sh.head_stride, &n, &group};
-    if ((rc = launch3(ctx, KVF_R_QSTATS_ACCUMULATE, (unsigned)(d / 16), (unsigned)(d / 16), (unsigned)n_kv, BLOCK, 0,
-                      a_acc, stream)))
+    const unsigned tiles = (unsigned)(d / QSTATS_TILE);
+    if ((rc = launch3(ctx, KVF_R_QSTATS_ACCUMULATE, tiles, tiles, (unsigned)n_kv, BLOCK, 0, a_acc, stream)))
         return rc;
     return launch3(ctx, KVF_R_QSTATS_EIGEN, (unsigned)n_kv, 1, 1, BLOCK, 0, a_eig, stream);
 }

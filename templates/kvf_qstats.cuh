@@ -43,23 +43,28 @@ __device__ __forceinline__ bool row_finite(const u16 *row, int part, int parts) 
 }
 
 // msum[h][a][b] += sum over the group's query heads and the tokens of q_a q_b
-// (f64, head then token order), one thread per (a, b) of a 16 x 16 tile.
-// Rows that are not finite load as zeros: their products are +0 and leave the
-// sum as it is (it starts at +0 and never becomes -0), as the CPU's skipping.
-// The staged values are f64 already (converted once per element, not once per
-// product: f32 -> f64 conversions run at a quarter of the f64 fma rate), and
-// fma(qa, qb, acc) is the CPU's acc + qa * qb: the product of two bf16 values
-// is exact in f64.
+// (f64, head then token order). A block takes a 32 x 32 tile of (a, b) and
+// each thread a 2 x 2 block of it (ACC_TILE: one staged row serves 32 x 32
+// products, and the rows' finiteness is checked once per tile rather than
+// once per 16 x 16 tile). Rows that are not finite load as zeros: their
+// products are +0 and leave the sum as it is (it starts at +0 and never
+// becomes -0), as the CPU's skipping. The staged values are f64 already
+// (converted once per element, not once per product: f32 -> f64 conversions
+// run at a quarter of the f64 fma rate), and fma(qa, qb, acc) is the CPU's
+// acc + qa * qb: the product of two bf16 values is exact in f64.
+constexpr int ACC_TILE = 32; // runtime/context.c launches (D / ACC_TILE)^2 x heads blocks of 256 threads
 template <int D>
 __device__ __forceinline__ void accumulate(const u16 *__restrict__ q, i64 ts, i64 hs, int n_tokens, int group,
                                            u8 *qs, layout l) {
-    __shared__ double qa[32][16], qb[32][16];
-    __shared__ int ok[32];
-    const int h = blockIdx.z, ta = blockIdx.y * 16, tb = blockIdx.x * 16;
-    const int a = threadIdx.x / 16, b = threadIdx.x % 16;
-    double acc = 0.0;
+    constexpr int T = ACC_TILE; // also the tokens staged per round
+    static_assert(D % T == 0, "head_dim is 64, 128 or 256");
+    __shared__ __align__(16) double qa[T][T], qb[T][T];
+    __shared__ int ok[T];
+    const int h = blockIdx.z, ta = blockIdx.y * T, tb = blockIdx.x * T;
+    const int a = 2 * (threadIdx.x / 16), b = 2 * (threadIdx.x % 16);
+    double acc[2][2] = {{0.0, 0.0}, {0.0, 0.0}};
     for (int j = h * group; j < (h + 1) * group; j++)
-        for (int t0 = 0; t0 < n_tokens; t0 += 32) {
+        for (int t0 = 0; t0 < n_tokens; t0 += T) {
             { // ok[k]: token t0 + k's whole row is finite; 8 threads (aligned lanes of a warp) per row
                 const int k = threadIdx.x / 8, part = threadIdx.x % 8, tt = t0 + k;
                 const bool f = tt < n_tokens && row_finite<D>(q + tt * ts + j * hs, part, 8);
@@ -67,18 +72,29 @@ __device__ __forceinline__ void accumulate(const u16 *__restrict__ q, i64 ts, i6
                 if (part == 0) ok[k] = (m & 0xffu) == 0xffu;
             }
             __syncthreads();
-            for (int k = threadIdx.x; k < 32 * 16; k += 256) {
-                const int tt = t0 + k / 16, c = k % 16;
-                qa[k / 16][c] = ok[k / 16] ? (double)kvf_bf16_to_f32(q[tt * ts + j * hs + ta + c]) : 0.0;
-                qb[k / 16][c] = ok[k / 16] ? (double)kvf_bf16_to_f32(q[tt * ts + j * hs + tb + c]) : 0.0;
+            for (int k = threadIdx.x; k < T * T; k += 256) {
+                const int r = k / T, c = k % T, tt = t0 + r;
+                qa[r][c] = ok[r] ? (double)kvf_bf16_to_f32(q[tt * ts + j * hs + ta + c]) : 0.0;
+                qb[r][c] = ok[r] ? (double)kvf_bf16_to_f32(q[tt * ts + j * hs + tb + c]) : 0.0;
             }
             __syncthreads();
-            const int n = min(32, n_tokens - t0);
-            for (int k = 0; k < n; k++) acc = __fma_rn(qa[k][a], qb[k][b], acc);
+            const int n = min(T, n_tokens - t0);
+            for (int k = 0; k < n; k++) {
+                const double2 x = *(const double2 *)&qa[k][a], y = *(const double2 *)&qb[k][b];
+                acc[0][0] = __fma_rn(x.x, y.x, acc[0][0]);
+                acc[0][1] = __fma_rn(x.x, y.y, acc[0][1]);
+                acc[1][0] = __fma_rn(x.y, y.x, acc[1][0]);
+                acc[1][1] = __fma_rn(x.y, y.y, acc[1][1]);
+            }
             __syncthreads();
         }
-    float *m = (float *)(qs + l.msum) + ((i64)h * D + ta + a) * D + tb + b;
-    *m = (float)__dadd_rn((double)*m, acc);
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int k = 0; k < 2; k++) {
+            float *m = (float *)(qs + l.msum) + ((i64)h * D + ta + a + i) * D + tb + b + k;
+            *m = (float)__dadd_rn((double)*m, acc[i][k]);
+        }
 }
 
 // Deterministic block sum of one value per thread (256 threads).
