@@ -11,9 +11,9 @@
 /* templates/kvf_kmeans.cuh's assign_cfg entries (KVF_KMEANS_KERNELS): dynamic
  * shared bytes, threads and tokens per block of the plain and the QSAC
  * assignment, whether stage 0 reads the BF16 input, the residual's rows per
- * thread. */
+ * thread, the Lloyd sums' threads per block. */
 enum { AC_SMEM, AC_SMEM_QSAC, AC_THREADS, AC_THREADS_QSAC, AC_TOKENS, AC_TOKENS_QSAC, AC_BF16_SOURCE, AC_RES_ROWS,
-       AC_COUNT };
+       AC_SUM_THREADS, AC_COUNT };
 
 struct kvf_context {
     struct kvf_scheme *scheme;
@@ -372,11 +372,11 @@ static int qstats_arg_of(const kvf_scheme *s, int32_t n_heads, qstats_arg *q, si
  * QSAC's weights. */
 typedef struct { CUdeviceptr e, idx, acc, cnt, w; } ws_parts;
 
-/* Token parts of the Lloyd sums: about 4 blocks per multiprocessor in all
- * (one block per 16 channels, head and part), at least 256 tokens a part. */
+/* Token parts of the Lloyd sums: one block per head and part, about one
+ * block (of 1024 threads: it fills a multiprocessor) per multiprocessor in
+ * all, at least 256 tokens a part. */
 static int sum_parts(const kvf_context *ctx, const kvf_shape *sh) {
-    const int64_t per_part = (int64_t)(ctx->scheme->head_dim / 16) * sh->n_heads;
-    int64_t p = (4 * (int64_t)ctx->sms + per_part - 1) / per_part, most = (sh->n_tokens + 255) / 256;
+    int64_t p = ctx->sms / sh->n_heads, most = (sh->n_tokens + 255) / 256;
     if (p > most) p = most;
     if (p > 64) p = 64;
     return p < 1 ? 1 : (int)p;
@@ -439,11 +439,11 @@ static int kmeans_stage(kvf_context *ctx, int t, int stage, const kvf_shape *sh,
         void *a_ac[] = {(void *)&src->p, (void *)&src->ts, (void *)&src->hs, (void *)&ws->idx, &n, &c_eff, &chunk,
                         (void *)&ws->acc, (void *)&ws->cnt};
         void *a_fi[] = {&nh, &c_eff, &parts, (void *)&ws->acc, (void *)&ws->cnt, &cent, &c_alloc};
-        /* accumulate: one block per (16 channels, head, part), kvf_kmeans ACC_CH. */
+        /* accumulate: one block per (part, head). */
         if ((rc = launch3(ctx, KVF_R_K_ASSIGN + base, g_tok[0], (unsigned)nh, 1, (unsigned)ac[AC_THREADS], (unsigned)ac[AC_SMEM],
                           a_as, stream)) ||
-            (rc = launch3(ctx, KVF_R_K_ACCUMULATE + base, (unsigned)d / 16, (unsigned)nh, (unsigned)parts, BLOCK, 0,
-                          a_ac, stream)) ||
+            (rc = launch3(ctx, KVF_R_K_ACCUMULATE + base, (unsigned)parts, (unsigned)nh, 1, (unsigned)ac[AC_SUM_THREADS],
+                          0, a_ac, stream)) ||
             (rc = launch(ctx, KVF_R_K_FINALIZE + base, g_cd, a_fi, stream)))
             return rc;
     }

@@ -649,84 +649,141 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
 }
 
 // Lloyd update, step 1: each cluster's fixed-point sums and count. One block
-// per (16 channels, head, part of the tokens); its sums stay in shared memory
-// and are stored once per part (the finalize step adds the parts), no global
-// atomics. Integer sums give the same bytes in any order. A value
-// f = ref_kmeans.c's fixed_point(e), |f| <= 2^36, is added as its high part f >> 20 (signed,
-// |.| <= 2^16) and low part f & (2^20 - 1) into two 32-bit words with plain
-// shared adds; ACC_ROUND tokens at most between folds into the thread's int64
-// totals keep both words from overflowing (2^12 x 2^20 = 2^32).
-constexpr int ACC_CH = 16, ACC_ROUND = 4096;
-// ref_kmeans.c's fixed_point(v) as f >> 20 and f & (2^20 - 1), in f32: v * 2^20 is exact in
-// f32 as in f64 (a power of two; past 2^128 it is Inf, clamped like the f64
-// value past 2^36), rintf of it is llrint's integer, and that integer (<= 2^36,
-// 24 significant bits) splits exactly into floor(r / 2^20) and the remainder.
-__device__ __forceinline__ void fixed_point_split(float v, int &hi, u32 &lo) {
-    float r = __fmul_rn(v, (float)FIX);
-    r = r != r ? 0.0f : fminf(fmaxf(r, -68719476736.0f), 68719476736.0f);
-    r = rintf(r);
-    const float q = floorf(__fmul_rn(r, (float)(1.0 / FIX))); // r / 2^20
-    hi = __float2int_rn(q);
-    lo = __float2uint_rn(__fmaf_rn(-q, (float)FIX, r));
+// of SUM_THREADS per (part of the tokens, head); its sums are stored once per
+// part (the finalize step adds the parts). The block sorts its tokens by
+// cluster, SUM_SUB at a time (a counting sort in shared memory); then each
+// warp takes whole clusters and adds their rows in registers, lane i holding
+// channels i * D/32 ..: no atomics on the sums. The value added is
+// ref_kmeans.c's fixed_point(e), an integer of at most 2^36 (fixed_point
+// below), summed in f64: sums of up to SUM_SUB of them stay under 2^53, so
+// they are exact in any order; sub-chunks add as int64. A cluster holding
+// most of a part's tokens makes one warp do most of the work (correct, slow).
+constexpr int SUM_THREADS = 1024, SUM_SUB = 8192;
+static_assert(SUM_SUB <= 65536 && (double)SUM_SUB * 68719476736.0 < 9007199254740992.0,
+              "u16 offsets; SUM_SUB sums of 2^36 are exact in f64");
+
+// ref_kmeans.c's fixed_point(e) = llrint(clamp(e * 2^20, +-2^36)), NaN -> 0,
+// as an f64 integer: the clamp of e at +-2^16 is the clamp of e * 2^20 (a
+// power of two: exact), and fma(e, 2^20, 1.5 * 2^52) rounds the exact e * 2^20
+// (|.| <= 2^36) to an integer, ties to even as llrint; subtracting 1.5 * 2^52
+// is exact.
+__device__ __forceinline__ double fixed_point(float e) {
+    constexpr double MAGIC = 6755399441055744.0; // 1.5 * 2^52
+    e = e == e ? fminf(fmaxf(e, -65536.0f), 65536.0f) : 0.0f;
+    return __dsub_rn(__fma_rn((double)e, FIX, MAGIC), MAGIC);
+}
+
+// A lane's 32-bit words of a row (16-byte aligned from 4 words: rows are, check_device_args).
+__device__ __forceinline__ void ld_words(const u32 *p, u32 (&w)[1]) { w[0] = p[0]; }
+__device__ __forceinline__ void ld_words(const u32 *p, u32 (&w)[2]) {
+    const uint2 a = *(const uint2 *)p;
+    w[0] = a.x;
+    w[1] = a.y;
+}
+template <int W> __device__ __forceinline__ void ld_words(const u32 *p, u32 (&w)[W]) {
+    static_assert(W % 4 == 0, "1, 2 or a multiple of 4 words");
+#pragma unroll
+    for (int i = 0; i < W / 4; i++) {
+        const uint4 a = ((const uint4 *)p)[i];
+        w[4 * i] = a.x; w[4 * i + 1] = a.y; w[4 * i + 2] = a.z; w[4 * i + 3] = a.w;
+    }
 }
 
 template <int D, bool BF>
 __device__ __forceinline__ void accumulate(const void *__restrict__ src, i64 ts, i64 hs, const int *__restrict__ idx,
                                            int n_tokens, int c_eff, int chunk, long long *acc, int *cnt) {
-    constexpr int PER = 256 * ACC_CH / BLOCK; // shared entries folded by each thread
-    __shared__ int sh_hi[256 * ACC_CH];
-    __shared__ u32 sh_lo[256 * ACC_CH];
-    __shared__ int sc[256];
-    const int h = blockIdx.y, nh = gridDim.y, c0 = blockIdx.x * ACC_CH, part = blockIdx.z;
+    constexpr int CPL = D / 32;                 // channels a lane
+    constexpr int W = BF ? CPL / 2 : CPL;       // their 32-bit words
+    constexpr int U = 16 / W > 0 ? 16 / W : 1;  // rows in flight a lane
+    constexpr int PER = SUM_SUB / SUM_THREADS;  // tokens a thread sorts
+    static_assert(D % 64 == 0 && SUM_SUB % SUM_THREADS == 0, "head_dim is 64, 128 or 256");
+    __shared__ int first[256], cursor[256], total[256], next;
+    __shared__ unsigned short order[SUM_SUB];   // sub-chunk offsets of its tokens, by cluster
+    if (blockDim.x != SUM_THREADS) __trap();    // the launch's size disagrees with this file
+    const int h = blockIdx.y, nh = gridDim.y, part = blockIdx.x, lane = threadIdx.x % 32;
     const int t_begin = min(n_tokens, part * chunk), t_end = min(n_tokens, t_begin + chunk);
-    const int c = threadIdx.x % ACC_CH, rows = BLOCK / ACC_CH;
     const int *ih = idx + (i64)h * n_tokens;
-    long long tot[PER];
-#pragma unroll
-    for (int k = 0; k < PER; k++) tot[k] = 0;
-    int count = 0;
-    for (int r0 = t_begin; r0 < t_end; r0 += ACC_ROUND) {
-        for (int i = threadIdx.x; i < c_eff * ACC_CH; i += BLOCK) sh_hi[i] = 0, sh_lo[i] = 0u;
-        for (int i = threadIdx.x; i < c_eff; i += BLOCK) sc[i] = 0;
+    long long *ap = acc + ((i64)part * nh + h) * c_eff * D + lane * CPL;
+    for (int j = threadIdx.x; j < 256; j += SUM_THREADS) total[j] = 0;
+    // At least one round, so that an empty part stores its zeros.
+    for (int s0 = t_begin; s0 == t_begin || s0 < t_end; s0 += SUM_SUB) {
+        const int ns = min(SUM_SUB, t_end - s0);
+        for (int j = threadIdx.x; j < 256; j += SUM_THREADS) cursor[j] = 0;
+        if (threadIdx.x == 0) next = 0;
         __syncthreads();
-        const int r1 = min(t_end, r0 + ACC_ROUND);
-        constexpr int U = 8; // loads in flight per thread
-        for (int t0 = r0 + threadIdx.x / ACC_CH; t0 < r1; t0 += rows * U) {
-            float v[U];
-            int z[U];
-#pragma unroll
-            for (int u = 0; u < U; u++) {
-                const int t = t0 + u * rows;
-                z[u] = t < r1 ? ih[t] : -1;
-                v[u] = ld1<BF>(src_row<BF>(src, ts, hs, h, t < r1 ? t : r0), c0 + c);
-            }
-#pragma unroll
-            for (int u = 0; u < U; u++)
-                if (z[u] >= 0) {
-                    int hi;
-                    u32 lo;
-                    fixed_point_split(v[u], hi, lo);
-                    atomicAdd(&sh_hi[z[u] * ACC_CH + c], hi);
-                    atomicAdd(&sh_lo[z[u] * ACC_CH + c], lo);
-                    if (c0 == 0 && c == 0) atomicAdd(&sc[z[u]], 1);
-                }
-        }
-        __syncthreads();
+        int z[PER];
 #pragma unroll
         for (int k = 0; k < PER; k++) {
-            const int i = threadIdx.x + k * BLOCK;
-            if (i < c_eff * ACC_CH) tot[k] += (long long)sh_hi[i] * (long long)FIX + (long long)sh_lo[i];
+            const int i = threadIdx.x + k * SUM_THREADS;
+            z[k] = i < ns ? ih[s0 + i] : -1;
+            if (z[k] >= 0) atomicAdd(&cursor[z[k]], 1);
         }
-        if (threadIdx.x < c_eff) count += sc[threadIdx.x];
-        __syncthreads(); // the next round clears the words
-    }
-    long long *ap = acc + ((i64)part * nh + h) * c_eff * D;
+        __syncthreads();
+        if (threadIdx.x < 32) { // exclusive scan of the counts, 8 clusters a lane
+            int c[8], sum = 0;
 #pragma unroll
-    for (int k = 0; k < PER; k++) {
-        const int i = threadIdx.x + k * BLOCK;
-        if (i < c_eff * ACC_CH) ap[(i64)(i / ACC_CH) * D + c0 + i % ACC_CH] = tot[k];
+            for (int i = 0; i < 8; i++) { c[i] = cursor[lane * 8 + i]; sum += c[i]; }
+            int incl = sum;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const int y = __shfl_up_sync(0xffffffffu, incl, o);
+                if (lane >= o) incl += y;
+            }
+            int run = incl - sum;
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                first[lane * 8 + i] = cursor[lane * 8 + i] = run;
+                total[lane * 8 + i] += c[i];
+                run += c[i];
+            }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int k = 0; k < PER; k++)
+            if (z[k] >= 0) order[atomicAdd(&cursor[z[k]], 1)] = (unsigned short)(threadIdx.x + k * SUM_THREADS);
+        __syncthreads(); // cluster j's tokens: order[first[j] .. cursor[j])
+        for (;;) {
+            int j = 0;
+            if (lane == 0) j = atomicAdd(&next, 1);
+            j = __shfl_sync(0xffffffffu, j, 0);
+            if (j >= c_eff) break;
+            const int b = first[j], e = cursor[j];
+            double sum[CPL];
+#pragma unroll
+            for (int c = 0; c < CPL; c++) sum[c] = 0.0;
+            for (int k = b; k < e; k += U) {
+                u32 w[U][W];
+#pragma unroll
+                for (int u = 0; u < U; u++) { // every load before any use
+                    if (k + u < e) {
+                        const void *row = src_row<BF>(src, ts, hs, h, s0 + order[k + u]);
+                        ld_words(BF ? (const u32 *)((const u16 *)row + lane * CPL)
+                                       : (const u32 *)((const float *)row + lane * CPL),
+                                    w[u]);
+                    } else {
+#pragma unroll
+                        for (int i = 0; i < W; i++) w[u][i] = 0u; // +0.0 in either format: adds 0
+                    }
+                }
+#pragma unroll
+                for (int u = 0; u < U; u++)
+#pragma unroll
+                    for (int i = 0; i < W; i++) {
+                        if (BF) {
+                            sum[2 * i] = __dadd_rn(sum[2 * i], fixed_point(__uint_as_float(w[u][i] << 16)));
+                            sum[2 * i + 1] = __dadd_rn(sum[2 * i + 1], fixed_point(__uint_as_float(w[u][i] & 0xffff0000u)));
+                        } else {
+                            sum[i] = __dadd_rn(sum[i], fixed_point(__uint_as_float(w[u][i])));
+                        }
+                    }
+            }
+            long long *o = ap + (i64)j * D;
+#pragma unroll
+            for (int c = 0; c < CPL; c++) o[c] = (long long)sum[c] + (s0 == t_begin ? 0ll : o[c]);
+        }
+        __syncthreads(); // the next round reuses the sort (and reads these sums)
     }
-    if (c0 == 0 && threadIdx.x < c_eff) cnt[((i64)part * nh + h) * c_eff + threadIdx.x] = count;
+    if (threadIdx.x < c_eff) cnt[((i64)part * nh + h) * c_eff + threadIdx.x] = total[threadIdx.x];
 }
 
 // Step 2: the parts' sums, means to bf16 (empty clusters keep theirs).
@@ -832,15 +889,16 @@ __device__ __forceinline__ void residual(const void *src, i64 ts, i64 hs, float 
                                              long long seed, int stage, u16 *cent, int c_alloc) {              \
         kvf_kmeans::init<D, BF>(src, ts, hs, n, nh, c_eff, seed, stage, cent, c_alloc);                        \
     }                                                                                                          \
-    /* What runtime/context.c launches the assignment with: dynamic shared bytes */                        \
-    /* (plain, QSAC), threads per block (plain, QSAC), tokens per block (plain,  */                        \
-    /* QSAC), whether stage 0 reads the BF16 input, the residual's rows per      */                        \
-    /* thread.                                                                   */                        \
-    extern "C" __device__ const int PREFIX##_assign_cfg[8] = {                                                \
+    /* What runtime/context.c launches the k-means kernels with: the            */                        \
+    /* assignment's dynamic shared bytes (plain, QSAC), threads per block       */                        \
+    /* (plain, QSAC) and tokens per block (plain, QSAC), whether stage 0 reads  */                        \
+    /* the BF16 input, the residual's rows per thread, the sums' block size.    */                        \
+    extern "C" __device__ const int PREFIX##_assign_cfg[9] = {                                                \
         kvf_kmeans::assign_smem_bytes<D, 1, BF>(), kvf_kmeans::assign_smem_bytes<D, QSAC, BF>(),               \
         kvf_kmeans::assign_geom<D, 1, BF>::WARPS * 32, kvf_kmeans::assign_geom<D, QSAC, BF>::WARPS * 32,        \
         kvf_kmeans::assign_geom<D, 1, BF>::WARPS * kvf_kmeans::TPW,                                           \
-        kvf_kmeans::assign_geom<D, QSAC, BF>::WARPS * kvf_kmeans::TPW, BF, kvf_kmeans::RES_RPT};             \
+        kvf_kmeans::assign_geom<D, QSAC, BF>::WARPS * kvf_kmeans::TPW, BF, kvf_kmeans::RES_RPT,              \
+        kvf_kmeans::SUM_THREADS};                                                                              \
     /* Filter statistics, counted while [0] != 0 (bench/bench.c sets it): per   */                      \
     /* kernel (plain, QSAC) tokens, candidates, full scans, second filters.      */                      \
     extern "C" __device__ unsigned long long PREFIX##_assign_stats[9];                                       \
@@ -850,7 +908,7 @@ __device__ __forceinline__ void residual(const void *src, i64 ts, i64 hs, float 
         kvf_kmeans::assign<D, G, 1, BF>(src, ts, hs, n, c_eff, cent, c_alloc, idx_ws, idx_plane, 0,           \
                                         PREFIX##_assign_stats[0] ? PREFIX##_assign_stats + 1 : 0);            \
     }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(kvf_kmeans::BLOCK, 3)                                         \
+    extern "C" __global__ void __launch_bounds__(kvf_kmeans::SUM_THREADS, 1)                                   \
     PREFIX##_accumulate(const void *src, i64 ts, i64 hs, const int *idx, int n, int c_eff, int chunk,          \
                         long long *acc, int *cnt) {                                                            \
         kvf_kmeans::accumulate<D, BF>(src, ts, hs, idx, n, c_eff, chunk, acc, cnt);                            \
