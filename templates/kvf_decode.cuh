@@ -306,7 +306,12 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
             }
             if (NCENT) {
 #pragma unroll
-                for (int s = 0; s < STAGES; s++) idx[u][s] = kvf_ldg_u8(packed + p.stage[s].index + head_row + t[u]);
+                for (int s = 0; s < STAGES; s++) {
+                    idx[u][s] = kvf_ldg_u8(packed + p.stage[s].index + head_row + t[u]);
+                    // A corrupt cache's index past a table of fewer than 256 rows
+                    // reads its last row, not past it (the CPU decode refuses it).
+                    if (NCENT < 256) idx[u][s] = min(idx[u][s], (u32)(NCENT - 1));
+                }
             }
             if (PSAC_R) {
                 cs[u] = kvf_ldg_u16(cscale_h + (u64)t[u] * 2);

@@ -791,6 +791,60 @@ static void decode_special_values(void **state) {
     }
 }
 
+/* A corrupt cache's centroid index past a 16-row table (the CPU decode
+ * refuses it, test_faults.c): the GPU decode reads the table's last row
+ * instead of past it, so it gives the CPU's decode of the same cache with
+ * those indices set to 15. Head 1 is the last head: past its table lie the
+ * other planes, then the end of the buffer. */
+static void gpu_corrupt_centroid_index(void **state) {
+    (void)state;
+    SKIP_WITHOUT_GPU();
+    kvf_scheme *s = tu_scheme_text("return { base = 'qvg_int2', name = 'qvg16', key = { centroids = 16 }, "
+                                   "value = { centroids = 16, stages = 2 } }");
+    kvf_context *gpu, *cpu;
+    if (kvf_context_create(s, 0, &gpu)) fail_msg("%s", kvf_last_error());
+    assert_int_equal(kvf_context_create(s, KVF_DEVICE_CPU, &cpu), KVF_OK);
+    const int64_t tokens = 40;
+    const int heads = 2;
+    kvf_layout l;
+    assert_int_equal(kvf_layout_compute(s, tokens, heads, &l), KVF_OK);
+    const size_t n = (size_t)tokens * heads * l.head_dim;
+    uint16_t *k = malloc(n * 2), *v = malloc(n * 2), *kc = malloc(n * 2), *vc = malloc(n * 2), *kg = malloc(n * 2),
+             *vg = malloc(n * 2);
+    uint8_t *bad = malloc(l.total_bytes), *last = malloc(l.total_bytes);
+    random_bf16(k, n, 5);
+    random_bf16(v, n, 6);
+    kvf_shape sh = {tokens, heads, 0, 0};
+    assert_int_equal(kvf_encode(cpu, k, v, &sh, NULL, bad, l.total_bytes, NULL), KVF_OK);
+    const struct { size_t off; uint8_t index; } corrupt[] = {
+        {l.key.stage[0].index_off + tokens + 7, 16},
+        {l.key.stage[0].index_off + tokens + 9, 255},
+        {l.value.stage[1].index_off + tokens + 3, 200},
+        {l.value.stage[0].index_off + 0, 17},
+    };
+    memcpy(last, bad, l.total_bytes);
+    for (size_t i = 0; i < sizeof corrupt / sizeof corrupt[0]; i++) {
+        bad[corrupt[i].off] = corrupt[i].index;
+        last[corrupt[i].off] = 15;
+    }
+    assert_int_equal(kvf_decode(cpu, bad, l.total_bytes, &sh, NULL, kc, vc, NULL), KVF_EFORMAT);
+    assert_int_equal(kvf_decode(cpu, last, l.total_bytes, &sh, NULL, kc, vc, NULL), KVF_OK);
+    CUdeviceptr dp = dalloc(l.total_bytes, 0), dk = dalloc(n * 2, 0x33), dv = dalloc(n * 2, 0x33);
+    CK(cuMemcpyHtoD(dp, bad, l.total_bytes));
+    assert_int_equal(kvf_decode(gpu, (void *)dp, l.total_bytes, &sh, NULL, (void *)dk, (void *)dv, NULL), KVF_OK);
+    CK(cuCtxSynchronize());
+    CK(cuMemcpyDtoH(kg, dk, n * 2));
+    CK(cuMemcpyDtoH(vg, dv, n * 2));
+    assert_memory_equal(kg, kc, n * 2);
+    assert_memory_equal(vg, vc, n * 2);
+    printf("  corrupt centroid indices 16, 255, 200, 17 of 16: the GPU decodes the last row, as the CPU with 15\n");
+    cu->cuMemFree(dp); cu->cuMemFree(dk); cu->cuMemFree(dv);
+    free(k); free(v); free(kc); free(vc); free(kg); free(vg); free(bad); free(last);
+    kvf_context_destroy(gpu);
+    kvf_context_destroy(cpu);
+    kvf_scheme_free(s);
+}
+
 static double ms_since(const struct timespec *t0) {
     struct timespec t1;
     clock_gettime(CLOCK_MONOTONIC, &t1);
@@ -873,6 +927,7 @@ int main(void) {
         cmocka_unit_test(gpu_psac_shapes),
         cmocka_unit_test(gpu_qstats_nonfinite),
         cmocka_unit_test(decode_special_values),
+        cmocka_unit_test(gpu_corrupt_centroid_index),
         cmocka_unit_test(context_from_cache_and_image),
         cmocka_unit_test(bad_arguments_refused),
     };
