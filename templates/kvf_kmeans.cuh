@@ -649,18 +649,19 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
 }
 
 // Lloyd update, step 1: each cluster's fixed-point sums and count. One block
-// of SUM_THREADS per (part of the tokens, head); its sums are stored once per
-// part (the finalize step adds the parts). The block sorts its tokens by
-// cluster, SUM_SUB at a time (a counting sort in shared memory); then each
-// warp takes whole clusters and adds their rows in registers, lane i holding
-// channels i * D/32 ..: no atomics on the sums. The value added is
-// ref_kmeans.c's fixed_point(e), an integer of at most 2^36 (fixed_point
-// below), summed in f64: sums of up to SUM_SUB of them stay under 2^53, so
-// they are exact in any order; sub-chunks add as int64. A cluster holding
-// most of a part's tokens makes one warp do most of the work (correct, slow).
-constexpr int SUM_THREADS = 1024, SUM_SUB = 8192;
-static_assert(SUM_SUB <= 65536 && (double)SUM_SUB * 68719476736.0 < 9007199254740992.0,
-              "u16 offsets; SUM_SUB sums of 2^36 are exact in f64");
+// of SUM_THREADS per (part of the tokens, head) owns its part's sums (the
+// finalize step adds the parts). The block sorts its tokens by cluster,
+// SUM_SUB at a time (a counting sort in shared memory), and cuts each
+// cluster's run into units of at most SUM_SEG tokens; each warp takes units
+// and adds their rows in registers, a row per step (lane i: channels
+// i * D/32 ..), then adds the unit's sums to the part's with 64-bit integer
+// atomics. The value added is ref_kmeans.c's fixed_point(e), an integer of
+// at most 2^36 (fixed_point below), summed in f64: sums of up to SUM_SEG of
+// them are exact in any order, and so are the integer additions.
+constexpr int SUM_THREADS = 1024, SUM_SUB = 8192, SUM_SEG = 64;
+constexpr int SUM_UNITS = 256 + SUM_SUB / SUM_SEG; // units of a round at most
+static_assert(SUM_SUB <= 65536 && (double)SUM_SEG * 68719476736.0 < 9007199254740992.0,
+              "u16 offsets; SUM_SEG sums of 2^36 are exact in f64");
 
 // ref_kmeans.c's fixed_point(e) = llrint(clamp(e * 2^20, +-2^36)), NaN -> 0,
 // as an f64 integer: the clamp of e at +-2^16 is the clamp of e * 2^20 (a
@@ -697,20 +698,21 @@ __device__ __forceinline__ void accumulate(const void *__restrict__ src, i64 ts,
     constexpr int U = 16 / W > 0 ? 16 / W : 1;  // rows in flight a lane
     constexpr int PER = SUM_SUB / SUM_THREADS;  // tokens a thread sorts
     static_assert(D % 64 == 0 && SUM_SUB % SUM_THREADS == 0, "head_dim is 64, 128 or 256");
-    __shared__ int first[256], cursor[256], total[256], next;
+    __shared__ int first[256], cursor[256], total[256], next, units;
+    __shared__ u32 unit[SUM_UNITS];             // cluster << 16 | first position of the unit
     __shared__ unsigned short order[SUM_SUB];   // sub-chunk offsets of its tokens, by cluster
     if (blockDim.x != SUM_THREADS) __trap();    // the launch's size disagrees with this file
     const int h = blockIdx.y, nh = gridDim.y, part = blockIdx.x, lane = threadIdx.x % 32;
     const int t_begin = min(n_tokens, part * chunk), t_end = min(n_tokens, t_begin + chunk);
     const int *ih = idx + (i64)h * n_tokens;
-    long long *ap = acc + ((i64)part * nh + h) * c_eff * D + lane * CPL;
+    long long *ap = acc + ((i64)part * nh + h) * c_eff * D;
+    for (int i = threadIdx.x; i < c_eff * D / 2; i += SUM_THREADS) ((longlong2 *)ap)[i] = make_longlong2(0, 0);
     for (int j = threadIdx.x; j < 256; j += SUM_THREADS) total[j] = 0;
-    // At least one round, so that an empty part stores its zeros.
-    for (int s0 = t_begin; s0 == t_begin || s0 < t_end; s0 += SUM_SUB) {
+    for (int s0 = t_begin; s0 < t_end; s0 += SUM_SUB) {
         const int ns = min(SUM_SUB, t_end - s0);
         for (int j = threadIdx.x; j < 256; j += SUM_THREADS) cursor[j] = 0;
         if (threadIdx.x == 0) next = 0;
-        __syncthreads();
+        __syncthreads(); // (the first round: also the zeros above before any atomic)
         int z[PER];
 #pragma unroll
         for (int k = 0; k < PER; k++) {
@@ -719,23 +721,29 @@ __device__ __forceinline__ void accumulate(const void *__restrict__ src, i64 ts,
             if (z[k] >= 0) atomicAdd(&cursor[z[k]], 1);
         }
         __syncthreads();
-        if (threadIdx.x < 32) { // exclusive scan of the counts, 8 clusters a lane
-            int c[8], sum = 0;
-#pragma unroll
-            for (int i = 0; i < 8; i++) { c[i] = cursor[lane * 8 + i]; sum += c[i]; }
-            int incl = sum;
-#pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-                const int y = __shfl_up_sync(0xffffffffu, incl, o);
-                if (lane >= o) incl += y;
-            }
-            int run = incl - sum;
+        if (threadIdx.x < 32) { // exclusive scans of the counts and units, 8 clusters a lane
+            int c[8], sum = 0, nu = 0;
 #pragma unroll
             for (int i = 0; i < 8; i++) {
-                first[lane * 8 + i] = cursor[lane * 8 + i] = run;
-                total[lane * 8 + i] += c[i];
+                c[i] = cursor[lane * 8 + i];
+                sum += c[i];
+                nu += (c[i] + SUM_SEG - 1) / SUM_SEG;
+            }
+            int incl = sum, uincl = nu;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const int y = __shfl_up_sync(0xffffffffu, incl, o), yu = __shfl_up_sync(0xffffffffu, uincl, o);
+                if (lane >= o) incl += y, uincl += yu;
+            }
+            int run = incl - sum, urun = uincl - nu;
+            for (int i = 0; i < 8; i++) {
+                const int j = lane * 8 + i;
+                first[j] = cursor[j] = run;
+                total[j] += c[i];
+                for (int p = run; p < run + c[i]; p += SUM_SEG) unit[urun++] = (u32)j << 16 | (u32)p;
                 run += c[i];
             }
+            if (lane == 31) units = urun;
         }
         __syncthreads();
 #pragma unroll
@@ -743,11 +751,11 @@ __device__ __forceinline__ void accumulate(const void *__restrict__ src, i64 ts,
             if (z[k] >= 0) order[atomicAdd(&cursor[z[k]], 1)] = (unsigned short)(threadIdx.x + k * SUM_THREADS);
         __syncthreads(); // cluster j's tokens: order[first[j] .. cursor[j])
         for (;;) {
-            int j = 0;
-            if (lane == 0) j = atomicAdd(&next, 1);
-            j = __shfl_sync(0xffffffffu, j, 0);
-            if (j >= c_eff) break;
-            const int b = first[j], e = cursor[j];
+            int ui = 0;
+            if (lane == 0) ui = atomicAdd(&next, 1);
+            ui = __shfl_sync(0xffffffffu, ui, 0);
+            if (ui >= units) break;
+            const int j = (int)(unit[ui] >> 16), b = (int)(unit[ui] & 0xffffu), e = min(b + SUM_SEG, cursor[j]);
             double sum[CPL];
 #pragma unroll
             for (int c = 0; c < CPL; c++) sum[c] = 0.0;
@@ -758,8 +766,8 @@ __device__ __forceinline__ void accumulate(const void *__restrict__ src, i64 ts,
                     if (k + u < e) {
                         const void *row = src_row<BF>(src, ts, hs, h, s0 + order[k + u]);
                         ld_words(BF ? (const u32 *)((const u16 *)row + lane * CPL)
-                                       : (const u32 *)((const float *)row + lane * CPL),
-                                    w[u]);
+                                    : (const u32 *)((const float *)row + lane * CPL),
+                                 w[u]);
                     } else {
 #pragma unroll
                         for (int i = 0; i < W; i++) w[u][i] = 0u; // +0.0 in either format: adds 0
@@ -777,11 +785,11 @@ __device__ __forceinline__ void accumulate(const void *__restrict__ src, i64 ts,
                         }
                     }
             }
-            long long *o = ap + (i64)j * D;
+            unsigned long long *o = (unsigned long long *)(ap + (i64)j * D + lane * CPL);
 #pragma unroll
-            for (int c = 0; c < CPL; c++) o[c] = (long long)sum[c] + (s0 == t_begin ? 0ll : o[c]);
+            for (int c = 0; c < CPL; c++) atomicAdd(o + c, (unsigned long long)(long long)sum[c]);
         }
-        __syncthreads(); // the next round reuses the sort (and reads these sums)
+        __syncthreads(); // the next round reuses the sort
     }
     if (threadIdx.x < c_eff) cnt[((i64)part * nh + h) * c_eff + threadIdx.x] = total[threadIdx.x];
 }
