@@ -715,6 +715,19 @@ static void sv_packed(const kvf_scheme *s, const kvf_layout *l, uint8_t *p, uint
     }
 }
 
+/* Decode a host copy of a packed cache on the GPU (outputs first filled with
+ * 0x33) and copy K and V (n elements each) back to host. */
+static void gpu_decode_host(kvf_context *gpu, const uint8_t *packed, size_t bytes, const kvf_shape *sh, size_t n,
+                            uint16_t *k, uint16_t *v) {
+    CUdeviceptr dp = dalloc(bytes, 0), dk = dalloc(n * 2, 0x33), dv = dalloc(n * 2, 0x33);
+    CK(cuMemcpyHtoD(dp, packed, bytes));
+    assert_int_equal(kvf_decode(gpu, (void *)dp, bytes, sh, NULL, (void *)dk, (void *)dv, NULL), KVF_OK);
+    CK(cuCtxSynchronize());
+    CK(cuMemcpyDtoH(k, dk, n * 2));
+    CK(cuMemcpyDtoH(v, dv, n * 2));
+    cu->cuMemFree(dp); cu->cuMemFree(dk); cu->cuMemFree(dv);
+}
+
 /* Decode of hostile packed bytes: NaN and Inf scales, offsets, centroids and
  * basis entries, subnormals, signed zeros, rounding ties and overflow to Inf
  * in the bf16 output. The GPU (hardware cvt.rn.bf16x2 + NaN fix) must give the
@@ -732,12 +745,7 @@ static void sv_case(kvf_scheme *s, int64_t tokens, int heads, uint64_t seed) {
     sv_packed(s, &l, pk, seed);
     kvf_shape sh = {tokens, heads, 0, 0};
     assert_int_equal(kvf_decode(cpu, pk, l.total_bytes, &sh, NULL, kc, vc, NULL), KVF_OK);
-    CUdeviceptr dp = dalloc(l.total_bytes, 0), dk = dalloc(n * 2, 0x33), dv = dalloc(n * 2, 0x33);
-    CK(cuMemcpyHtoD(dp, pk, l.total_bytes));
-    assert_int_equal(kvf_decode(gpu, (void *)dp, l.total_bytes, &sh, NULL, (void *)dk, (void *)dv, NULL), KVF_OK);
-    CK(cuCtxSynchronize());
-    CK(cuMemcpyDtoH(kg, dk, n * 2));
-    CK(cuMemcpyDtoH(vg, dv, n * 2));
+    gpu_decode_host(gpu, pk, l.total_bytes, &sh, n, kg, vg);
     size_t kind[5] = {0}, differ = 0; /* NaN, Inf, subnormal, -0, other */
     for (int t = 0; t < 2; t++) {
         const uint16_t *a = t ? vg : kg, *b = t ? vc : kc;
@@ -759,7 +767,6 @@ static void sv_case(kvf_scheme *s, int64_t tokens, int heads, uint64_t seed) {
            (long long)tokens, heads, kind[0], kind[1], kind[2], kind[3], kind[4], differ);
     assert_int_equal(differ, 0);
     if (tokens > 1) assert_true(kind[0] > 0 && kind[1] > 0); /* the cases were hit */
-    cu->cuMemFree(dp); cu->cuMemFree(dk); cu->cuMemFree(dv);
     free(pk); free(kc); free(vc); free(kg); free(vg);
     kvf_context_destroy(gpu);
     kvf_context_destroy(cpu);
@@ -829,16 +836,10 @@ static void gpu_corrupt_centroid_index(void **state) {
     }
     assert_int_equal(kvf_decode(cpu, bad, l.total_bytes, &sh, NULL, kc, vc, NULL), KVF_EFORMAT);
     assert_int_equal(kvf_decode(cpu, last, l.total_bytes, &sh, NULL, kc, vc, NULL), KVF_OK);
-    CUdeviceptr dp = dalloc(l.total_bytes, 0), dk = dalloc(n * 2, 0x33), dv = dalloc(n * 2, 0x33);
-    CK(cuMemcpyHtoD(dp, bad, l.total_bytes));
-    assert_int_equal(kvf_decode(gpu, (void *)dp, l.total_bytes, &sh, NULL, (void *)dk, (void *)dv, NULL), KVF_OK);
-    CK(cuCtxSynchronize());
-    CK(cuMemcpyDtoH(kg, dk, n * 2));
-    CK(cuMemcpyDtoH(vg, dv, n * 2));
+    gpu_decode_host(gpu, bad, l.total_bytes, &sh, n, kg, vg);
     assert_memory_equal(kg, kc, n * 2);
     assert_memory_equal(vg, vc, n * 2);
     printf("  corrupt centroid indices 16, 255, 200, 17 of 16: the GPU decodes the last row, as the CPU with 15\n");
-    cu->cuMemFree(dp); cu->cuMemFree(dk); cu->cuMemFree(dv);
     free(k); free(v); free(kc); free(vc); free(kg); free(vg); free(bad); free(last);
     kvf_context_destroy(gpu);
     kvf_context_destroy(cpu);
