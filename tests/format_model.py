@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 # Independent pure-Python model of docs/FORMAT.md version 2 (RTN), stdlib only.
 # Prints the digests that test_golden in tests/test_ref.c pins: python3 tests/format_model.py
-import struct, math
+# With --check (make test) it compares them with the digests pinned there and fails on any difference.
+import struct, math, sys, os, re
 M64 = (1 << 64) - 1
 def splitmix(st):
     st[0] = (st[0] + 0x9e3779b97f4a7c15) & M64
@@ -90,8 +91,16 @@ def fnv(h, data):
     return h
 N, H, d, G = 96, 3, 128, 64
 k = golden(N * H * d, 64, 100); v = golden(N * H * d, 64, 200)
+got = {}
 for kb, vb, mode in ((2, 2, 0), (4, 2, 0), (8, 16, 0), (2, 4, 1)):
     buf, secs = encode(d, G, N, H, kb, vb, mode, k, v, 0x0123456789abcdef)
     ko, vo = decode(buf, secs, d, G, N, H, mode)
-    print("K%dV%d %s: packed %016x decoded %016x" % (kb, vb, "symmetric" if mode else "affine",
-          fnv(0xcbf29ce484222325, buf), fnv(fnv(0xcbf29ce484222325, ko), vo)))
+    got[(kb, vb, mode)] = (fnv(0xcbf29ce484222325, buf), fnv(fnv(0xcbf29ce484222325, ko), vo))
+    print("K%dV%d %s: packed %016x decoded %016x" % ((kb, vb, "symmetric" if mode else "affine") + got[(kb, vb, mode)]))
+if "--check" in sys.argv[1:]:
+    src = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "test_ref.c")).read()
+    pinned = {(int(a), int(b), 1 if m == "SYMMETRIC" else 0): (int(p, 16), int(q, 16)) for a, b, m, p, q in
+              re.findall(r"\{(\d+), (\d+), KVF_MODE_(AFFINE|SYMMETRIC), 0x([0-9a-f]+)ull, 0x([0-9a-f]+)ull\}", src)}
+    if pinned != got:
+        sys.exit("format_model: the digests of docs/FORMAT.md's model differ from those tests/test_ref.c pins: %r" % pinned)
+    print("format_model: the %d cases pinned in tests/test_ref.c agree" % len(got))
