@@ -29,3 +29,6 @@ py-install: $(O)/lib/libkvforge.so $(PY_VENV)/.kvforge-setup
 py-example: $(O)/lib/libkvforge.so
 	PYTHONPATH=python KVFORGE_LIB=$(CURDIR)/$(O)/lib/libkvforge.so $(PY_RUN) examples/attention_layer.py \
 		--scheme schemes/rtn_int2.lua --chunks 4
+
+# eval/data.mk's wm-test runs in this environment unless WM_PYTHON names another.
+wm-test: $(if $(filter $(PY),$(WM_PYTHON)),$(PY_VENV)/.kvforge-setup)
