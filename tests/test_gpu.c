@@ -509,6 +509,39 @@ static void gpu_psac_shapes(void **state) {
     }
 }
 
+/* The Lloyd sums' paths that the shipped shapes may not reach on a given GPU
+ * (the token parts follow its multiprocessor count, context.c sum_parts):
+ * with more heads than half the multiprocessors each head's tokens are one
+ * part, so 8300 tokens take two sorting rounds (kvf_kmeans SUM_SUB = 8192);
+ * with 2 centroids one cluster holds at least half of a part's tokens (200
+ * or more here), so its run is cut into several 64-token units;
+ * head_dim 64 and 256 (2 and 8 channels a lane); keys read the BF16 input,
+ * the two-stage values the f32 workspace. */
+static void gpu_kmeans_sum_shapes(void **state) {
+    (void)state;
+    SKIP_WITHOUT_GPU();
+    int sms = 0;
+    CK(cuDeviceGetAttribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev));
+    const struct { const char *text; run_case c; } shapes[] = {
+        {"return { base = 'qvg_int2', name = 'sum_d64', head_dim = 64, key = { centroids = 2 }, "
+         "value = { centroids = 2 } }", {small ? 40 : 8300, small ? 2 : sms / 2 + 1, 0, 0}},
+        {"return { base = 'qvg_int2', name = 'sum_d256', head_dim = 256, key = { centroids = 2 }, "
+         "value = { centroids = 2, stages = 2 } }", {small ? 40 : 600, 2, 1, 0}},
+    };
+    for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
+        kvf_scheme *s = tu_scheme_text(shapes[i].text);
+        kvf_context *gpu, *cpu;
+        if (kvf_context_create(s, 0, &gpu)) fail_msg("%s: %s", kvf_scheme_id(s), kvf_last_error());
+        assert_int_equal(kvf_context_create(s, KVF_DEVICE_CPU, &cpu), KVF_OK);
+        compare_case(gpu, cpu, &shapes[i].c, 1, 1);
+        printf("  %s: %lld tokens x %d heads agree with the CPU reference\n", kvf_scheme_id(s),
+               (long long)shapes[i].c.tokens, shapes[i].c.heads);
+        kvf_context_destroy(gpu);
+        kvf_context_destroy(cpu);
+        kvf_scheme_free(s);
+    }
+}
+
 /* Query statistics updated on the GPU into a host copy. */
 static void gpu_qstats_run(kvf_context *gpu, CUdeviceptr dqs, size_t bytes, int heads, uint16_t *const *chunks,
                            const int64_t *n, int n_chunks, int hq, int d, uint8_t *back) {
@@ -926,6 +959,7 @@ int main(void) {
         cmocka_unit_test(gpu_matches_cpu),
         cmocka_unit_test(gpu_rope_pre),
         cmocka_unit_test(gpu_psac_shapes),
+        cmocka_unit_test(gpu_kmeans_sum_shapes),
         cmocka_unit_test(gpu_qstats_nonfinite),
         cmocka_unit_test(decode_special_values),
         cmocka_unit_test(gpu_corrupt_centroid_index),
