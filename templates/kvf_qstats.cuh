@@ -58,6 +58,7 @@ __device__ __forceinline__ void accumulate(const u16 *__restrict__ q, i64 ts, i6
                                            u8 *qs, layout l) {
     constexpr int T = ACC_TILE; // also the tokens staged per round
     static_assert(D % T == 0, "head_dim is 64, 128 or 256");
+    static_assert(T * 8 == 256 && (T / 2) * (T / 2) == 256, "256 threads: 8 per staged row, 2 x 2 of the tile each");
     __shared__ __align__(16) double qa[T][T], qb[T][T];
     __shared__ int ok[T];
     const int h = blockIdx.z, ta = blockIdx.y * T, tb = blockIdx.x * T;
