@@ -235,8 +235,10 @@ static void dump_failed_source(const char *name, const char *source, const char 
         }                                                                                           \
     } while (0)
 
-int kvf_nvrtc_compile(const char *source, const char *name, const char *arch, int want_ptx, void **image,
-                      size_t *size) {
+/* extra: one more option (NULL: none); report: when not NULL, the compile
+ * log of a successful compile (the caller frees it). */
+static int compile_program(const char *source, const char *name, const char *arch, int want_ptx, const char *extra,
+                           void **image, size_t *size, char **report) {
     const kvf_nvrtc_api *a;
     int rc = kvf_nvrtc_load(&a);
     if (rc) return rc;
@@ -254,6 +256,7 @@ int kvf_nvrtc_compile(const char *source, const char *name, const char *arch, in
     snprintf(arch_opt, sizeof arch_opt, "--gpu-architecture=%s", arch);
     opts[n_opt++] = arch_opt;
     for (int i = 0; base[i]; i++) opts[n_opt++] = base[i];
+    if (extra) opts[n_opt++] = extra;
     nvrtcProgram prog = NULL;
     char *log = NULL;
     *image = NULL;
@@ -277,9 +280,25 @@ int kvf_nvrtc_compile(const char *source, const char *name, const char *arch, in
     if (!*image) { rc = kvf_set_error(KVF_ENOMEM, "out of memory for a %zu-byte image", *size); goto done; }
     if (want_ptx) NVRTC_CHECK(a, nvrtcGetPTX(prog, *image));
     else NVRTC_CHECK(a, nvrtcGetCUBIN(prog, *image));
+    if (report) {
+        if (!log) { rc = kvf_set_error(KVF_ENOMEM, "out of memory for the compile log"); goto done; }
+        *report = log;
+        log = NULL;
+    }
 done:
     if (rc) { free(*image); *image = NULL; }
     free(log);
     if (prog) a->nvrtcDestroyProgram(&prog);
     return rc;
+}
+
+int kvf_nvrtc_compile(const char *source, const char *name, const char *arch, int want_ptx, void **image,
+                      size_t *size) {
+    return compile_program(source, name, arch, want_ptx, NULL, image, size, NULL);
+}
+
+int kvf_nvrtc_compile_report(const char *source, const char *name, const char *arch, void **image, size_t *size,
+                             char **report) {
+    *report = NULL;
+    return compile_program(source, name, arch, 0, "--ptxas-options=-v", image, size, report);
 }

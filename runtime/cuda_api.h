@@ -84,6 +84,12 @@ int kvf_cuda_fail(CUresult r, const char *call, const char *file, int line, int 
  * the source and log to files named in the message. */
 int kvf_nvrtc_compile(const char *source, const char *name, const char *arch, int want_ptx,
                       void **image, size_t *size);
+/* kvf_nvrtc_compile of a cubin with ptxas's per-kernel report (registers,
+ * spills, stack, shared memory) in *report, NVRTC's log (the caller frees
+ * it). The cubin differs in bytes from kvf_nvrtc_compile's (the options are
+ * recorded in it), so it is not for the cache. */
+int kvf_nvrtc_compile_report(const char *source, const char *name, const char *arch, void **image, size_t *size,
+                             char **report);
 /* The options every compile uses (for the cache key), NULL-terminated. */
 const char *const *kvf_nvrtc_options(void);
 /* Arch string for a device ("sm_90"), or the PTX fallback "compute_XX" when the

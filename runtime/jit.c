@@ -3,6 +3,7 @@
 #include "gen.h"
 #include "jit.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -63,6 +64,83 @@ int kvf_jit_image(const struct kvf_scheme *s, const char *arch, int want_ptx, vo
         }
     }
     if (lock >= 0) kvf_cache_unlock(lock);
+    kvf_gen_output_free(&g);
+    return rc;
+}
+
+/* The number just before `what` in line (", 16512 bytes smem"), or -1. */
+static long number_before(const char *line, const char *what) {
+    const char *p = strstr(line, what);
+    if (!p) return -1;
+    while (p > line && p[-1] == ' ') p--;
+    const char *e = p;
+    while (p > line && p[-1] >= '0' && p[-1] <= '9') p--;
+    return p < e ? strtol(p, NULL, 10) : -1;
+}
+
+int kvf_ptxas_report_parse(const char *log, kvf_kernel_usage **out, int *n_out) {
+    int n = 0;
+    for (const char *p = log; (p = strstr(p, "Compiling entry function '")); p++) n++;
+    kvf_kernel_usage *u = calloc((size_t)(n ? n : 1), sizeof *u);
+    int *seen = calloc((size_t)(n ? n : 1), sizeof *seen);
+    if (!u || !seen) {
+        free(u), free(seen);
+        return kvf_set_error(KVF_ENOMEM, "out of memory for the ptxas report");
+    }
+    int k = -1;
+    char props[128] = "";
+    for (const char *line = log; line && *line;) {
+        const char *end = strchr(line, '\n');
+        size_t len = end ? (size_t)(end - line) : strlen(line);
+        char buf[512];
+        snprintf(buf, sizeof buf, "%.*s", (int)(len < sizeof buf ? len : sizeof buf - 1), line);
+        const char *q;
+        if ((q = strstr(buf, "Compiling entry function '")) && k + 1 < n) {
+            q += strlen("Compiling entry function '");
+            k++;
+            snprintf(u[k].name, sizeof u[k].name, "%.*s", (int)strcspn(q, "'"), q);
+        } else if ((q = strstr(buf, "Function properties for "))) {
+            snprintf(props, sizeof props, "%s", q + strlen("Function properties for "));
+        } else if (k >= 0 && strstr(buf, "bytes stack frame") && !strcmp(props, u[k].name)) {
+            u[k].stack = number_before(buf, "bytes stack frame");
+            u[k].spill_stores = number_before(buf, "bytes spill stores");
+            u[k].spill_loads = number_before(buf, "bytes spill loads");
+        } else if (k >= 0 && (q = strstr(buf, "Used ")) && strstr(q, " registers")) {
+            u[k].registers = (int)number_before(q, " registers");
+            u[k].barriers = (int)number_before(q, " barriers");
+            long sm = number_before(q, " bytes smem");
+            u[k].smem = sm < 0 ? 0 : sm;
+            seen[k] = 1;
+        }
+        line = end ? end + 1 : NULL;
+    }
+    int bad = n == 0 ? -1 : -2;
+    for (int i = 0; i < n && bad == -2; i++)
+        if (!seen[i] || u[i].registers < 0 || u[i].spill_stores < 0 || u[i].spill_loads < 0) bad = i;
+    free(seen);
+    if (bad != -2) {
+        int rc = bad < 0 ? kvf_set_error(KVF_ECOMPILE, "ptxas report lists no kernel")
+                         : kvf_set_error(KVF_ECOMPILE, "ptxas report not understood at kernel %s", u[bad].name);
+        free(u);
+        return rc;
+    }
+    *out = u;
+    *n_out = n;
+    return KVF_OK;
+}
+
+int kvf_jit_usage(const struct kvf_scheme *s, const char *arch, kvf_kernel_usage **usage, int *n) {
+    kvf_gen_output g;
+    int rc = kvf_gen(s, &g);
+    if (rc) return rc;
+    void *image = NULL;
+    size_t size = 0;
+    char *report = NULL;
+    rc = kvf_nvrtc_compile_report(g.cu, g.cu_name, arch, &image, &size, &report);
+    if (rc == KVF_OK) rc = kvf_ptxas_report_parse(report, usage, n);
+    if (rc) kvf_wrap_error(rc, "scheme %s for %s", s->name, arch);
+    free(image);
+    free(report);
     kvf_gen_output_free(&g);
     return rc;
 }

@@ -9,6 +9,26 @@
 int kvf_jit_image(const struct kvf_scheme *s, const char *arch, int want_ptx, void **image, size_t *size,
                   const char **origin);
 
+/* One kernel of ptxas's report. */
+typedef struct kvf_kernel_usage {
+    char name[128];
+    int registers, barriers;
+    long stack, spill_stores, spill_loads, smem; /* bytes; smem: static shared memory */
+} kvf_kernel_usage;
+
+/* NVRTC compile of the scheme's kernels for arch ("sm_90"; no cache, no GPU)
+ * with ptxas's report parsed per kernel: *usage (n entries, in the report's
+ * order; the caller frees it). KVF_ECOMPILE when the report has no kernel or
+ * a kernel without its register line (a report this code does not know). */
+int kvf_jit_usage(const struct kvf_scheme *s, const char *arch, kvf_kernel_usage **usage, int *n);
+
+/* The parser of kvf_jit_usage. ptxas -v lines, per entry: "Compiling entry
+ * function 'NAME' for 'sm_90'", "Function properties for NAME", ". N bytes
+ * stack frame, N bytes spill stores, N bytes spill loads", "Used N
+ * registers, used N barriers, N bytes smem, ..." (smem absent when 0). Other
+ * functions' properties are skipped. */
+int kvf_ptxas_report_parse(const char *log, kvf_kernel_usage **usage, int *n);
+
 /* Export: cubins for each arch (+ PTX of the newest) in one fatbin written by
  * the toolkit's `fatbinary`, and C + header embedding it (export.c). */
 int kvf_export(const struct kvf_scheme *s, const char *const *archs, int n_archs, const char *dir);

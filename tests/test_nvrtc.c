@@ -67,6 +67,80 @@ static void every_scheme_compiles(void **state) {
     unsetenv("KVFORGE_CACHE");
 }
 
+/* ptxas's report of every shipped scheme's kernels for sm_80 and sm_90
+ * (kvforge compile --resources): every kernel listed with its registers; the
+ * decode, which is bound by bandwidth, neither spills nor uses a stack frame;
+ * no kernel spills more than 64 bytes (NVRTC 13.0: qstats_eigen spills 20
+ * bytes for sm_90, ptxas's choice at 48 registers). */
+static void kernel_resources(void **state) {
+    (void)state;
+    for (const char *const *n = kvf_builtin_schemes(); *n; n++) {
+        kvf_scheme *s = tu_scheme(*n);
+        for (int a = 0; a < 2; a++) {
+            kvf_kernel_usage *u;
+            int k = 0;
+            if (kvf_jit_usage(s, archs[a], &u, &k)) fail_msg("%s for %s: %s", *n, archs[a], kvf_last_error());
+            int decode = 0;
+            for (int i = 0; i < k; i++) {
+                assert_true(u[i].registers >= 1 && u[i].registers <= 255);
+                assert_true(u[i].spill_stores <= 64 && u[i].spill_loads <= 64);
+                if (u[i].spill_stores || u[i].spill_loads)
+                    print_message("%s %s %s: spills %ld/%ld bytes\n", *n, archs[a], u[i].name, u[i].spill_stores,
+                                  u[i].spill_loads);
+                if (strstr(u[i].name, "_decode_")) {
+                    decode++;
+                    assert_int_equal(u[i].spill_stores + u[i].spill_loads + u[i].stack, 0);
+                }
+            }
+            assert_int_equal(decode, 2); /* decode_k and decode_v */
+            free(u);
+        }
+        kvf_scheme_free(s);
+    }
+}
+
+/* The parser on a report with a device function's properties between two
+ * entries, an entry without shared memory, and one that spills. */
+static void ptxas_report_parsed(void **state) {
+    (void)state;
+    const char *log = "ptxas info    : 0 bytes gmem\n"
+                      "ptxas info    : Function properties for helper\n"
+                      "ptxas         .     64 bytes stack frame, 8 bytes spill stores, 8 bytes spill loads\n"
+                      "ptxas info    : Compiling entry function 'kvf_a' for 'sm_90'\n"
+                      "ptxas info    : Function properties for kvf_a\n"
+                      "ptxas         .     16 bytes stack frame, 20 bytes spill stores, 24 bytes spill loads\n"
+                      "ptxas info    : Used 48 registers, used 1 barriers, 9264 bytes smem, 384 bytes cmem[0]\n"
+                      "ptxas info    : Compiling entry function 'kvf_b' for 'sm_90'\n"
+                      "ptxas info    : Function properties for kvf_b\n"
+                      "ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+                      "ptxas info    : Used 8 registers, used 0 barriers, 360 bytes cmem[0]\n"
+                      "ptxas info    : Compile time = 2.441 ms\n";
+    kvf_kernel_usage *u;
+    int n = 0;
+    assert_int_equal(kvf_ptxas_report_parse(log, &u, &n), KVF_OK);
+    assert_int_equal(n, 2);
+    assert_string_equal(u[0].name, "kvf_a");
+    assert_int_equal(u[0].registers, 48);
+    assert_int_equal(u[0].barriers, 1);
+    assert_int_equal(u[0].stack, 16);
+    assert_int_equal(u[0].spill_stores, 20);
+    assert_int_equal(u[0].spill_loads, 24);
+    assert_int_equal(u[0].smem, 9264);
+    assert_string_equal(u[1].name, "kvf_b");
+    assert_int_equal(u[1].registers, 8);
+    assert_int_equal(u[1].barriers, 0);
+    assert_int_equal(u[1].smem, 0);
+    assert_int_equal(u[1].spill_stores + u[1].spill_loads + u[1].stack, 0);
+    free(u);
+    /* An entry whose register line is missing, and a report without entries. */
+    const char *cut = "ptxas info    : Compiling entry function 'kvf_a' for 'sm_90'\n"
+                      "ptxas info    : Function properties for kvf_a\n";
+    assert_int_equal(kvf_ptxas_report_parse(cut, &u, &n), KVF_ECOMPILE);
+    assert_non_null(strstr(kvf_last_error(), "not understood at kernel kvf_a"));
+    assert_int_equal(kvf_ptxas_report_parse("ptxas info    : 0 bytes gmem\n", &u, &n), KVF_ECOMPILE);
+    assert_non_null(strstr(kvf_last_error(), "no kernel"));
+}
+
 static void jit_uses_disk_cache(void **state) {
     (void)state;
     kvf_scheme *s = tu_scheme("rtn_int2");
@@ -220,6 +294,8 @@ int main(void) {
     printf("NVRTC %d.%d\n", api->major, api->minor);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(every_scheme_compiles),
+        cmocka_unit_test(kernel_resources),
+        cmocka_unit_test(ptxas_report_parsed),
         cmocka_unit_test(jit_uses_disk_cache),
         cmocka_unit_test(ptx_fallback_compiles),
         cmocka_unit_test(jit_race),

@@ -13,7 +13,9 @@
 static int usage(void) {
     fputs("usage:\n"
           "  kvforge gen SCHEME.lua [-o DIR]                 write the generated CUDA, C and header\n"
-          "  kvforge compile SCHEME.lua [--arch sm_90,...]   NVRTC compile only (no GPU needed)\n"
+          "  kvforge compile SCHEME.lua [--arch sm_90,...] [--resources]\n"
+          "                                                  NVRTC compile only (no GPU needed); --resources:\n"
+          "                                                  ptxas's registers/spills/shared memory per kernel\n"
           "  kvforge export SCHEME.lua --arch sm_80,sm_90 -o DIR   fatbin + C/header embedding it\n"
           "  kvforge info SCHEME.lua                         canonical configuration and footprint\n"
           "  kvforge cache list | cache clear | cache dir    the JIT disk cache\n"
@@ -83,12 +85,41 @@ static int arch_job_open(int argc, char **argv, arch_job *j) {
     return KVF_OK;
 }
 
+/* ptxas's report per kernel for each arch (kvf_jit_usage). */
+static int print_usage_report(kvf_scheme *s, const arch_job *j) {
+    int rc = KVF_OK;
+    char prefix[160];
+    snprintf(prefix, sizeof prefix, "kvf_%s_", kvf_scheme_id(s));
+    for (int i = 0; i < j->n && !rc; i++) {
+        kvf_kernel_usage *u;
+        int n;
+        if ((rc = kvf_jit_usage(s, j->archs[i], &u, &n))) break;
+        printf("%s %s: %d kernels (ptxas report of an NVRTC compile)\n", kvf_scheme_id(s), j->archs[i], n);
+        printf("  %-26s %9s %8s %12s %11s %12s\n", "kernel", "registers", "barriers", "spills st/ld", "stack bytes",
+               "static smem");
+        for (int k = 0; k < n; k++) {
+            const char *name = strncmp(u[k].name, prefix, strlen(prefix)) ? u[k].name : u[k].name + strlen(prefix);
+            char spills[32];
+            snprintf(spills, sizeof spills, "%ld/%ld", u[k].spill_stores, u[k].spill_loads);
+            printf("  %-26s %9d %8d %12s %11ld %12ld\n", name, u[k].registers, u[k].barriers, spills, u[k].stack,
+                   u[k].smem);
+        }
+        free(u);
+    }
+    return rc;
+}
+
 static int cmd_compile(int argc, char **argv) {
     if (argc < 1) return usage();
     arch_job j;
     int rc = arch_job_open(argc, argv, &j);
     if (rc) return fail(rc);
     kvf_scheme *s = j.s;
+    if (has_flag(argc, argv, "--resources")) {
+        rc = print_usage_report(s, &j);
+        kvf_scheme_free(s);
+        return rc ? fail(rc) : 0;
+    }
     for (int i = 0; i < j.n && !rc; i++) {
         void *image;
         size_t size;
