@@ -9,8 +9,12 @@
  */
 #include "ref.h"
 
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 /* ------------------------------------------------------------ work space */
 
@@ -65,6 +69,91 @@ typedef struct section_job {
 
 static size_t row_of(const kvf_layout *L, int32_t h, int64_t t) {
     return (size_t)h * (size_t)L->n_tokens + (size_t)t;
+}
+
+/* ------------------------------------------------------------ heads in parallel */
+
+/* Heads are independent (each writes only its own rows of every plane and
+ * reads nothing another head writes), so a section's heads run on several
+ * threads; the bytes do not depend on how many. KVFORGE_CPU_THREADS sets the
+ * count, else the online CPUs, at most 16 (each thread holds one head's
+ * buffers); never more than the heads. */
+enum { CPU_THREADS_DEFAULT_MAX = 16, CPU_THREADS_MAX = 256 };
+
+static int cpu_threads(int32_t n_heads) {
+    const char *env = getenv("KVFORGE_CPU_THREADS");
+    long t = 0;
+    if (env && *env) {
+        char *end;
+        t = strtol(env, &end, 10);
+        if (*end || t < 1) t = 0; /* not a count: the default */
+        if (t > CPU_THREADS_MAX) t = CPU_THREADS_MAX;
+    }
+    if (t == 0) {
+        t = sysconf(_SC_NPROCESSORS_ONLN);
+        if (t > CPU_THREADS_DEFAULT_MAX) t = CPU_THREADS_DEFAULT_MAX;
+    }
+    if (t > n_heads) t = n_heads;
+    return t < 1 ? 1 : (int)t;
+}
+
+typedef int (*head_fn)(const section_job *j, int32_t h, head_buf *b, void *arg);
+
+typedef struct head_pool {
+    const section_job *j;
+    head_fn fn;
+    void *arg;
+    int parts, centroids; /* head_buf_alloc's */
+    atomic_int next;      /* the next head to take */
+    pthread_mutex_t lock;
+    int32_t err_head;     /* the lowest head that failed, n_heads if none */
+    int err_rc;
+    char err_msg[1024];
+} head_pool;
+
+/* Take heads until none is left or one fails. A helper thread that cannot
+ * get its buffers takes no head (the others do its share). */
+static int run_pool_heads(head_pool *pool, bool helper) {
+    head_buf b;
+    const int32_t n_heads = pool->j->L->n_heads;
+    int rc = head_buf_alloc(&b, pool->j->L->n_tokens, pool->j->L->head_dim, pool->centroids, pool->parts);
+    if (rc) return helper ? KVF_OK : rc;
+    for (int32_t h; !rc && (h = atomic_fetch_add(&pool->next, 1)) < n_heads;) {
+        if ((rc = pool->fn(pool->j, h, &b, pool->arg))) {
+            pthread_mutex_lock(&pool->lock);
+            if (h < pool->err_head) {
+                pool->err_head = h;
+                pool->err_rc = rc;
+                snprintf(pool->err_msg, sizeof pool->err_msg, "%s", kvf_last_error());
+            }
+            pthread_mutex_unlock(&pool->lock);
+        }
+    }
+    head_buf_free(&b);
+    return KVF_OK; /* errors of heads go through err_* */
+}
+
+static void *pool_helper(void *p) {
+    run_pool_heads(p, true);
+    return NULL;
+}
+
+/* fn for every head of the section, on cpu_threads() threads (this one
+ * included). The error is that of the lowest head that failed, as one thread
+ * going through the heads in order would report. */
+static int for_each_head(const section_job *j, int parts, head_fn fn, void *arg) {
+    head_pool pool = {.j = j, .fn = fn, .arg = arg, .parts = parts, .centroids = j->l->centroids,
+                      .err_head = j->L->n_heads};
+    atomic_init(&pool.next, 0);
+    pthread_mutex_init(&pool.lock, NULL);
+    pthread_t tid[CPU_THREADS_MAX];
+    int n = 0, want = cpu_threads(j->L->n_heads);
+    while (n + 1 < want && pthread_create(&tid[n], NULL, pool_helper, &pool) == 0) n++;
+    int rc = run_pool_heads(&pool, false);
+    for (int i = 0; i < n; i++) pthread_join(tid[i], NULL);
+    pthread_mutex_destroy(&pool.lock);
+    if (rc) return rc;
+    return pool.err_head < j->L->n_heads ? kvf_set_error(pool.err_rc, "%s", pool.err_msg) : KVF_OK;
 }
 
 /* ------------------------------------------------------------ BF16 sections */
@@ -211,17 +300,20 @@ static int encode_head(const section_job *j, const uint16_t *x, int32_t h, const
     return psac_head(j, h, qstats, b, packed);
 }
 
+typedef struct encode_arg { const uint16_t *x; const void *qstats; uint8_t *packed; } encode_arg;
+
+static int encode_pool_head(const section_job *j, int32_t h, head_buf *b, void *arg) {
+    const encode_arg *a = arg;
+    return encode_head(j, a->x, h, a->qstats, b, a->packed);
+}
+
 static int encode_section(const section_job *j, const uint16_t *x, const void *qstats, uint8_t *packed) {
     if (j->l->bits == 16) {
         bf16_encode(j, x, packed);
         return KVF_OK;
     }
-    head_buf b;
-    int rc = head_buf_alloc(&b, j->L->n_tokens, j->L->head_dim, j->l->centroids,
-                            HB_ENCODE | (j->l->psac_rank > 0 ? HB_DECODE_SUM : 0));
-    for (int32_t h = 0; !rc && h < j->L->n_heads; h++) rc = encode_head(j, x, h, qstats, &b, packed);
-    head_buf_free(&b);
-    return rc;
+    encode_arg a = {x, qstats, packed};
+    return for_each_head(j, HB_ENCODE | (j->l->psac_rank > 0 ? HB_DECODE_SUM : 0), encode_pool_head, &a);
 }
 
 /* ------------------------------------------------------------ decode */
@@ -246,6 +338,21 @@ static void finish_head(const section_job *j, int32_t h, const uint8_t *packed, 
     }
 }
 
+typedef struct decode_arg {
+    const uint8_t *packed;
+    const int32_t *pos;
+    const float *inv;
+    const int *axis;
+    uint16_t *out;
+} decode_arg;
+
+static int decode_pool_head(const section_job *j, int32_t h, head_buf *b, void *arg) {
+    const decode_arg *a = arg;
+    sum_stages(j, h, a->packed, b);
+    finish_head(j, h, a->packed, a->pos, a->inv, a->axis, b, a->out);
+    return KVF_OK;
+}
+
 static int decode_section(const section_job *j, const uint8_t *packed, const int32_t *pos, uint16_t *out) {
     if (j->l->bits == 16) {
         bf16_decode(j, packed, pos, out);
@@ -255,14 +362,8 @@ static int decode_section(const section_job *j, const uint8_t *packed, const int
     int axis[KVF_REF_MAX_DIM / 2];
     float inv[KVF_REF_MAX_DIM / 2];
     if (pos) kvf_ref_rope_table(j->L->head_dim, &j->s->rope, inv, axis);
-    head_buf b;
-    int rc = head_buf_alloc(&b, j->L->n_tokens, j->L->head_dim, 0, HB_DECODE_SUM);
-    for (int32_t h = 0; !rc && h < j->L->n_heads; h++) {
-        sum_stages(j, h, packed, &b);
-        finish_head(j, h, packed, pos, inv, axis, &b, out);
-    }
-    head_buf_free(&b);
-    return rc;
+    decode_arg a = {packed, pos, inv, axis, out};
+    return for_each_head(j, HB_DECODE_SUM, decode_pool_head, &a);
 }
 
 /* ------------------------------------------------------------ entry points */

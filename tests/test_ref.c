@@ -779,6 +779,64 @@ static void test_determinism(void **state) {
     free(k), free(v), free(a), free(b);
 }
 
+/* The CPU reference runs a section's heads on several threads
+ * (KVFORGE_CPU_THREADS): 1 and 4 threads give the same packed bytes and the
+ * same decode, for every kind of section (centroids with QSAC and PSAC from
+ * statistics, four stages, KIVI's channel axis, a rotation); and a thread
+ * count that is not a number falls back to the default. */
+static void test_threads_same_bytes(void **state) {
+    (void)state;
+    static const char *const names[] = {"quantwm_int2", "qvg_pro_int2", "kivi_int2", "quarot_int2"};
+    const int64_t n = 300;
+    const int h = 5;
+    const char *old = getenv("KVFORGE_CPU_THREADS");
+    char *saved = old ? strdup(old) : NULL;
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        kvf_scheme *s = tu_scheme(names[i]);
+        kvf_context *c;
+        assert_int_equal(kvf_context_create(s, KVF_DEVICE_CPU, &c), KVF_OK);
+        int d = kvf_scheme_head_dim(s);
+        size_t nel = (size_t)n * h * d, bytes, qbytes = 0;
+        assert_int_equal(kvf_packed_size(s, n, h, &bytes), KVF_OK);
+        uint16_t *k = malloc(nel * 2), *v = malloc(nel * 2), *out[2][2];
+        uint8_t *p[2] = {malloc(bytes), malloc(bytes)};
+        kvf_synth_kv(k, n, h, d, 21);
+        kvf_synth_kv(v, n, h, d, 22);
+        void *qs = NULL;
+        if (kvf_scheme_reads_qstats(s)) { /* statistics of 2 query heads per KV head */
+            const int64_t nq = 64;
+            uint16_t *q = malloc((size_t)nq * 2 * h * d * 2);
+            kvf_synth_kv(q, nq, 2 * h, d, 23);
+            assert_int_equal(kvf_qstats_size(s, h, &qbytes), KVF_OK);
+            qs = malloc(qbytes);
+            kvf_shape qsh = {nq, 2 * h, 0, 0};
+            assert_int_equal(kvf_qstats_init(c, qs, qbytes, h, NULL), KVF_OK);
+            assert_int_equal(kvf_qstats_update(c, qs, qbytes, q, &qsh, NULL), KVF_OK);
+            free(q);
+        }
+        kvf_shape sh = {n, h, 0, 0};
+        for (int t = 0; t < 2; t++) {
+            setenv("KVFORGE_CPU_THREADS", t ? "4" : "1", 1);
+            out[t][0] = malloc(nel * 2), out[t][1] = malloc(nel * 2);
+            assert_int_equal(kvf_encode(c, k, v, &sh, qs, p[t], bytes, NULL), KVF_OK);
+            assert_int_equal(kvf_decode(c, p[t], bytes, &sh, NULL, out[t][0], out[t][1], NULL), KVF_OK);
+        }
+        assert_memory_equal(p[0], p[1], bytes);
+        assert_memory_equal(out[0][0], out[1][0], nel * 2);
+        assert_memory_equal(out[0][1], out[1][1], nel * 2);
+        setenv("KVFORGE_CPU_THREADS", "many", 1);
+        assert_int_equal(kvf_encode(c, k, v, &sh, qs, p[1], bytes, NULL), KVF_OK);
+        assert_memory_equal(p[0], p[1], bytes);
+        for (int t = 0; t < 2; t++) free(out[t][0]), free(out[t][1]), free(p[t]);
+        free(k), free(v), free(qs);
+        kvf_context_destroy(c);
+        kvf_scheme_free(s);
+    }
+    if (saved) setenv("KVFORGE_CPU_THREADS", saved, 1);
+    else unsetenv("KVFORGE_CPU_THREADS");
+    free(saved);
+}
+
 /* 8 heads x 4680 tokens x 128 (a 480p chunk of 3 latent frames). */
 static void test_speed(void **state) {
     (void)state;
@@ -825,6 +883,7 @@ int main(void) {
         cmocka_unit_test(test_errors),
         cmocka_unit_test(test_methods_supported),
         cmocka_unit_test(test_determinism),
+        cmocka_unit_test(test_threads_same_bytes),
         cmocka_unit_test(test_speed),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
