@@ -81,10 +81,11 @@ static long number_before(const char *line, const char *what) {
 int kvf_ptxas_report_parse(const char *log, kvf_kernel_usage **out, int *n_out) {
     int n = 0;
     for (const char *p = log; (p = strstr(p, "Compiling entry function '")); p++) n++;
-    kvf_kernel_usage *u = calloc((size_t)(n ? n : 1), sizeof *u);
-    int *seen = calloc((size_t)(n ? n : 1), sizeof *seen);
-    if (!u || !seen) {
-        free(u), free(seen);
+    if (n == 0) return kvf_set_error(KVF_EFORMAT, "ptxas report lists no kernel");
+    kvf_kernel_usage *u = calloc((size_t)n, sizeof *u);
+    unsigned char *have = calloc((size_t)n, 1); /* 1: the stack/spill line, 2: the register line */
+    if (!u || !have) {
+        free(u), free(have);
         return kvf_set_error(KVF_ENOMEM, "out of memory for the ptxas report");
     }
     int k = -1;
@@ -94,33 +95,36 @@ int kvf_ptxas_report_parse(const char *log, kvf_kernel_usage **out, int *n_out) 
         size_t len = end ? (size_t)(end - line) : strlen(line);
         char buf[512];
         snprintf(buf, sizeof buf, "%.*s", (int)(len < sizeof buf ? len : sizeof buf - 1), line);
+        for (size_t m = strlen(buf); m > 0 && (buf[m - 1] == '\r' || buf[m - 1] == ' '); m--) buf[m - 1] = 0;
         const char *q;
         if ((q = strstr(buf, "Compiling entry function '")) && k + 1 < n) {
             q += strlen("Compiling entry function '");
             k++;
             snprintf(u[k].name, sizeof u[k].name, "%.*s", (int)strcspn(q, "'"), q);
+            props[0] = 0;
         } else if ((q = strstr(buf, "Function properties for "))) {
             snprintf(props, sizeof props, "%s", q + strlen("Function properties for "));
         } else if (k >= 0 && strstr(buf, "bytes stack frame") && !strcmp(props, u[k].name)) {
             u[k].stack = number_before(buf, "bytes stack frame");
             u[k].spill_stores = number_before(buf, "bytes spill stores");
             u[k].spill_loads = number_before(buf, "bytes spill loads");
+            if (u[k].stack >= 0 && u[k].spill_stores >= 0 && u[k].spill_loads >= 0) have[k] |= 1;
         } else if (k >= 0 && (q = strstr(buf, "Used ")) && strstr(q, " registers")) {
             u[k].registers = (int)number_before(q, " registers");
             u[k].barriers = (int)number_before(q, " barriers");
             long sm = number_before(q, " bytes smem");
             u[k].smem = sm < 0 ? 0 : sm;
-            seen[k] = 1;
+            if (u[k].registers >= 0) have[k] |= 2;
         }
         line = end ? end + 1 : NULL;
     }
-    int bad = n == 0 ? -1 : -2;
-    for (int i = 0; i < n && bad == -2; i++)
-        if (!seen[i] || u[i].registers < 0 || u[i].spill_stores < 0 || u[i].spill_loads < 0) bad = i;
-    free(seen);
-    if (bad != -2) {
-        int rc = bad < 0 ? kvf_set_error(KVF_ECOMPILE, "ptxas report lists no kernel")
-                         : kvf_set_error(KVF_ECOMPILE, "ptxas report not understood at kernel %s", u[bad].name);
+    int rc = KVF_OK;
+    for (int i = 0; i < n && !rc; i++)
+        if (have[i] != 3)
+            rc = kvf_set_error(KVF_EFORMAT, "ptxas report: kernel '%s' has no %s line", u[i].name,
+                               have[i] & 1 ? "\"Used N registers\"" : "\"N bytes stack frame, N bytes spill stores\"");
+    free(have);
+    if (rc) {
         free(u);
         return rc;
     }
@@ -130,6 +134,9 @@ int kvf_ptxas_report_parse(const char *log, kvf_kernel_usage **out, int *n_out) 
 }
 
 int kvf_jit_usage(const struct kvf_scheme *s, const char *arch, kvf_kernel_usage **usage, int *n) {
+    if (strncmp(arch, "sm_", 3))
+        return kvf_set_error(KVF_EINVAL, "arch %s: the register report needs a GPU arch (sm_XX); for a virtual "
+                             "arch NVRTC writes PTX and ptxas does not run", arch);
     kvf_gen_output g;
     int rc = kvf_gen(s, &g);
     if (rc) return rc;

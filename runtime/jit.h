@@ -18,8 +18,9 @@ typedef struct kvf_kernel_usage {
 
 /* NVRTC compile of the scheme's kernels for arch ("sm_90"; no cache, no GPU)
  * with ptxas's report parsed per kernel: *usage (n entries, in the report's
- * order; the caller frees it). KVF_ECOMPILE when the report has no kernel or
- * a kernel without its register line (a report this code does not know). */
+ * order; the caller frees it). KVF_EINVAL for a virtual arch (compute_90:
+ * no ptxas); KVF_EFORMAT when the report lists no kernel, or a kernel without
+ * its register line or its stack/spill line (a report this code does not know). */
 int kvf_jit_usage(const struct kvf_scheme *s, const char *arch, kvf_kernel_usage **usage, int *n);
 
 /* The parser of kvf_jit_usage. ptxas -v lines, per entry: "Compiling entry

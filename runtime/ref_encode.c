@@ -10,6 +10,7 @@
 #include "ref.h"
 
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -76,22 +77,36 @@ static size_t row_of(const kvf_layout *L, int32_t h, int64_t t) {
 /* Heads are independent (each writes only its own rows of every plane and
  * reads nothing another head writes), so a section's heads run on several
  * threads; the bytes do not depend on how many. KVFORGE_CPU_THREADS sets the
- * count, else the online CPUs, at most 16 (each thread holds one head's
- * buffers); never more than the heads. */
+ * count (at most the heads). By default: the CPUs this thread may run on, at
+ * most 16, at most one per 2^18 values of the section (a thread costs tens
+ * of microseconds to start), and as many as keep the threads' head buffers
+ * within 4 GiB. */
 enum { CPU_THREADS_DEFAULT_MAX = 16, CPU_THREADS_MAX = 256 };
+#define CPU_VALUES_PER_THREAD ((int64_t)1 << 18)
+#define CPU_BUFFER_BUDGET ((int64_t)4 << 30)
 
-static int cpu_threads(int32_t n_heads) {
+static int cpu_count(void) {
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n > 0 ? (int)n : 1;
+}
+
+static int cpu_threads(const section_job *j, int64_t buffer_bytes) {
+    const int32_t n_heads = j->L->n_heads;
     const char *env = getenv("KVFORGE_CPU_THREADS");
-    long t = 0;
-    if (env && *env) {
+    int64_t t = 0;
+    if (env && *env) { /* anything but a count >= 1 means the default */
         char *end;
-        t = strtol(env, &end, 10);
-        if (*end || t < 1) t = 0; /* not a count: the default */
-        if (t > CPU_THREADS_MAX) t = CPU_THREADS_MAX;
+        long v = strtol(env, &end, 10);
+        if (!*end && v >= 1) t = v > CPU_THREADS_MAX ? CPU_THREADS_MAX : v;
     }
     if (t == 0) {
-        t = sysconf(_SC_NPROCESSORS_ONLN);
+        const int64_t values = j->L->n_tokens * j->L->head_dim * n_heads;
+        t = cpu_count();
         if (t > CPU_THREADS_DEFAULT_MAX) t = CPU_THREADS_DEFAULT_MAX;
+        if (t > values / CPU_VALUES_PER_THREAD) t = values / CPU_VALUES_PER_THREAD;
+        if (buffer_bytes > 0 && t > CPU_BUFFER_BUDGET / buffer_bytes) t = CPU_BUFFER_BUDGET / buffer_bytes;
     }
     if (t > n_heads) t = n_heads;
     return t < 1 ? 1 : (int)t;
@@ -103,38 +118,39 @@ typedef struct head_pool {
     const section_job *j;
     head_fn fn;
     void *arg;
-    int parts, centroids; /* head_buf_alloc's */
-    atomic_int next;      /* the next head to take */
+    int parts, centroids;  /* head_buf_alloc's */
+    atomic_int next;       /* the next head to take */
+    atomic_int err_head;   /* the lowest head that failed, n_heads if none */
     pthread_mutex_t lock;
-    int32_t err_head;     /* the lowest head that failed, n_heads if none */
     int err_rc;
-    char err_msg[1024];
+    char err_msg[4096];
 } head_pool;
 
-/* Take heads until none is left or one fails. A helper thread that cannot
- * get its buffers takes no head (the others do its share). */
-static int run_pool_heads(head_pool *pool, bool helper) {
-    head_buf b;
+/* Take heads in order until none is left; after a failure, only heads below
+ * it (they could fail first in head order). */
+static void pool_take_heads(head_pool *pool, head_buf *b) {
     const int32_t n_heads = pool->j->L->n_heads;
-    int rc = head_buf_alloc(&b, pool->j->L->n_tokens, pool->j->L->head_dim, pool->centroids, pool->parts);
-    if (rc) return helper ? KVF_OK : rc;
-    for (int32_t h; !rc && (h = atomic_fetch_add(&pool->next, 1)) < n_heads;) {
-        if ((rc = pool->fn(pool->j, h, &b, pool->arg))) {
-            pthread_mutex_lock(&pool->lock);
-            if (h < pool->err_head) {
-                pool->err_head = h;
-                pool->err_rc = rc;
-                snprintf(pool->err_msg, sizeof pool->err_msg, "%s", kvf_last_error());
-            }
-            pthread_mutex_unlock(&pool->lock);
+    for (int32_t h; (h = atomic_fetch_add(&pool->next, 1)) < n_heads && h < atomic_load(&pool->err_head);) {
+        int rc = pool->fn(pool->j, h, b, pool->arg);
+        if (!rc) continue;
+        pthread_mutex_lock(&pool->lock);
+        if (h < atomic_load(&pool->err_head)) {
+            atomic_store(&pool->err_head, h);
+            pool->err_rc = rc;
+            snprintf(pool->err_msg, sizeof pool->err_msg, "%s", kvf_last_error());
         }
+        pthread_mutex_unlock(&pool->lock);
     }
-    head_buf_free(&b);
-    return KVF_OK; /* errors of heads go through err_* */
 }
 
+/* A helper that cannot get its buffers takes no head: the others do its share. */
 static void *pool_helper(void *p) {
-    run_pool_heads(p, true);
+    head_pool *pool = p;
+    head_buf b;
+    if (head_buf_alloc(&b, pool->j->L->n_tokens, pool->j->L->head_dim, pool->centroids, pool->parts) == KVF_OK) {
+        pool_take_heads(pool, &b);
+        head_buf_free(&b);
+    }
     return NULL;
 }
 
@@ -142,18 +158,23 @@ static void *pool_helper(void *p) {
  * included). The error is that of the lowest head that failed, as one thread
  * going through the heads in order would report. */
 static int for_each_head(const section_job *j, int parts, head_fn fn, void *arg) {
-    head_pool pool = {.j = j, .fn = fn, .arg = arg, .parts = parts, .centroids = j->l->centroids,
-                      .err_head = j->L->n_heads};
+    head_pool pool = {.j = j, .fn = fn, .arg = arg, .parts = parts, .centroids = j->l->centroids};
     atomic_init(&pool.next, 0);
+    atomic_init(&pool.err_head, j->L->n_heads);
+    head_buf b;
+    int rc = head_buf_alloc(&b, j->L->n_tokens, j->L->head_dim, pool.centroids, parts);
+    if (rc) return rc;
+    const int64_t nd = j->L->n_tokens * j->L->head_dim * (int64_t)sizeof(float);
+    const int want = cpu_threads(j, nd * ((parts & HB_ENCODE ? 3 : 0) + (parts & HB_DECODE_SUM ? 2 : 0)));
     pthread_mutex_init(&pool.lock, NULL);
     pthread_t tid[CPU_THREADS_MAX];
-    int n = 0, want = cpu_threads(j->L->n_heads);
+    int n = 0;
     while (n + 1 < want && pthread_create(&tid[n], NULL, pool_helper, &pool) == 0) n++;
-    int rc = run_pool_heads(&pool, false);
+    pool_take_heads(&pool, &b);
     for (int i = 0; i < n; i++) pthread_join(tid[i], NULL);
     pthread_mutex_destroy(&pool.lock);
-    if (rc) return rc;
-    return pool.err_head < j->L->n_heads ? kvf_set_error(pool.err_rc, "%s", pool.err_msg) : KVF_OK;
+    head_buf_free(&b);
+    return atomic_load(&pool.err_head) < j->L->n_heads ? kvf_set_error(pool.err_rc, "%s", pool.err_msg) : KVF_OK;
 }
 
 /* ------------------------------------------------------------ BF16 sections */

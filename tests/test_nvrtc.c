@@ -68,12 +68,17 @@ static void every_scheme_compiles(void **state) {
 }
 
 /* ptxas's report of every shipped scheme's kernels for sm_80 and sm_90
- * (kvforge compile --resources): every kernel listed with its registers; the
- * decode, which is bound by bandwidth, neither spills nor uses a stack frame;
- * no kernel spills more than 64 bytes (NVRTC 13.0: qstats_eigen spills 20
- * bytes for sm_90, ptxas's choice at 48 registers). */
+ * (kvforge compile --resources): every kernel listed with its registers.
+ * With NVRTC 13 (what docs/BENCHMARKS.md's report and the H200 runs used),
+ * also the register allocation measured there: the decode, which is bound
+ * by bandwidth, neither spills nor uses a stack frame, and no kernel spills
+ * more than 64 bytes (qstats_eigen spills 20 bytes for sm_90). Another
+ * toolkit allocates registers its own way: there the report is printed. */
 static void kernel_resources(void **state) {
     (void)state;
+    const kvf_nvrtc_api *nv;
+    assert_int_equal(kvf_nvrtc_load(&nv), KVF_OK);
+    const int strict = nv->major == 13;
     for (const char *const *n = kvf_builtin_schemes(); *n; n++) {
         kvf_scheme *s = tu_scheme(*n);
         for (int a = 0; a < 2; a++) {
@@ -83,14 +88,13 @@ static void kernel_resources(void **state) {
             int decode = 0;
             for (int i = 0; i < k; i++) {
                 assert_true(u[i].registers >= 1 && u[i].registers <= 255);
+                if (u[i].spill_stores || u[i].spill_loads || !strict)
+                    print_message("%s %s %s: %d registers, spills %ld/%ld bytes, stack %ld\n", *n, archs[a],
+                                  u[i].name, u[i].registers, u[i].spill_stores, u[i].spill_loads, u[i].stack);
+                if (strstr(u[i].name, "_decode_")) decode++;
+                if (!strict) continue;
                 assert_true(u[i].spill_stores <= 64 && u[i].spill_loads <= 64);
-                if (u[i].spill_stores || u[i].spill_loads)
-                    print_message("%s %s %s: spills %ld/%ld bytes\n", *n, archs[a], u[i].name, u[i].spill_stores,
-                                  u[i].spill_loads);
-                if (strstr(u[i].name, "_decode_")) {
-                    decode++;
-                    assert_int_equal(u[i].spill_stores + u[i].spill_loads + u[i].stack, 0);
-                }
+                if (strstr(u[i].name, "_decode_")) assert_int_equal(u[i].spill_stores + u[i].spill_loads + u[i].stack, 0);
             }
             assert_int_equal(decode, 2); /* decode_k and decode_v */
             free(u);
@@ -99,22 +103,23 @@ static void kernel_resources(void **state) {
     }
 }
 
-/* The parser on a report with a device function's properties between two
- * entries, an entry without shared memory, and one that spills. */
+/* The parser on a report with Windows line ends, a device function's
+ * properties between two entries, an entry without shared memory, and one
+ * that spills; and on reports it must refuse. */
 static void ptxas_report_parsed(void **state) {
     (void)state;
-    const char *log = "ptxas info    : 0 bytes gmem\n"
-                      "ptxas info    : Function properties for helper\n"
-                      "ptxas         .     64 bytes stack frame, 8 bytes spill stores, 8 bytes spill loads\n"
-                      "ptxas info    : Compiling entry function 'kvf_a' for 'sm_90'\n"
-                      "ptxas info    : Function properties for kvf_a\n"
-                      "ptxas         .     16 bytes stack frame, 20 bytes spill stores, 24 bytes spill loads\n"
-                      "ptxas info    : Used 48 registers, used 1 barriers, 9264 bytes smem, 384 bytes cmem[0]\n"
-                      "ptxas info    : Compiling entry function 'kvf_b' for 'sm_90'\n"
-                      "ptxas info    : Function properties for kvf_b\n"
-                      "ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
-                      "ptxas info    : Used 8 registers, used 0 barriers, 360 bytes cmem[0]\n"
-                      "ptxas info    : Compile time = 2.441 ms\n";
+    const char *log = "ptxas info    : 0 bytes gmem\r\n"
+                      "ptxas info    : Compiling entry function 'kvf_a' for 'sm_90'\r\n"
+                      "ptxas info    : Function properties for kvf_a\r\n"
+                      "ptxas         .     16 bytes stack frame, 20 bytes spill stores, 24 bytes spill loads\r\n"
+                      "ptxas info    : Used 48 registers, used 1 barriers, 9264 bytes smem, 384 bytes cmem[0]\r\n"
+                      "ptxas info    : Function properties for helper\r\n"
+                      "ptxas         .     64 bytes stack frame, 8 bytes spill stores, 8 bytes spill loads\r\n"
+                      "ptxas info    : Compiling entry function 'kvf_b' for 'sm_90'\r\n"
+                      "ptxas info    : Function properties for kvf_b\r\n"
+                      "ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\r\n"
+                      "ptxas info    : Used 8 registers, used 0 barriers, 360 bytes cmem[0]\r\n"
+                      "ptxas info    : Compile time = 2.441 ms\r\n";
     kvf_kernel_usage *u;
     int n = 0;
     assert_int_equal(kvf_ptxas_report_parse(log, &u, &n), KVF_OK);
@@ -130,15 +135,28 @@ static void ptxas_report_parsed(void **state) {
     assert_int_equal(u[1].registers, 8);
     assert_int_equal(u[1].barriers, 0);
     assert_int_equal(u[1].smem, 0);
-    assert_int_equal(u[1].spill_stores + u[1].spill_loads + u[1].stack, 0);
+    assert_int_equal(u[1].spill_stores + u[1].spill_loads + u[1].stack, 0); /* not helper's */
     free(u);
-    /* An entry whose register line is missing, and a report without entries. */
-    const char *cut = "ptxas info    : Compiling entry function 'kvf_a' for 'sm_90'\n"
-                      "ptxas info    : Function properties for kvf_a\n";
-    assert_int_equal(kvf_ptxas_report_parse(cut, &u, &n), KVF_ECOMPILE);
-    assert_non_null(strstr(kvf_last_error(), "not understood at kernel kvf_a"));
-    assert_int_equal(kvf_ptxas_report_parse("ptxas info    : 0 bytes gmem\n", &u, &n), KVF_ECOMPILE);
+    /* An entry without its register line, one without its own stack/spill
+     * line (helper's does not count), and a report without entries. */
+    const char *no_regs = "ptxas info    : Compiling entry function 'kvf_a' for 'sm_90'\n"
+                          "ptxas info    : Function properties for kvf_a\n"
+                          "ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n";
+    assert_int_equal(kvf_ptxas_report_parse(no_regs, &u, &n), KVF_EFORMAT);
+    assert_non_null(strstr(kvf_last_error(), "kernel 'kvf_a' has no \"Used N registers\" line"));
+    const char *no_spills = "ptxas info    : Compiling entry function 'kvf_a' for 'sm_90'\n"
+                            "ptxas info    : Function properties for helper\n"
+                            "ptxas         .     8 bytes stack frame, 8 bytes spill stores, 8 bytes spill loads\n"
+                            "ptxas info    : Used 40 registers, used 0 barriers\n";
+    assert_int_equal(kvf_ptxas_report_parse(no_spills, &u, &n), KVF_EFORMAT);
+    assert_non_null(strstr(kvf_last_error(), "kernel 'kvf_a' has no \"N bytes stack frame"));
+    assert_int_equal(kvf_ptxas_report_parse("ptxas info    : 0 bytes gmem\n", &u, &n), KVF_EFORMAT);
     assert_non_null(strstr(kvf_last_error(), "no kernel"));
+    /* A virtual arch has no ptxas report. */
+    kvf_scheme *s = tu_scheme("rtn_int2");
+    assert_int_equal(kvf_jit_usage(s, "compute_90", &u, &n), KVF_EINVAL);
+    assert_non_null(strstr(kvf_last_error(), "needs a GPU arch (sm_XX)"));
+    kvf_scheme_free(s);
 }
 
 static void jit_uses_disk_cache(void **state) {

@@ -15,7 +15,7 @@ static int usage(void) {
           "  kvforge gen SCHEME.lua [-o DIR]                 write the generated CUDA, C and header\n"
           "  kvforge compile SCHEME.lua [--arch sm_90,...] [--resources]\n"
           "                                                  NVRTC compile only (no GPU needed); --resources:\n"
-          "                                                  ptxas's registers/spills/shared memory per kernel\n"
+          "                                                  ptxas's registers/spills/static shared memory per kernel\n"
           "  kvforge export SCHEME.lua --arch sm_80,sm_90 -o DIR   fatbin + C/header embedding it\n"
           "  kvforge info SCHEME.lua                         canonical configuration and footprint\n"
           "  kvforge cache list | cache clear | cache dir    the JIT disk cache\n"
