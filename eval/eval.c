@@ -13,7 +13,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#include <unistd.h>
 
 typedef struct layer_run {
     const kvf_scheme *s;
@@ -250,8 +249,8 @@ static int run_layer(layer_run *r, int layer, kvf_eval_sums *overall) {
 /* ------------------------------------------------------------ the run */
 
 static int default_threads(void) {
-    long n = sysconf(_SC_NPROCESSORS_ONLN);
-    return n > 0 ? (int)(n > 256 ? 256 : n) : 1;
+    int n = kvf_cpu_count();
+    return n > 256 ? 256 : n;
 }
 
 static void describe(kvf_eval_report *rep, const kvf_scheme *s, const kvf_dump *d, kvf_eval_backend *be) {

@@ -202,6 +202,8 @@ void kvf_synth_kv(uint16_t *x, int64_t n_tokens, int n_heads, int head_dim, uint
 
 /* The CUDA toolkit (NVRTC, fatbinary): $CUDA_HOME, else the build's default. */
 const char *kvf_cuda_home(void);
+/* CPUs this thread may run on (its affinity mask; else the online CPUs), at least 1. */
+int kvf_cpu_count(void);
 
 /* -------------------------------------------------------------- cache (cache.c) */
 

@@ -85,7 +85,7 @@ enum { CPU_THREADS_DEFAULT_MAX = 16, CPU_THREADS_MAX = 256 };
 #define CPU_VALUES_PER_THREAD ((int64_t)1 << 18)
 #define CPU_BUFFER_BUDGET ((int64_t)4 << 30)
 
-static int cpu_count(void) {
+int kvf_cpu_count(void) {
     cpu_set_t set;
     if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
     long n = sysconf(_SC_NPROCESSORS_ONLN);
@@ -103,7 +103,7 @@ static int cpu_threads(const section_job *j, int64_t buffer_bytes) {
     }
     if (t == 0) {
         const int64_t values = j->L->n_tokens * j->L->head_dim * n_heads;
-        t = cpu_count();
+        t = kvf_cpu_count();
         if (t > CPU_THREADS_DEFAULT_MAX) t = CPU_THREADS_DEFAULT_MAX;
         if (t > values / CPU_VALUES_PER_THREAD) t = values / CPU_VALUES_PER_THREAD;
         if (buffer_bytes > 0 && t > CPU_BUFFER_BUDGET / buffer_bytes) t = CPU_BUFFER_BUDGET / buffer_bytes;
