@@ -909,7 +909,7 @@ __device__ __forceinline__ void residual(const void *src, i64 ts, i64 hs, float 
         kvf_kmeans::SUM_THREADS};                                                                              \
     /* Filter statistics, counted while [0] != 0 (bench/bench.c sets it): per   */                      \
     /* kernel (plain, QSAC) tokens, candidates, full scans, second filters.      */                      \
-    extern "C" __device__ unsigned long long PREFIX##_assign_stats[9];                                       \
+    extern "C" __device__ unsigned long long PREFIX##_assign_stats[9] = {};                                  \
     extern "C" __global__ void __launch_bounds__(kvf_kmeans::assign_geom<D, 1, BF>::WARPS * 32, 1)              \
     PREFIX##_assign(const void *src, i64 ts, i64 hs, int n, int c_eff, const u16 *cent, int c_alloc,           \
                     int *idx_ws, u8 *idx_plane) {                                                              \
