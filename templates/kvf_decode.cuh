@@ -196,6 +196,23 @@ __device__ __forceinline__ u32 int8_word(const u8 *p, int k) {
     return w;
 }
 
+// All CW words of such a row, 8 bytes a load where R % 8 == 0.
+template <int R>
+__device__ __forceinline__ void int8_row(const u8 *p, u32 (&w)[(R + 3) / 4]) {
+#pragma unroll
+    for (int k = 0; k < (R + 3) / 4; k++) {
+        if (R % 8 == 0) {
+            if (k % 2 == 0) {
+                const uint2 v = kvf_ldg_u64(p + 4 * k);
+                w[k] = v.x;
+                w[k + 1] = v.y;
+            }
+        } else {
+            w[k] = int8_word<R>(p, k);
+        }
+    }
+}
+
 // PSAC's integer dot product sum_j c_j b[c][j] as a float, exactly: dp4a
 // accumulates onto the bits of 2^23 + 2^22, and |sum| <= 64 * 128 * 128 <
 // 2^22 (even for codes of -128 in a hostile cache) keeps the sum inside that
@@ -316,18 +333,7 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
             if (PSAC_R) {
                 cs[u] = kvf_ldg_u16(cscale_h + (u64)t[u] * 2);
                 const u8 *cp = coef_h + (u64)t[u] * R;
-#pragma unroll
-                for (int k = 0; k < CW; k++) {
-                    if (PSAC_R % 8 == 0) {
-                        if (k % 2 == 0) {
-                            const uint2 w = kvf_ldg_u64(cp + 4 * k);
-                            coefw[u][k] = w.x;
-                            coefw[u][k + 1] = w.y;
-                        }
-                    } else {
-                        coefw[u][k] = int8_word<R>(cp, k);
-                    }
-                }
+                int8_row<R>(cp, coefw[u]);
             }
         }
         // Centroid rows (they depend on the indices just loaded).

@@ -698,7 +698,7 @@ __device__ __forceinline__ void accumulate(const void *__restrict__ src, i64 ts,
     constexpr int U = 16 / W > 0 ? 16 / W : 1;  // rows in flight a lane
     constexpr int PER = SUM_SUB / SUM_THREADS;  // tokens a thread sorts
     static_assert(D % 64 == 0 && SUM_SUB % SUM_THREADS == 0, "head_dim is 64, 128 or 256");
-    __shared__ int first[256], cursor[256], total[256], next, units;
+    __shared__ int cursor[256], total[256], next, units;
     __shared__ u32 unit[SUM_UNITS];             // cluster << 16 | first position of the unit
     __shared__ unsigned short order[SUM_SUB];   // sub-chunk offsets of its tokens, by cluster
     if (blockDim.x != SUM_THREADS) __trap();    // the launch's size disagrees with this file
@@ -738,7 +738,7 @@ __device__ __forceinline__ void accumulate(const void *__restrict__ src, i64 ts,
             int run = incl - sum, urun = uincl - nu;
             for (int i = 0; i < 8; i++) {
                 const int j = lane * 8 + i;
-                first[j] = cursor[j] = run;
+                cursor[j] = run;
                 total[j] += c[i];
                 for (int p = run; p < run + c[i]; p += SUM_SEG) unit[urun++] = (u32)j << 16 | (u32)p;
                 run += c[i];
@@ -749,7 +749,7 @@ __device__ __forceinline__ void accumulate(const void *__restrict__ src, i64 ts,
 #pragma unroll
         for (int k = 0; k < PER; k++)
             if (z[k] >= 0) order[atomicAdd(&cursor[z[k]], 1)] = (unsigned short)(threadIdx.x + k * SUM_THREADS);
-        __syncthreads(); // cluster j's tokens: order[first[j] .. cursor[j])
+        __syncthreads(); // cluster j's tokens end at order[cursor[j]]
         for (;;) {
             int ui = 0;
             if (lane == 0) ui = atomicAdd(&next, 1);
