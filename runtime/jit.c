@@ -133,21 +133,32 @@ int kvf_ptxas_report_parse(const char *log, kvf_kernel_usage **out, int *n_out) 
     return KVF_OK;
 }
 
-int kvf_jit_usage(const struct kvf_scheme *s, const char *arch, kvf_kernel_usage **usage, int *n) {
+int kvf_jit_usage_image(const struct kvf_scheme *s, const char *arch, kvf_kernel_usage **usage, int *n,
+                        void **image, size_t *size) {
+    *image = NULL;
     if (strncmp(arch, "sm_", 3))
         return kvf_set_error(KVF_EINVAL, "arch %s: the register report needs a GPU arch (sm_XX); for a virtual "
                              "arch NVRTC writes PTX and ptxas does not run", arch);
     kvf_gen_output g;
     int rc = kvf_gen(s, &g);
     if (rc) return rc;
-    void *image = NULL;
-    size_t size = 0;
     char *report = NULL;
-    rc = kvf_nvrtc_compile_report(g.cu, g.cu_name, arch, &image, &size, &report);
+    rc = kvf_nvrtc_compile_report(g.cu, g.cu_name, arch, image, size, &report);
     if (rc == KVF_OK) rc = kvf_ptxas_report_parse(report, usage, n);
-    if (rc) kvf_wrap_error(rc, "scheme %s for %s", s->name, arch);
-    free(image);
+    if (rc) {
+        kvf_wrap_error(rc, "scheme %s for %s", s->name, arch);
+        free(*image);
+        *image = NULL;
+    }
     free(report);
     kvf_gen_output_free(&g);
+    return rc;
+}
+
+int kvf_jit_usage(const struct kvf_scheme *s, const char *arch, kvf_kernel_usage **usage, int *n) {
+    void *image;
+    size_t size;
+    int rc = kvf_jit_usage_image(s, arch, usage, n, &image, &size);
+    free(image);
     return rc;
 }
