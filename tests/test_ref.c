@@ -824,9 +824,11 @@ static void test_threads_same_bytes(void **state) {
         assert_memory_equal(p[0], p[1], bytes);
         assert_memory_equal(out[0][0], out[1][0], nel * 2);
         assert_memory_equal(out[0][1], out[1][1], nel * 2);
-        setenv("KVFORGE_CPU_THREADS", "many", 1);
-        assert_int_equal(kvf_encode(c, k, v, &sh, qs, p[1], bytes, NULL), KVF_OK);
-        assert_memory_equal(p[0], p[1], bytes);
+        if (!strcmp(names[i], "kivi_int2")) { /* the fallback parses the same for every scheme: once */
+            setenv("KVFORGE_CPU_THREADS", "many", 1);
+            assert_int_equal(kvf_encode(c, k, v, &sh, qs, p[1], bytes, NULL), KVF_OK);
+            assert_memory_equal(p[0], p[1], bytes);
+        }
         for (int t = 0; t < 2; t++) free(out[t][0]), free(out[t][1]), free(p[t]);
         free(k), free(v), free(qs);
         kvf_context_destroy(c);
