@@ -248,10 +248,7 @@ static int run_layer(layer_run *r, int layer, kvf_eval_sums *overall) {
 
 /* ------------------------------------------------------------ the run */
 
-static int default_threads(void) {
-    int n = kvf_cpu_count();
-    return n > 256 ? 256 : n;
-}
+static int default_threads(void) { return kvf_cpu_count(); }
 
 static void describe(kvf_eval_report *rep, const kvf_scheme *s, const kvf_dump *d, kvf_eval_backend *be) {
     snprintf(rep->scheme_id, sizeof rep->scheme_id, "%s", kvf_scheme_id(s));

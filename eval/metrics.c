@@ -4,8 +4,6 @@
 #include "internal.h"
 
 #include <math.h>
-#include <pthread.h>
-#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -201,8 +199,6 @@ typedef struct step_job {
     const kvf_eval_step *st;
     kvf_attn_sums *attn; /* [q_heads] */
     kv_sums *kv;         /* [kv_heads] */
-    atomic_int next, rc;
-    char message[512]; /* the failing task's error (messages are per thread) */
 } step_job;
 
 static int attention_task(const kvf_eval_step *st, int j, kvf_attn_sums *out) {
@@ -243,27 +239,12 @@ static int kv_task(const kvf_eval_step *st, int h, kv_sums *out) {
     return KVF_OK;
 }
 
-static void *step_worker(void *arg) {
+/* Task t: query head t's attention sums, then KV head t - q_heads's. */
+static int step_task(void *arg, int t, int worker) {
+    (void)worker;
     step_job *job = arg;
     const kvf_eval_step *st = job->st;
-    const int n_tasks = st->q_heads + st->kv_heads;
-    for (int t; (t = atomic_fetch_add(&job->next, 1)) < n_tasks && !atomic_load(&job->rc);) {
-        int rc = t < st->q_heads ? attention_task(st, t, &job->attn[t]) : kv_task(st, t - st->q_heads, &job->kv[t - st->q_heads]);
-        int zero = 0;
-        if (rc && atomic_compare_exchange_strong(&job->rc, &zero, rc))
-            snprintf(job->message, sizeof job->message, "%s", kvf_last_error());
-    }
-    return NULL;
-}
-
-static void run_workers(step_job *job, int threads) {
-    enum { MAX_THREADS = 256 };
-    pthread_t tid[MAX_THREADS];
-    int n = 0;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    while (n + 1 < threads && pthread_create(&tid[n], NULL, step_worker, job) == 0) n++;
-    step_worker(job);
-    for (int i = 0; i < n; i++) pthread_join(tid[i], NULL);
+    return t < st->q_heads ? attention_task(st, t, &job->attn[t]) : kv_task(st, t - st->q_heads, &job->kv[t - st->q_heads]);
 }
 
 /* ||O_hat - O||_F / ||O||_F from the squared norms: 0 when equal, infinite
@@ -286,13 +267,11 @@ static int check_step(const kvf_eval_step *st) {
 int kvf_eval_step_run(const kvf_eval_step *st, kvf_eval_sums *out) {
     int rc = check_step(st);
     if (rc) return rc;
-    step_job job = {st, calloc((size_t)st->q_heads, sizeof(kvf_attn_sums)), calloc((size_t)st->kv_heads, sizeof(kv_sums)),
-                    0, 0, ""};
+    step_job job = {st, calloc((size_t)st->q_heads, sizeof(kvf_attn_sums)), calloc((size_t)st->kv_heads, sizeof(kv_sums))};
     if (!job.attn || !job.kv) rc = kvf_set_error(KVF_ENOMEM, "kvf_eval_step_run: out of memory");
     else {
-        int threads = st->threads < st->q_heads + st->kv_heads ? st->threads : st->q_heads + st->kv_heads;
-        run_workers(&job, threads);
-        if ((rc = atomic_load(&job.rc))) kvf_set_error(rc, "%s", job.message);
+        kvf_tasks t = {st->q_heads + st->kv_heads, st->threads, &job, NULL, step_task, NULL};
+        rc = kvf_parallel_for(&t);
     }
     if (!rc) {
         kvf_attn_sums a = {0};

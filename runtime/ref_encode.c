@@ -9,13 +9,8 @@
  */
 #include "ref.h"
 
-#include <pthread.h>
-#include <sched.h>
-#include <stdatomic.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 /* ------------------------------------------------------------ work space */
 
@@ -39,6 +34,11 @@ static void head_buf_free(head_buf *b) {
 }
 
 enum { HB_ENCODE = 1, HB_DECODE_SUM = 2 }; /* head_buf_alloc's parts */
+
+/* Bytes of the f32 planes head_buf_alloc allocates for parts. */
+static int64_t head_buf_bytes(int64_t n, int d, int parts) {
+    return n * d * (int64_t)sizeof(float) * ((parts & HB_ENCODE ? 3 : 0) + (parts & HB_DECODE_SUM ? 2 : 0));
+}
 
 static int head_buf_alloc(head_buf *b, int64_t n, int d, int centroids, int parts) {
     size_t nd = (size_t)n * (size_t)d * sizeof(float);
@@ -75,25 +75,17 @@ static size_t row_of(const kvf_layout *L, int32_t h, int64_t t) {
 /* ------------------------------------------------------------ heads in parallel */
 
 /* Heads are independent (each writes only its own rows of every plane and
- * reads nothing another head writes), so a section's heads run on several
- * threads; the bytes do not depend on how many. KVFORGE_CPU_THREADS sets the
- * count (at most the heads). By default: the CPUs this thread may run on, at
- * most 16, at most one per 2^18 values of the section (a thread costs tens
- * of microseconds to start), and as many as keep the threads' head buffers
- * within 4 GiB. */
+ * reads nothing another head writes), so the heads of both sections are one
+ * list of tasks (keys first) on several threads (kvf_parallel_for); the bytes
+ * do not depend on how many. KVFORGE_CPU_THREADS sets the count. By default:
+ * the CPUs this thread may run on, at most 16, at most one per 2^18 values
+ * (a thread costs tens of microseconds to start), and as many as keep the
+ * threads' head buffers within 4 GiB. */
 enum { CPU_THREADS_DEFAULT_MAX = 16, CPU_THREADS_MAX = 256 };
 #define CPU_VALUES_PER_THREAD ((int64_t)1 << 18)
 #define CPU_BUFFER_BUDGET ((int64_t)4 << 30)
 
-int kvf_cpu_count(void) {
-    cpu_set_t set;
-    if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
-    long n = sysconf(_SC_NPROCESSORS_ONLN);
-    return n > 0 ? (int)n : 1;
-}
-
-static int cpu_threads(const section_job *j, int64_t buffer_bytes) {
-    const int32_t n_heads = j->L->n_heads;
+static int cpu_threads(const kvf_layout *L, int n_tasks, int64_t buffer_bytes) {
     const char *env = getenv("KVFORGE_CPU_THREADS");
     int64_t t = 0;
     if (env && *env) { /* anything but a count >= 1 means the default */
@@ -102,79 +94,52 @@ static int cpu_threads(const section_job *j, int64_t buffer_bytes) {
         if (!*end && v >= 1) t = v > CPU_THREADS_MAX ? CPU_THREADS_MAX : v;
     }
     if (t == 0) {
-        const int64_t values = j->L->n_tokens * j->L->head_dim * n_heads;
+        const int64_t values = L->n_tokens * L->head_dim * n_tasks;
         t = kvf_cpu_count();
         if (t > CPU_THREADS_DEFAULT_MAX) t = CPU_THREADS_DEFAULT_MAX;
         if (t > values / CPU_VALUES_PER_THREAD) t = values / CPU_VALUES_PER_THREAD;
         if (buffer_bytes > 0 && t > CPU_BUFFER_BUDGET / buffer_bytes) t = CPU_BUFFER_BUDGET / buffer_bytes;
     }
-    if (t > n_heads) t = n_heads;
+    if (t > n_tasks) t = n_tasks;
     return t < 1 ? 1 : (int)t;
 }
 
-typedef int (*head_fn)(const section_job *j, int32_t h, head_buf *b, void *arg);
+/* One head of one section, on a worker's buffers. */
+typedef int (*head_fn)(const section_job *j, int32_t h, head_buf *b, const void *arg);
 
-typedef struct head_pool {
-    const section_job *j;
+typedef struct heads_job {
+    const section_job *sec[2]; /* the sections whose heads are tasks, in task order */
+    const void *arg[2];        /* fn's argument for each */
+    int n_sec, parts, centroids;
     head_fn fn;
-    void *arg;
-    int parts, centroids;  /* head_buf_alloc's */
-    atomic_int next;       /* the next head to take */
-    atomic_int err_head;   /* the lowest head that failed, n_heads if none */
-    pthread_mutex_t lock;
-    int err_rc;
-    char err_msg[4096];
-} head_pool;
+    head_buf *bufs; /* [threads]: a worker's */
+} heads_job;
 
-/* Take heads in order until none is left; after a failure, only heads below
- * it (they could fail first in head order). */
-static void pool_take_heads(head_pool *pool, head_buf *b) {
-    const int32_t n_heads = pool->j->L->n_heads;
-    for (int32_t h; (h = atomic_fetch_add(&pool->next, 1)) < n_heads && h < atomic_load(&pool->err_head);) {
-        int rc = pool->fn(pool->j, h, b, pool->arg);
-        if (!rc) continue;
-        pthread_mutex_lock(&pool->lock);
-        if (h < atomic_load(&pool->err_head)) {
-            atomic_store(&pool->err_head, h);
-            pool->err_rc = rc;
-            snprintf(pool->err_msg, sizeof pool->err_msg, "%s", kvf_last_error());
-        }
-        pthread_mutex_unlock(&pool->lock);
-    }
+static int heads_setup(void *arg, int worker) {
+    heads_job *job = arg;
+    const kvf_layout *L = job->sec[0]->L;
+    return head_buf_alloc(&job->bufs[worker], L->n_tokens, L->head_dim, job->centroids, job->parts);
 }
 
-/* A helper that cannot get its buffers takes no head: the others do its share. */
-static void *pool_helper(void *p) {
-    head_pool *pool = p;
-    head_buf b;
-    if (head_buf_alloc(&b, pool->j->L->n_tokens, pool->j->L->head_dim, pool->centroids, pool->parts) == KVF_OK) {
-        pool_take_heads(pool, &b);
-        head_buf_free(&b);
-    }
-    return NULL;
+static int heads_run(void *arg, int task, int worker) {
+    heads_job *job = arg;
+    const int32_t n = job->sec[0]->L->n_heads;
+    return job->fn(job->sec[task / n], task % n, &job->bufs[worker], job->arg[task / n]);
 }
 
-/* fn for every head of the section, on cpu_threads() threads (this one
- * included). The error is that of the lowest head that failed, as one thread
- * going through the heads in order would report. */
-static int for_each_head(const section_job *j, int parts, head_fn fn, void *arg) {
-    head_pool pool = {.j = j, .fn = fn, .arg = arg, .parts = parts, .centroids = j->l->centroids};
-    atomic_init(&pool.next, 0);
-    atomic_init(&pool.err_head, j->L->n_heads);
-    head_buf b;
-    int rc = head_buf_alloc(&b, j->L->n_tokens, j->L->head_dim, pool.centroids, parts);
-    if (rc) return rc;
-    const int64_t nd = j->L->n_tokens * j->L->head_dim * (int64_t)sizeof(float);
-    const int want = cpu_threads(j, nd * ((parts & HB_ENCODE ? 3 : 0) + (parts & HB_DECODE_SUM ? 2 : 0)));
-    pthread_mutex_init(&pool.lock, NULL);
-    pthread_t tid[CPU_THREADS_MAX];
-    int n = 0;
-    while (n + 1 < want && pthread_create(&tid[n], NULL, pool_helper, &pool) == 0) n++;
-    pool_take_heads(&pool, &b);
-    for (int i = 0; i < n; i++) pthread_join(tid[i], NULL);
-    pthread_mutex_destroy(&pool.lock);
-    head_buf_free(&b);
-    return atomic_load(&pool.err_head) < j->L->n_heads ? kvf_set_error(pool.err_rc, "%s", pool.err_msg) : KVF_OK;
+static void heads_teardown(void *arg, int worker) { head_buf_free(&((heads_job *)arg)->bufs[worker]); }
+
+static int for_each_head(heads_job *job) {
+    if (job->n_sec == 0) return KVF_OK;
+    const kvf_layout *L = job->sec[0]->L;
+    const int n_tasks = job->n_sec * L->n_heads;
+    const int threads = cpu_threads(L, n_tasks, head_buf_bytes(L->n_tokens, L->head_dim, job->parts));
+    job->bufs = calloc((size_t)threads, sizeof *job->bufs);
+    if (!job->bufs) return kvf_set_error(KVF_ENOMEM, "CPU reference: out of memory");
+    kvf_tasks t = {n_tasks, threads, job, heads_setup, heads_run, heads_teardown};
+    int rc = kvf_parallel_for(&t);
+    free(job->bufs);
+    return rc;
 }
 
 /* ------------------------------------------------------------ BF16 sections */
@@ -323,18 +288,25 @@ static int encode_head(const section_job *j, const uint16_t *x, int32_t h, const
 
 typedef struct encode_arg { const uint16_t *x; const void *qstats; uint8_t *packed; } encode_arg;
 
-static int encode_pool_head(const section_job *j, int32_t h, head_buf *b, void *arg) {
+static int encode_pool_head(const section_job *j, int32_t h, head_buf *b, const void *arg) {
     const encode_arg *a = arg;
     return encode_head(j, a->x, h, a->qstats, b, a->packed);
 }
 
-static int encode_section(const section_job *j, const uint16_t *x, const void *qstats, uint8_t *packed) {
-    if (j->l->bits == 16) {
-        bf16_encode(j, x, packed);
-        return KVF_OK;
+/* Both sections: a BF16 one is copied, the others' heads go to the threads. */
+static int encode_sections(const section_job *const sec[2], const encode_arg arg[2]) {
+    heads_job job = {.fn = encode_pool_head};
+    for (int t = 0; t < 2; t++) {
+        if (sec[t]->l->bits == 16) {
+            bf16_encode(sec[t], arg[t].x, arg[t].packed);
+            continue;
+        }
+        job.sec[job.n_sec] = sec[t];
+        job.arg[job.n_sec++] = &arg[t];
+        job.parts |= HB_ENCODE | (sec[t]->l->psac_rank > 0 ? HB_DECODE_SUM : 0);
+        if (sec[t]->l->centroids > job.centroids) job.centroids = sec[t]->l->centroids;
     }
-    encode_arg a = {x, qstats, packed};
-    return for_each_head(j, HB_ENCODE | (j->l->psac_rank > 0 ? HB_DECODE_SUM : 0), encode_pool_head, &a);
+    return for_each_head(&job);
 }
 
 /* ------------------------------------------------------------ decode */
@@ -362,29 +334,32 @@ static void finish_head(const section_job *j, int32_t h, const uint8_t *packed, 
 typedef struct decode_arg {
     const uint8_t *packed;
     const int32_t *pos;
-    const float *inv;
-    const int *axis;
     uint16_t *out;
+    /* RoPE's frequencies and axes depend on the channel only: once per section. */
+    int axis[KVF_REF_MAX_DIM / 2];
+    float inv[KVF_REF_MAX_DIM / 2];
 } decode_arg;
 
-static int decode_pool_head(const section_job *j, int32_t h, head_buf *b, void *arg) {
+static int decode_pool_head(const section_job *j, int32_t h, head_buf *b, const void *arg) {
     const decode_arg *a = arg;
     sum_stages(j, h, a->packed, b);
     finish_head(j, h, a->packed, a->pos, a->inv, a->axis, b, a->out);
     return KVF_OK;
 }
 
-static int decode_section(const section_job *j, const uint8_t *packed, const int32_t *pos, uint16_t *out) {
-    if (j->l->bits == 16) {
-        bf16_decode(j, packed, pos, out);
-        return KVF_OK;
+/* Both sections: a BF16 one is copied, the others' heads go to the threads. */
+static int decode_sections(const section_job *const sec[2], decode_arg arg[2]) {
+    heads_job job = {.fn = decode_pool_head, .parts = HB_DECODE_SUM};
+    for (int t = 0; t < 2; t++) {
+        if (sec[t]->l->bits == 16) {
+            bf16_decode(sec[t], arg[t].packed, arg[t].pos, arg[t].out);
+            continue;
+        }
+        if (arg[t].pos) kvf_ref_rope_table(sec[t]->L->head_dim, &sec[t]->s->rope, arg[t].inv, arg[t].axis);
+        job.sec[job.n_sec] = sec[t];
+        job.arg[job.n_sec++] = &arg[t];
     }
-    /* RoPE's frequencies and axes depend on the channel only: once per section. */
-    int axis[KVF_REF_MAX_DIM / 2];
-    float inv[KVF_REF_MAX_DIM / 2];
-    if (pos) kvf_ref_rope_table(j->L->head_dim, &j->s->rope, inv, axis);
-    decode_arg a = {packed, pos, inv, axis, out};
-    return for_each_head(j, HB_DECODE_SUM, decode_pool_head, &a);
+    return for_each_head(&job);
 }
 
 /* ------------------------------------------------------------ entry points */
@@ -431,9 +406,9 @@ int kvf_ref_encode(const struct kvf_scheme *s, const uint16_t *k, const uint16_t
     kvf_header_fill(s, &L, &hdr);
     memcpy(packed, &hdr, sizeof hdr);
     section_job jk = job_of(s, &L, &sh, true), jv = job_of(s, &L, &sh, false);
-    rc = encode_section(&jk, k, qstats, packed);
-    if (!rc) rc = encode_section(&jv, v, NULL, packed); /* values: no QSAC, no PSAC */
-    return rc;
+    const section_job *sec[2] = {&jk, &jv};
+    const encode_arg arg[2] = {{k, qstats, packed}, {v, NULL, packed}}; /* values: no QSAC, no PSAC */
+    return encode_sections(sec, arg);
 }
 
 /* Every stored centroid index below the scheme's centroid count: a corrupt
@@ -475,7 +450,8 @@ int kvf_ref_decode(const struct kvf_scheme *s, const uint8_t *packed, size_t pac
     if ((rc = check_indices(&L, &L.key, packed, "key")) || (rc = check_indices(&L, &L.value, packed, "value")))
         return rc;
     section_job jk = job_of(s, &L, &sh, true), jv = job_of(s, &L, &sh, false);
-    rc = decode_section(&jk, packed, rope ? positions : NULL, k_out);
-    if (!rc) rc = decode_section(&jv, packed, NULL, v_out);
-    return rc;
+    const section_job *sec[2] = {&jk, &jv};
+    decode_arg arg[2] = {{.packed = packed, .pos = rope ? positions : NULL, .out = k_out},
+                         {.packed = packed, .pos = NULL, .out = v_out}};
+    return decode_sections(sec, arg);
 }
