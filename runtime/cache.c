@@ -79,29 +79,9 @@ enum { DIR_OFF = 1, DIR_ABSENT = 2 };
 
 /* ================================================================== key */
 
-static void put_le32(uint8_t *p, uint32_t v) {
-    for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
-}
-
-static void put_le64(uint8_t *p, uint64_t v) {
-    for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
-}
-
-static uint32_t get_le32(const uint8_t *p) {
-    uint32_t v = 0;
-    for (int i = 3; i >= 0; i--) v = (v << 8) | p[i];
-    return v;
-}
-
-static uint64_t get_le64(const uint8_t *p) {
-    uint64_t v = 0;
-    for (int i = 7; i >= 0; i--) v = (v << 8) | p[i];
-    return v;
-}
-
 static void hash_count(XXH3_state_t *st, uint64_t n) {
     uint8_t le[8];
-    put_le64(le, n);
+    kvf_put_u64(le, n);
     XXH3_128bits_update(st, le, sizeof le);
 }
 
@@ -389,10 +369,10 @@ static int entry_miss(entry *e, const char *dir, const char *name, const char *w
 static int parse_header(const uint8_t *h, uint64_t file_size, entry *e, uint64_t *sum,
                         const char **why) {
     if (memcmp(h, ENTRY_MAGIC, 8) != 0) { *why = "corrupt: wrong magic"; return -1; }
-    if (get_le32(h + 8) != ENTRY_VERSION) { *why = "corrupt: unknown format version"; return -1; }
-    e->meta_len = get_le32(h + 12);
-    e->payload_len = get_le64(h + 16);
-    *sum = get_le64(h + 24);
+    if (kvf_get_u32(h + 8) != ENTRY_VERSION) { *why = "corrupt: unknown format version"; return -1; }
+    e->meta_len = kvf_get_u32(h + 12);
+    e->payload_len = kvf_get_u64(h + 16);
+    *sum = kvf_get_u64(h + 24);
     uint64_t body = file_size - ENTRY_HEADER_BYTES;
     if (e->payload_len > body || e->meta_len != body - e->payload_len) {
         *why = "corrupt: sizes do not match the file size (truncated?)";
@@ -486,10 +466,10 @@ static const char *write_entry_fd(int fd, const char *meta, size_t meta_len, con
     XXH3_64bits_update(&st, meta, meta_len);
     XXH3_64bits_update(&st, payload, size);
     memcpy(h, ENTRY_MAGIC, 8);
-    put_le32(h + 8, ENTRY_VERSION);
-    put_le32(h + 12, (uint32_t)meta_len);
-    put_le64(h + 16, size);
-    put_le64(h + 24, XXH3_64bits_digest(&st));
+    kvf_put_u32(h + 8, ENTRY_VERSION);
+    kvf_put_u32(h + 12, (uint32_t)meta_len);
+    kvf_put_u64(h + 16, size);
+    kvf_put_u64(h + 24, XXH3_64bits_digest(&st));
     if (write_full(fd, h, sizeof h) || write_full(fd, meta, meta_len) ||
         write_full(fd, payload, size))
         return "write";

@@ -5,6 +5,7 @@
 #include "kvforge.h"
 #include <stdbool.h>
 #include <stdio.h>
+#include <string.h>
 
 /* ------------------------------------------------------------ errors (error.c) */
 
@@ -202,6 +203,34 @@ void kvf_synth_kv(uint16_t *x, int64_t n_tokens, int n_heads, int head_dim, uint
 
 /* The CUDA toolkit (NVRTC, fatbinary): $CUDA_HOME, else the build's default. */
 const char *kvf_cuda_home(void);
+/* Little-endian fields of the packed planes, the cache's key and entries. */
+static inline void kvf_put_u16(uint8_t *p, uint16_t v) {
+    p[0] = (uint8_t)(v & 0xffu);
+    p[1] = (uint8_t)(v >> 8);
+}
+static inline uint16_t kvf_get_u16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+static inline void kvf_put_u32(uint8_t *p, uint32_t v) {
+    for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+static inline uint32_t kvf_get_u32(const uint8_t *p) {
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+static inline void kvf_put_u64(uint8_t *p, uint64_t v) {
+    for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+static inline uint64_t kvf_get_u64(const uint8_t *p) { return (uint64_t)kvf_get_u32(p) | (uint64_t)kvf_get_u32(p + 4) << 32; }
+static inline void kvf_put_f32(uint8_t *p, float v) {
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    kvf_put_u32(p, u);
+}
+static inline float kvf_get_f32(const uint8_t *p) {
+    uint32_t u = kvf_get_u32(p);
+    float v;
+    memcpy(&v, &u, 4);
+    return v;
+}
+
 /* CPUs this thread may run on (its affinity mask; else the online CPUs), at least 1. */
 int kvf_cpu_count(void);
 

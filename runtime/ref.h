@@ -7,8 +7,6 @@
 #define KVF_REF_H
 #include "internal.h"
 
-#include <string.h>
-
 /* ref_hadamard.c: normalized Walsh-Hadamard transform in place (METHODS.md 5). */
 void kvf_ref_hadamard(float *x, int d);
 
@@ -68,24 +66,5 @@ void kvf_ref_quant_encode(const kvf_section_layout *l, const kvf_stage_layout *s
                           int32_t h, int d, const float *r, uint8_t *packed);
 void kvf_ref_quant_decode(const kvf_section_layout *l, const kvf_stage_layout *st, int64_t n,
                           int32_t h, int d, const uint8_t *packed, float *rhat);
-
-/* Little-endian 16-bit fields of the packed planes. */
-static inline void kvf_put_u16(uint8_t *p, uint16_t v) {
-    p[0] = (uint8_t)(v & 0xffu);
-    p[1] = (uint8_t)(v >> 8);
-}
-static inline uint16_t kvf_get_u16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
-/* Little-endian f32 fields (the PSAC basis scales). */
-static inline void kvf_put_f32(uint8_t *p, float v) {
-    uint32_t u;
-    memcpy(&u, &v, 4);
-    for (int i = 0; i < 4; i++) p[i] = (uint8_t)(u >> (8 * i));
-}
-static inline float kvf_get_f32(const uint8_t *p) {
-    uint32_t u = (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-    float v;
-    memcpy(&v, &u, 4);
-    return v;
-}
 
 #endif
