@@ -83,7 +83,7 @@ lib: $(O)/lib/libkvforge.a $(O)/lib/libkvforge.so
 # Unit tests. GPU tests skip (and say so) where there is no GPU.
 test: all
 	@KVF_SRC=$(CURDIR) O=$(O) sh tests/run_all.sh $(TEST_BIN)
-	@python3 tests/format_model.py --check
+	@$(PYTHON) tests/format_model.py --check
 	@$(MAKE) --no-print-directory py-test
 	@$(MAKE) --no-print-directory wm-test
 
