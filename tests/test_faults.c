@@ -337,6 +337,8 @@ static void test_corrupt_centroid_index(void **state) {
     kix[n + 7] = 15; /* the last centroid: valid */
     gbuf ko = gb_new(out, 0), vo = gb_new(out, 0);
     expect(kvf_decode(ctx, p, bytes, &sh, NULL, ko.p, vo.p, NULL), KVF_OK, NULL);
+    gb_check_guards(&ko, "K out");
+    gb_check_guards(&vo, "V out");
     gb_free(&ko), gb_free(&vo);
     kix[n + 7] = 16;
     decode_fails(ctx, p, bytes, &sh, out, KVF_EFORMAT, "key stage 0, head 1, token 7 stores centroid 16 of 16");
