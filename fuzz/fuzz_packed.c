@@ -17,7 +17,6 @@
  */
 #include "fuzz_common.h"
 
-#define FP_SCHEMES FUZZ_SCHEMES
 
 typedef struct fp_scheme {
     kvf_scheme *s;
@@ -25,10 +24,10 @@ typedef struct fp_scheme {
 } fp_scheme;
 
 static fp_scheme *fp_schemes(void) {
-    static fp_scheme sch[FP_SCHEMES];
+    static fp_scheme sch[FUZZ_SCHEMES];
     static int ready;
     if (ready) return sch;
-    for (int i = 0; i < FP_SCHEMES; i++) {
+    for (int i = 0; i < FUZZ_SCHEMES; i++) {
         FUZZ_CHECK(fuzz_load_scheme(i, &sch[i].s) == KVF_OK);
         FUZZ_CHECK(kvf_context_create(sch[i].s, KVF_DEVICE_CPU, &sch[i].ctx) == KVF_OK);
     }
@@ -82,11 +81,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     /* The header's shape when it is small enough to decode quickly. */
     int64_t n = 3;
     int32_t h = 2;
-    int pick = (int)(size % FP_SCHEMES);
+    int pick = (int)(size % FUZZ_SCHEMES);
     if (size >= KVF_HEADER_BYTES) {
         uint64_t hash = fuzz_le64(data + 8), hn = fuzz_le64(data + 16);
         uint32_t hh = fuzz_le32(data + 24);
-        for (int i = 0; i < FP_SCHEMES; i++)
+        for (int i = 0; i < FUZZ_SCHEMES; i++)
             if (kvf_scheme_hash(sch[i].s) == hash) pick = i;
         if (hn >= 1 && hn <= 4096 && hh >= 1 && hh <= 64 && hn * hh <= 4096) {
             n = (int64_t)hn;
@@ -94,7 +93,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         }
     }
     /* Every scheme's header check, at the header's shape and at a fixed one. */
-    for (int i = 0; i < FP_SCHEMES; i++) {
+    for (int i = 0; i < FUZZ_SCHEMES; i++) {
         int a = kvf_packed_check(sch[i].s, data, size, n, h);
         int b = kvf_packed_check(sch[i].s, data, size, 17, 3);
         FUZZ_CHECK(a == KVF_OK || a == KVF_EFORMAT || a == KVF_ERANGE);

@@ -16,12 +16,11 @@
 
 #include <math.h>
 
-#define FR_SCHEMES FUZZ_ROUNDTRIP_SCHEMES
 
 static kvf_context *fr_contexts(int i) {
-    static kvf_context *ctx[FR_SCHEMES];
+    static kvf_context *ctx[FUZZ_ROUNDTRIP_SCHEMES];
     if (!ctx[0]) {
-        for (int j = 0; j < FR_SCHEMES; j++) {
+        for (int j = 0; j < FUZZ_ROUNDTRIP_SCHEMES; j++) {
             kvf_scheme *s = NULL;
             FUZZ_CHECK(fuzz_load_scheme(j, &s) == KVF_OK);
             FUZZ_CHECK(kvf_context_create(s, KVF_DEVICE_CPU, &ctx[j]) == KVF_OK);
@@ -63,7 +62,7 @@ static void fr_check_section(const kvf_tensor_cfg *c, int d, const uint16_t *x, 
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (size < 3) return 0;
-    kvf_context *ctx = fr_contexts(data[0] % FR_SCHEMES);
+    kvf_context *ctx = fr_contexts(data[0] % FUZZ_ROUNDTRIP_SCHEMES);
     const struct kvf_scheme *s = kvf_context_scheme(ctx);
     int d = s->head_dim;
     kvf_shape sh = {1 + data[1] % 8, 1 + data[2] % 4, 0, 0};

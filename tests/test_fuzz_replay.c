@@ -108,7 +108,7 @@ static int packed_seed(const uint8_t *data, size_t size) {
     int64_t n = (int64_t)fuzz_le64(data + 16);
     int32_t h = (int32_t)fuzz_le32(data + 24);
     unsigned ok = 0;
-    for (int i = 0; i < FP_SCHEMES; i++) ok |= (unsigned)(kvf_packed_check(sch[i].s, data, size, n, h) == KVF_OK) << i;
+    for (int i = 0; i < FUZZ_SCHEMES; i++) ok |= (unsigned)(kvf_packed_check(sch[i].s, data, size, n, h) == KVF_OK) << i;
     if (!ok) FUZZ_FAIL("no fuzz_packed scheme accepts this seed (stale: run make fuzz-seeds)");
     seeded_schemes |= ok;
     return 0;
@@ -117,7 +117,7 @@ static int packed_seed(const uint8_t *data, size_t size) {
 static void replay_packed(void **state) {
     (void)state;
     assert_true(replay_dir(packed_seed, "fuzz/corpus/packed", NULL) >= 10);
-    assert_int_equal(seeded_schemes, (1u << FP_SCHEMES) - 1); /* every scheme has a current seed */
+    assert_int_equal(seeded_schemes, (1u << FUZZ_SCHEMES) - 1); /* every scheme has a current seed */
     int found = replay_dir(fuzz_packed_one, "fuzz/regress/packed", NULL);
     print_message("packed: %d saved findings replayed\n", found);
     static const uint8_t tiny[3] = {1, 2, 3};
