@@ -27,6 +27,7 @@ enum kvf_rope_layout { KVF_ROPE_HALF = 0, KVF_ROPE_INTERLEAVED = 1 };
 enum kvf_rotation { KVF_ROTATION_NONE = 0, KVF_ROTATION_HADAMARD = 1 };
 #define KVF_MAX_STAGES 8
 #define KVF_MAX_ROPE_SECTIONS 4
+#define KVF_MAX_PSAC_RANK 64 /* psac_rank's bound (scheme.c); PSAC's exactness argument (METHODS.md 4) needs r <= 64 */
 
 /* One of the two tensor sections (key, value) of a scheme. */
 typedef struct kvf_tensor_cfg {

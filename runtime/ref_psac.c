@@ -9,7 +9,6 @@
 #include <math.h>
 #include <string.h>
 
-#define PSAC_MAX_RANK 64 /* the scheme loader's bound on psac_rank (scheme.c) */
 
 /* The stored basis: one scale per head, s = max |u| / 127 (f32; NaN entries
  * left out of the maximum), codes b = clamp(rintf(u / s), -127, 127) (NaN: 0).
@@ -67,8 +66,8 @@ static void no_correction(int8_t *coef, int r, uint16_t *scale) {
 
 void kvf_ref_psac_encode(const float *e, const int8_t *b, float bscale, const float *lambda, int d, int r,
                          int8_t *coef, uint16_t *scale) {
-    double cj[PSAC_MAX_RANK];
-    if (r < 1 || r > PSAC_MAX_RANK) return;
+    double cj[KVF_MAX_PSAC_RANK];
+    if (r < 1 || r > KVF_MAX_PSAC_RANK) return;
     project_error(e, b, bscale, d, r, cj);
     float amax = max_abs(cj, r);
     uint16_t cs = kvf_f32_to_f16(amax / 127.0f);

@@ -88,7 +88,7 @@ static const fdesc tensor_fields[N_TENSOR] = {
     {"group_size", F_INT, TO(group_size), 16, 256, group_set, NULL},
     {"kmeans_iters", F_INT, TO(kmeans_iters), 0, 100, NULL, NULL},
     {"mode", F_ENUM, TO(mode), 0, 0, NULL, mode_names},
-    {"psac_rank", F_INT, TO(psac_rank), 0, 64, NULL, NULL},
+    {"psac_rank", F_INT, TO(psac_rank), 0, KVF_MAX_PSAC_RANK, NULL, NULL},
     {"qsac_candidates", F_INT, TO(qsac_candidates), 1, 256, NULL, NULL},
     {"rotation", F_ENUM, TO(rotation), 0, 0, NULL, rotation_names},
     {"scale_format", F_ENUM, TO(scale_format), 0, 0, NULL, scale_names},
