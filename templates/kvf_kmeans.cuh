@@ -319,6 +319,45 @@ __device__ __forceinline__ void filter(bool lo, const u32 (&ah)[D / 16][4], cons
     }
 }
 
+// The candidate bound B of a token with |a| = an (see above), plus an
+// absolute term for BF16/f32 subnormals the tensor cores may flush.
+__device__ __forceinline__ float filter_bound(float an, float cmax, float nmax) {
+    return __fadd_rn(__fmul_rn(KAPPA, __fmaf_rn(an, cmax, nmax)), __fmul_rn(2e-36f, __fadd_rn(__fadd_rn(an, cmax), 1.0f)));
+}
+
+// The nearest centroid of one row (M = 1), from its quad's lists (lanes 4g ..
+// 4g + 3 hold its keys over disjoint columns; every lane of the quad gets the
+// same answer): true, with j the centroid, when the general path would find
+// exactly one candidate (so pick it without an f64 distance), or when the
+// row is past the end (nothing to write); false when that path must decide
+// (a bound that is not finite, a list that may have dropped a candidate, or
+// more than one candidate). The threshold is the general path's, bit for bit.
+template <int K>
+__device__ __forceinline__ bool quick_pick(const float (&bs)[K], float an, float cmax, float nmax, int c_eff, bool live,
+                                           int &j) {
+    float top = bs[0]; // each list is ascending
+    top = fminf(top, __shfl_xor_sync(0xffffffffu, top, 1));
+    top = fminf(top, __shfl_xor_sync(0xffffffffu, top, 2));
+    j = key_index(top);
+    const float b = filter_bound(an, cmax, nmax), thr = __fadd_rn(top, __fmul_rn(2.0f, b));
+    int within = 0;
+#pragma unroll
+    for (int i = 0; i < K; i++) within += bs[i] <= thr;
+    within |= bs[K - 1] <= thr ? 0x100 : 0; // this lane's list may have dropped one
+    within += __shfl_xor_sync(0xffffffffu, within, 1);
+    within += __shfl_xor_sync(0xffffffffu, within, 2);
+    const bool finite = thr - thr == 0.0f && b - b == 0.0f && c_eff >= 1;
+    return !live || (finite && within == 1);
+}
+
+// Bits 0, 4, .., 28 of a ballot (one per quad) as bits 0 .. 7.
+__device__ __forceinline__ u32 quad_rows(u32 b) {
+    b &= 0x11111111u;
+    b = (b | b >> 3) & 0x03030303u;
+    b = (b | b >> 6) & 0x000f000fu;
+    return (b | b >> 12) & 0xffu;
+}
+
 // One block per (head, WARPS x 16 tokens). M = 1: nearest centroid; M > 1:
 // QSAC over the M nearest by the weighted distance (weights[h][D], or ones).
 // stats (optional, [4]): tokens, candidates, full scans, second filters.
@@ -441,12 +480,38 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
         ss0 = __fadd_rn(ss0, __shfl_xor_sync(0xffffffffu, ss0, 2));
         ss1 = __fadd_rn(ss1, __shfl_xor_sync(0xffffffffu, ss1, 1));
         ss1 = __fadd_rn(ss1, __shfl_xor_sync(0xffffffffu, ss1, 2));
-        if (q == 0) { wa.an[g] = sqrtf(ss0); wa.an[g + 8] = sqrtf(ss1); }
+        const float an0 = sqrtf(ss0), an1 = sqrtf(ss1);
         float bs0[K], bs1[K]; // score keys (score_key)
 #pragma unroll
         for (int i = 0; i < K; i++) bs0[i] = bs1[i] = __int_as_float(0x7f800000);
+        if (M <= 8) filter<D, DP, K, M, false>(lo, ah, al, cs, nf, cp, g, q, bs0, bs1, wa);
+        // Rows (bit r: token tw0 + r) left to the general path below. The
+        // nearest centroid settles most rows in registers first: a row whose
+        // quad's lists hold exactly one key within the threshold, and none of
+        // which may have dropped one, has that key's centroid as its only
+        // candidate: the general path's answer for it, without shared memory.
+        u32 slow = 0xffffu;
+        if (M == 1) {
+            int j0, j1;
+            const bool done0 = quick_pick<K>(bs0, an0, cmax, nmax, c_eff, tw0 + g < n_tokens, j0);
+            const bool done1 = quick_pick<K>(bs1, an1, cmax, nmax, c_eff, tw0 + g + 8 < n_tokens, j1);
+            slow = quad_rows(__ballot_sync(0xffffffffu, !done0)) | quad_rows(__ballot_sync(0xffffffffu, !done1)) << 8;
+            // Token `lane` (< TPW) of the tile: its row's pick, from the row's quad.
+            const int r0 = __shfl_sync(0xffffffffu, j0, 4 * (lane & 7)), r1 = __shfl_sync(0xffffffffu, j1, 4 * (lane & 7));
+            if (lane < TPW && !(slow >> lane & 1) && tw0 + lane < n_tokens) {
+                const i64 o = (i64)h * n_tokens + tw0 + lane;
+                const int j = lane < 8 ? r0 : r1;
+                if (idx_ws) idx_ws[o] = j;
+                if (idx_plane) idx_plane[o] = (u8)j;
+                if (stats) {
+                    atomicAdd(&stats[0], 1ull);
+                    atomicAdd(&stats[1], 1ull);
+                }
+            }
+            if (!slow) continue; // warp-uniform; nothing of the warp's scratch was touched
+        }
+        if (q == 0) { wa.an[g] = an0; wa.an[g + 8] = an1; }
         if (M <= 8) {
-            filter<D, DP, K, M, false>(lo, ah, al, cs, nf, cp, g, q, bs0, bs1, wa);
 #pragma unroll
             for (int i = 0; i < K; i++) {
                 wa.ls[g][q][i] = bs0[i];
@@ -457,17 +522,15 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
         // Candidates of token `lane`: within 2B of the M-th smallest filtered score.
         if (lane < TPW) {
             const int t = tw0 + lane;
-            int n = -1;
+            int n = slow >> lane & 1 ? -1 : 0; // 0: settled above
             wa.again[lane] = 0;
-            if (M <= 8) {
+            if (M <= 8 && n < 0) {
                 float top[MF];
 #pragma unroll
                 for (int i = 0; i < MF; i++) top[i] = __int_as_float(0x7f800000);
                 for (int qq = 0; qq < 4; qq++)
                     for (int i = 0; i < K; i++) keep_k<MF>(top, wa.ls[lane][qq][i]);
-                // + an absolute term for BF16/f32 subnormals the tensor cores may flush.
-                const float b = __fadd_rn(__fmul_rn(KAPPA, __fmaf_rn(wa.an[lane], cmax, nmax)),
-                                          __fmul_rn(2e-36f, __fadd_rn(__fadd_rn(wa.an[lane], cmax), 1.0f)));
+                const float b = filter_bound(wa.an[lane], cmax, nmax);
                 const float thr = __fadd_rn(top[MF - 1], __fmul_rn(2.0f, b));
                 wa.thr[lane] = thr;
                 if (thr - thr == 0.0f && b - b == 0.0f && c_eff >= MF) { // finite
@@ -592,15 +655,15 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
             if (idx_ws) idx_ws[o] = wa.pk[lane][0];
             if (idx_plane) idx_plane[o] = (u8)wa.pk[lane][0];
         }
-        if (stats && lane < TPW && tw0 + lane < n_tokens) {
+        if (stats && lane < TPW && tw0 + lane < n_tokens && (slow >> lane & 1)) {
             atomicAdd(&stats[0], 1ull);
             atomicAdd(&stats[wa.nc[lane] >= 0 ? 1 : 2], (unsigned long long)(wa.nc[lane] >= 0 ? wa.nc[lane] : 1));
             if (wa.again[lane]) atomicAdd(&stats[3], 1ull);
         }
         // Full scans, one token at a time: every distance, then ref_kmeans.c's
         // sequential rules verbatim (a NaN distance never wins, except at j = 0).
-        for (int tl = 0; tl < TPW; tl++) {
-            if (wa.nc[tl] != -1) continue; // same value in every lane
+        for (u32 full = __ballot_sync(0xffffffffu, lane < TPW && wa.nc[lane] == -1); full; full &= full - 1) {
+            const int tl = __ffs(full) - 1;
             const void *x = src_row<BF>(src, ts, hs, h, tw0 + tl);
             for (int j = lane; j < c_eff; j += 32)
                 wa.scr[j] = M > 1 ? weighted_dist<D, BF>(x, cs + j * DP, wv) : plain_dist<D, BF>(x, cs + j * DP);
