@@ -669,8 +669,8 @@ static int qstats_update_device(kvf_context *ctx, void *qstats, size_t bytes, co
      * out of the sums, eigen counts the others (the count is known only there). */
     void *a_acc[] = {(void *)&q, &sh.token_stride, &sh.head_stride, &n, &group, &qstats, &qa};
     void *a_eig[] = {&qstats, &qa, (void *)&q, &sh.token_stride, &sh.head_stride, &n, &group};
-    const unsigned tiles = (unsigned)(d / QSTATS_TILE);
-    if ((rc = launch3(ctx, KVF_R_QSTATS_ACCUMULATE, tiles, tiles, (unsigned)n_kv, BLOCK, 0, a_acc, stream)))
+    const unsigned side = (unsigned)(d / QSTATS_TILE), tiles = side * (side + 1) / 2; /* kvf_qstats::acc_grid */
+    if ((rc = launch3(ctx, KVF_R_QSTATS_ACCUMULATE, tiles, (unsigned)n_kv, 1, BLOCK, 0, a_acc, stream)))
         return rc;
     return launch3(ctx, KVF_R_QSTATS_EIGEN, (unsigned)n_kv, 1, 1, BLOCK, 0, a_eig, stream);
 }

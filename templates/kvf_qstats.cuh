@@ -46,22 +46,32 @@ __device__ __forceinline__ bool row_finite(const u16 *row, int part, int parts) 
 // (f64, head then token order). A block takes a 32 x 32 tile of (a, b) and
 // each thread a 2 x 2 block of it (ACC_TILE: one staged row serves 32 x 32
 // products, and the rows' finiteness is checked once per tile rather than
-// once per 16 x 16 tile). Rows that are not finite load as zeros: their
+// once per 16 x 16 tile). Only tiles on or above the diagonal are launched:
+// the sum for (b, a) is the one for (a, b) (the products commute exactly, in
+// the same order), so an off-diagonal tile adds it to both elements, each to
+// its own old value, as the CPU adds its mirrored sums. Rows that are not finite load as zeros: their
 // products are +0 and leave the sum as it is (it starts at +0 and never
 // becomes -0), as the CPU's skipping. The staged values are f64 already
 // (converted once per element, not once per product: f32 -> f64 conversions
 // run at a quarter of the f64 fma rate), and fma(qa, qb, acc) is the CPU's
 // acc + qa * qb: the product of two bf16 values is exact in f64.
-constexpr int ACC_TILE = 32; // runtime/context.c launches (D / ACC_TILE)^2 x heads blocks of 256 threads
+constexpr int ACC_TILE = 32;
+// runtime/context.c launches (ACC_TILES, heads) blocks of 256 threads.
+template <int D> struct acc_grid {
+    static constexpr int SIDE = D / ACC_TILE, TILES = SIDE * (SIDE + 1) / 2;
+};
 template <int D>
 __device__ __forceinline__ void accumulate(const u16 *__restrict__ q, i64 ts, i64 hs, int n_tokens, int group,
                                            u8 *qs, layout l) {
     constexpr int T = ACC_TILE; // also the tokens staged per round
     static_assert(D % T == 0, "head_dim is 64, 128 or 256");
     static_assert(T * 8 == 256 && (T / 2) * (T / 2) == 256, "256 threads: 8 per staged row, 2 x 2 of the tile each");
+    if (gridDim.x != (unsigned)acc_grid<D>::TILES) __trap(); // the launch disagrees with this file
     __shared__ __align__(16) double qa[T][T], qb[T][T];
     __shared__ int ok[T];
-    const int h = blockIdx.z, ta = blockIdx.y * T, tb = blockIdx.x * T;
+    int ya = 0, xb = blockIdx.x; // tile (ya, ya + xb'): row ya of the upper triangle
+    while (xb >= acc_grid<D>::SIDE - ya) xb -= acc_grid<D>::SIDE - ya++;
+    const int h = blockIdx.y, ta = ya * T, tb = (ya + xb) * T;
     const int a = 2 * (threadIdx.x / 16), b = 2 * (threadIdx.x % 16);
     double acc[2][2] = {{0.0, 0.0}, {0.0, 0.0}};
     for (int j = h * group; j < (h + 1) * group; j++)
@@ -93,8 +103,10 @@ __device__ __forceinline__ void accumulate(const u16 *__restrict__ q, i64 ts, i6
     for (int i = 0; i < 2; i++)
 #pragma unroll
         for (int k = 0; k < 2; k++) {
-            float *m = (float *)(qs + l.msum) + ((i64)h * D + ta + a + i) * D + tb + b + k;
-            *m = (float)__dadd_rn((double)*m, acc[i][k]);
+            float *m = (float *)(qs + l.msum) + (i64)h * D * D;
+            float *ab = m + (i64)(ta + a + i) * D + tb + b + k, *ba = m + (i64)(tb + b + k) * D + ta + a + i;
+            *ab = (float)__dadd_rn((double)*ab, acc[i][k]);
+            if (ta != tb) *ba = (float)__dadd_rn((double)*ba, acc[i][k]);
         }
 }
 
