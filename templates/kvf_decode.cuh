@@ -264,6 +264,23 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
     }
     const float bscale = PSAC_R ? __uint_as_float(kvf_ldg_u32(packed + p.bscale + (u64)h * 4)) : 0.0f;
 
+    // Centroid indices one tile ahead: a row's centroid gather depends on its
+    // index, so loading the indices of the block's next tile while this one
+    // is decoded takes one global-load latency out of each tile's chain
+    // (where the indices take at most 4 registers: more cost occupancy).
+    constexpr bool AHEAD = NCENT && STAGES * RPT <= 4;
+    u32 next_idx[RPT][NCENT ? STAGES : 1];
+    const auto load_idx = [&](u32 t0n) {
+        if (!AHEAD) return;
+#pragma unroll
+        for (int u = 0; u < RPT; u++) {
+            const u32 tu = min(t0n + (u32)(u * ROWS + sub), n - 1);
+#pragma unroll
+            for (int s = 0; s < STAGES; s++) next_idx[u][s] = kvf_ldg_u8(packed + p.stage[s].index + head_row + tu);
+        }
+    };
+    if (AHEAD && blockIdx.x * (u32)TILE < n) load_idx(blockIdx.x * (u32)TILE);
+
     // gridDim.x * TILE <= n + TILE - 1 (runtime/context.c): no u32 overflow.
     for (u32 t0 = blockIdx.x * (u32)TILE; t0 < n; t0 += gridDim.x * (u32)TILE) {
         // Rows past the end run on the last token (every lane of a row joins
@@ -324,7 +341,8 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
             if (NCENT) {
 #pragma unroll
                 for (int s = 0; s < STAGES; s++) {
-                    idx[u][s] = kvf_ldg_u8(packed + p.stage[s].index + head_row + t[u]);
+                    idx[u][s] = AHEAD ? next_idx[u][s] // token t[u]'s, loaded a tile ahead
+                                      : kvf_ldg_u8(packed + p.stage[s].index + head_row + t[u]);
                     // A corrupt cache's index past a table of fewer than 256 rows
                     // reads its last row, not past it (the CPU decode refuses it).
                     if (NCENT < 256) idx[u][s] = min(idx[u][s], (u32)(NCENT - 1));
@@ -336,7 +354,7 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
                 int8_row<R>(cp, coefw[u]);
             }
         }
-        // Centroid rows (they depend on the indices just loaded).
+        // Centroid rows, then the next tile's indices.
         uint4 mu[RPT][NCENT ? STAGES : 1];
         if (NCENT) {
 #pragma unroll
@@ -344,6 +362,7 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
 #pragma unroll
                 for (int s = 0; s < STAGES; s++)
                     mu[u][s] = kvf_ldg16(packed + p.stage[s].centroids + (((u64)h * NCENT + idx[u][s]) * D + lane * 8) * 2);
+            if (AHEAD && t0 + gridDim.x * (u32)TILE < n) load_idx(t0 + gridDim.x * (u32)TILE);
         }
 
         // ---- arithmetic and store, row by row
