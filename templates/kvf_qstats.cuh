@@ -110,28 +110,30 @@ __device__ __forceinline__ void accumulate(const u16 *__restrict__ q, i64 ts, i6
         }
 }
 
-// Deterministic block sum of one value per thread (256 threads).
+// Deterministic block sum of one value per thread (256 threads): a fixed
+// shuffle tree per warp, then the 8 warp sums in order, read by every thread
+// (two barriers instead of a shared-memory tree's nine).
 __device__ __forceinline__ float block_sum(float v, float *red) {
-    red[threadIdx.x] = v;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_down_sync(0xffffffffu, v, o));
+    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
     __syncthreads();
-    for (int s = 128; s > 0; s >>= 1) {
-        if (threadIdx.x < s) red[threadIdx.x] = __fadd_rn(red[threadIdx.x], red[threadIdx.x + s]);
-        __syncthreads();
-    }
-    const float r = red[0];
-    __syncthreads();
+    float r = red[0];
+#pragma unroll
+    for (int w = 1; w < 8; w++) r = __fadd_rn(r, red[w]);
+    __syncthreads(); // red is reused by the next sum
     return r;
 }
 
 // Column j of z [D][R] (shared) minus its projections on columns 0..j-1, in
-// order; returns its norm.
+// order; returns its norm. Thread c reads and writes row c of z only.
 template <int D, int R>
 __device__ __forceinline__ float mgs_column(float *z, int j, float *red) {
+    static_assert(D <= 256, "a row of z per thread");
     const int c = threadIdx.x;
     for (int k = 0; k < j; k++) {
         const float dot = block_sum(c < D ? __fmul_rn(z[c * R + j], z[c * R + k]) : 0.0f, red);
         if (c < D) z[c * R + j] = __fsub_rn(z[c * R + j], __fmul_rn(dot, z[c * R + k]));
-        __syncthreads();
     }
     return sqrtf(block_sum(c < D ? __fmul_rn(z[c * R + j], z[c * R + j]) : 0.0f, red));
 }
