@@ -26,9 +26,10 @@ struct lane_out {
 template <int BITS>
 __device__ __forceinline__ void codes_symmetric(const float v[8], float S, u32 q[8]) {
     constexpr int QMAX = (1 << (BITS - 1)) - 1;
+    const float r = S > 0.0f ? __frcp_rn(S) : 0.0f;
 #pragma unroll
     for (int i = 0; i < 8; i++) {
-        int qi = S > 0.0f ? (int)kvf_clamp(kvf_rint(__fdiv_rn(v[i], S)), (float)-QMAX, (float)QMAX) : 0;
+        int qi = S > 0.0f ? (int)kvf_clamp(kvf_rint_div(v[i], S, r), (float)-QMAX, (float)QMAX) : 0;
         q[i] = (u32)(qi + QMAX);
     }
 }
@@ -53,10 +54,10 @@ __device__ __forceinline__ void encode8(const float v[8], lane_out &o) {
         const float S = kvf_f16_to_f32(o.scale);
         if (MODE == KVF_MODE_AFFINE) {
             o.zero = kvf_stored_f16(mn);
-            const float M = kvf_f16_to_f32(o.zero);
+            const float M = kvf_f16_to_f32(o.zero), r = S > 0.0f ? __frcp_rn(S) : 0.0f;
 #pragma unroll
             for (int i = 0; i < 8; i++)
-                o.q[i] = S > 0.0f ? (u32)kvf_clamp(kvf_rint(__fdiv_rn(__fsub_rn(v[i], M), S)), 0.0f, (float)L) : 0u;
+                o.q[i] = S > 0.0f ? (u32)kvf_clamp(kvf_rint_div(__fsub_rn(v[i], M), S, r), 0.0f, (float)L) : 0u;
         } else {
             o.zero = 0;
             codes_symmetric<BITS>(v, S, o.q);
@@ -74,9 +75,10 @@ __device__ __forceinline__ void encode8(const float v[8], lane_out &o) {
     if (MODE == KVF_MODE_AFFINE) {
         const float z = S > 0.0f ? kvf_clamp(kvf_rint(__fdiv_rn(-mn, S)), -128.0f, 127.0f) : 0.0f;
         o.zero = (u16)(u8)(signed char)(int)z;
+        const float r = S > 0.0f ? __frcp_rn(S) : 0.0f;
 #pragma unroll
         for (int i = 0; i < 8; i++)
-            o.q[i] = S > 0.0f ? (u32)kvf_clamp(kvf_rint(__fadd_rn(__fdiv_rn(v[i], S), z)), 0.0f, (float)L) : 0u;
+            o.q[i] = S > 0.0f ? (u32)kvf_clamp(kvf_rint_div_add(v[i], S, r, z), 0.0f, (float)L) : 0u;
     } else {
         o.zero = 0;
         codes_symmetric<BITS>(v, S, o.q);
