@@ -93,21 +93,26 @@ __device__ __forceinline__ void init(const void *src, i64 ts, i64 hs, int n_toke
 // every token, the same index as the CPU reference bit for bit, with the
 // distance GEMM on the tensor cores (METHODS.md 3, "exact assignment through
 // a tensor-core filter"):
-//  1. filter: s_j = N_j - 2 <a, mu_j> for all j with BF16 mma (a = e, or w*e
-//     for QSAC, split a = hi + lo into two BF16 parts; mu_j is BF16 already),
-//     f32 accumulation. With S = |a| max|mu| >= sum |a_k mu_k|: the split
-//     leaves 2^-18 S; each of the 2 x D/16 chained mma adds its 16 exact
-//     products and the running sum within 2^-19 S (alignment to the largest
-//     term, truncated to f32's 24 bits, plus the final rounding: the model
-//     measured on V100/T4/A100 by Fasi et al. 2021), 2^-15 S in
-//     all at D = 128; roundings of N_j and s_j 2^-23 (S + max|N|). So
-//     |s_j - exact| < 2^-13.9 (S + max|N|). The lists hold score keys
-//     (score_key: j in the low 8 mantissa bits), within 255 ulp < 2^-15 |s_j|
-//     of s_j, and |s_j| <= 2S + max|N|: another 2^-14 (S + max|N|). So
-//     |key_j - exact| < 2^-12.95 (S + max|N|), and B = KAPPA (S + max|N|),
-//     KAPPA = 2^-12, keeps a factor 1.9 to spare;
-//  2. every j with key_j <= (M-th smallest key) + 2B is a candidate: the
-//     exact M nearest are among them. Per thread the K smallest keys are
+//  1. filter: h_j = N_j / 2 - <a, mu_j> (half the squared distance less
+//     |a|^2 / 2) for all j with BF16 mma (a = e, or w*e for QSAC, split
+//     a = hi + lo into two BF16 parts, both negated; mu_j is BF16 already),
+//     f32 accumulation starting from N_j / 2, so the mma output is h_j. With
+//     S = |a| max|mu| >= sum |a_k mu_k|: the split leaves 2^-18 S; each of
+//     the 2 x D/16 chained mma adds its 16 exact products and the running
+//     sum (|.| <= S + max|N| / 2) within 2^-19 (S + max|N| / 2) (alignment
+//     to the largest term, truncated to f32's 24 bits, plus the final
+//     rounding: the model measured on V100/T4/A100 by Fasi et al. 2021),
+//     2^-15 (S + max|N| / 2) in all at D = 128; the rounding of N_j 2^-25
+//     max|N|. The lists hold score keys (score_key: j in the low 8 mantissa
+//     bits), within 255 ulp < 2^-15 |h_j| of h_j, |h_j| <= S + max|N| / 2:
+//     another 2^-15 (S + max|N| / 2). So |key_j - exact h_j| < 2^-13.9
+//     (S + max|N|), and B / 2 with B = KAPPA (S + max|N|), KAPPA = 2^-12,
+//     keeps a factor 1.87 to spare. Every |h_j| stays below 2^125 (else the
+//     bound is taken as infinite, below): no key is Inf or NaN, and
+//     past-the-end centroids (N_j / 2 = 2^126, rows of zeros) key above all;
+//  2. every j with key_j <= (M-th smallest key) + B is a candidate (within
+//     2B in squared distance): the exact M nearest are among them. Per
+//     thread the K smallest keys are
 //     kept; a token whose lists may have dropped a candidate is filtered
 //     again, collecting every j whose s_j is under its threshold;
 //  3. the candidates' f64 distances in channel order, as ref_kmeans.c, pick
@@ -152,7 +157,7 @@ template <int M> struct assign_warp {
 
 // Block part: centroid rows, N_j, weights, QSAC's group weight sums, limits.
 template <int D, int M, bool BF> __host__ __device__ constexpr int assign_smem_bytes() {
-    return 256 * assign_geom<D, M, BF>::DP * 2 + 256 * 4 + D * 4 + 32 * 8 + 16 +
+    return 256 * assign_geom<D, M, BF>::DP * 2 + 256 * 8 + D * 4 + 32 * 8 + 16 +
            assign_geom<D, M, BF>::WARPS * (int)((sizeof(assign_warp<M>) + 15) / 16 * 16);
 }
 
@@ -169,6 +174,13 @@ __device__ __forceinline__ void mma_bf16(float c[4], const u32 a[4], u32 b0, u32
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+// d = a b + c: the first step of a chain.
+__device__ __forceinline__ void mma_bf16_from(float d[4], const u32 a[4], u32 b0, u32 b1, float4 c) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%10,%11,%12,%13};"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(c.x), "f"(c.y), "f"(c.z), "f"(c.w));
+}
 
 // Shared centroid rows are stored with each 16-channel k-block permuted so a
 // lane's two B registers (channels 2q, 2q+1 and 2q+8, 2q+9) are one 8-byte
@@ -180,10 +192,11 @@ __device__ __forceinline__ int kblock_channel(int p) {
 
 // A filtered score with its centroid index in the low 8 mantissa bits: one
 // float that min/max order (within 255 ulp = 2^-15 relative of the score,
-// covered by the bound, see assign). Past-the-end centroids score +Inf, whose
-// key would be a NaN: keys are clamped to +Inf, so a list never holds a NaN.
+// covered by the bound, see assign). Scores are finite wherever the lists
+// are used (a token whose scores may not be has an infinite bound and takes
+// the full scan, which reads no list).
 __device__ __forceinline__ float score_key(float s, int j) {
-    return fminf(__uint_as_float((__float_as_uint(s) & 0xffffff00u) | (u32)j), __int_as_float(0x7f800000));
+    return __uint_as_float((__float_as_uint(s) & 0xffffff00u) | (u32)j);
 }
 __device__ __forceinline__ int key_index(float key) { return (int)(__float_as_uint(key) & 0xffu); }
 
@@ -278,27 +291,29 @@ __device__ __forceinline__ double sensitivity(const void *x, const u16 *crow, co
 }
 
 // One pass of the filter over all centroids for the warp's 16 tokens (rows g
-// and g+8 of the thread). COLLECT = 0: keep each row's K smallest over the
+// and g+8 of the thread); nh[k] = (n_2k, n_2k+1, n_2k, n_2k+1) with n_j =
+// N_j / 2, the start of the accumulators of columns 2k, 2k+1 (rows g and
+// g+8: one 16-byte load), and ah/al hold -a. COLLECT = 0: keep each row's K smallest over the
 // thread's columns. COLLECT = 1: append every j with s_j <= thr of a row
 // marked `again` to that row's candidates.
 template <int D, int DP, int K, int M, bool COLLECT>
 __device__ __forceinline__ void filter(bool lo, const u32 (&ah)[D / 16][4], const u32 (&al)[D / 16][4],
-                                       const u16 *cs, const float *nf, int cp, int g, int q, float (&bs0)[K],
+                                       const u16 *cs, const float4 *nh, int cp, int g, int q, float (&bs0)[K],
                                        float (&bs1)[K], assign_warp<M> &wa) {
     const float neg = __int_as_float(0xff800000);
     const float thr0 = COLLECT && wa.again[g] ? wa.thr[g] : neg, thr1 = COLLECT && wa.again[g + 8] ? wa.thr[g + 8] : neg;
     for (int nt = 0; nt < cp / 8; nt += 4) {
-        float acc[4][4];
-#pragma unroll
-        for (int u = 0; u < 4; u++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) acc[u][i] = 0.0f;
+        float acc[4][4]; // rows g, g+8 x columns 2q, 2q+1 of each 8: h_j = N_j / 2 - <a, mu_j>
 #pragma unroll
         for (int ks = 0; ks < D / 16; ks++)
 #pragma unroll
             for (int u = 0; u < 4; u++) {
                 const uint2 b = *(const uint2 *)(cs + ((nt + u) * 8 + g) * DP + ks * 16 + q * 4);
-                mma_bf16(acc[u], ah[ks], b.x, b.y);
+                if (ks == 0) {
+                    mma_bf16_from(acc[u], ah[0], b.x, b.y, nh[(nt + u) * 4 + q]);
+                } else {
+                    mma_bf16(acc[u], ah[ks], b.x, b.y);
+                }
                 if (lo) mma_bf16(acc[u], al[ks], b.x, b.y); // warp-uniform: some e is not BF16
             }
 #pragma unroll
@@ -306,8 +321,7 @@ __device__ __forceinline__ void filter(bool lo, const u32 (&ah)[D / 16][4], cons
 #pragma unroll
             for (int i = 0; i < 2; i++) {
                 const int j = (nt + u) * 8 + q * 2 + i;
-                const float n = nf[j];
-                const float s0 = __fmaf_rn(-2.0f, acc[u][i], n), s1 = __fmaf_rn(-2.0f, acc[u][2 + i], n);
+                const float s0 = acc[u][i], s1 = acc[u][2 + i];
                 if (COLLECT) {
                     if (s0 <= thr0) { const int k = atomicAdd(&wa.nc[g], 1); if (k < CAP) wa.cj[g][k] = j; }
                     if (s1 <= thr1) { const int k = atomicAdd(&wa.nc[g + 8], 1); if (k < CAP) wa.cj[g + 8][k] = j; }
@@ -320,9 +334,13 @@ __device__ __forceinline__ void filter(bool lo, const u32 (&ah)[D / 16][4], cons
 }
 
 // The candidate bound B of a token with |a| = an (see above), plus an
-// absolute term for BF16/f32 subnormals the tensor cores may flush.
+// absolute term for BF16/f32 subnormals the tensor cores may flush; +Inf
+// where a score |h_j| <= an cmax + nmax / 2 might reach 2^125 (the token then
+// takes the full scan).
 __device__ __forceinline__ float filter_bound(float an, float cmax, float nmax) {
-    return __fadd_rn(__fmul_rn(KAPPA, __fmaf_rn(an, cmax, nmax)), __fmul_rn(2e-36f, __fadd_rn(__fadd_rn(an, cmax), 1.0f)));
+    const float b = __fadd_rn(__fmul_rn(KAPPA, __fmaf_rn(an, cmax, nmax)),
+                              __fmul_rn(2e-36f, __fadd_rn(__fadd_rn(an, cmax), 1.0f)));
+    return __fmaf_rn(an, cmax, __fmul_rn(0.5f, nmax)) < 0x1p125f ? b : __int_as_float(0x7f800000);
 }
 
 // The nearest centroid of one row (M = 1), from its quad's lists (lanes 4g ..
@@ -339,7 +357,7 @@ __device__ __forceinline__ bool quick_pick(const float (&bs)[K], float an, float
     top = fminf(top, __shfl_xor_sync(0xffffffffu, top, 1));
     top = fminf(top, __shfl_xor_sync(0xffffffffu, top, 2));
     j = key_index(top);
-    const float b = filter_bound(an, cmax, nmax), thr = __fadd_rn(top, __fmul_rn(2.0f, b));
+    const float b = filter_bound(an, cmax, nmax), thr = __fadd_rn(top, b); // 2B in squared distance
     int within = 0;
 #pragma unroll
     for (int i = 0; i < K; i++) within += bs[i] <= thr;
@@ -378,8 +396,9 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(have));
     if (have < (u32)SMEM) __trap(); // the launch's size disagrees with this file
     u16 *cs = (u16 *)smem;                      // [256][DP]
-    float *nf = (float *)(cs + 256 * DP);       // [256] N_j in f32 (|mu|^2, or sum w mu^2 for QSAC), +inf past c_eff
-    float *wv = nf + 256;                       // [D]
+    float4 *nh = (float4 *)(cs + 256 * DP);     // [128] N_j / 2 in f32 (N_j: |mu|^2, or sum w mu^2 for QSAC), 2^126
+                                                // past c_eff; pairs of columns, twice (filter)
+    float *wv = (float *)(nh + 128);            // [D]
     double *gw = (double *)(wv + D);            // [32] QSAC: weight sum of each group
     u32 *lim = (u32 *)(gw + 32);                // [0] max |mu|, [1] max |N| (f32 bits)
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, q = lane & 3;
@@ -424,7 +443,8 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
         }
         const double nj = M > 1 ? nw : nn;
         if (i % 8 == 0) {
-            nf[j] = j < c_eff ? (float)nj : __int_as_float(0x7f800000);
+            float *np = (float *)&nh[j / 2] + (j & 1);
+            np[0] = np[2] = j < c_eff ? __fmul_rn((float)nj, 0.5f) : 0x1p126f;
             if (j < c_eff) {
                 atomicMax(&lim[0], __float_as_uint(fabsf((float)sqrt(nn))));
                 atomicMax(&lim[1], __float_as_uint(fabsf((float)nj)));
@@ -476,6 +496,13 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
                 }
         }
         const bool lo = NO_LO ? false : __any_sync(0xffffffffu, any_lo);
+#pragma unroll
+        for (int ks = 0; ks < KS; ks++) // the filter takes -a (its sums start from N_j / 2)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                ah[ks][i] ^= 0x80008000u;
+                if (!NO_LO) al[ks][i] ^= 0x80008000u;
+            }
         ss0 = __fadd_rn(ss0, __shfl_xor_sync(0xffffffffu, ss0, 1));
         ss0 = __fadd_rn(ss0, __shfl_xor_sync(0xffffffffu, ss0, 2));
         ss1 = __fadd_rn(ss1, __shfl_xor_sync(0xffffffffu, ss1, 1));
@@ -484,7 +511,7 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
         float bs0[K], bs1[K]; // score keys (score_key)
 #pragma unroll
         for (int i = 0; i < K; i++) bs0[i] = bs1[i] = __int_as_float(0x7f800000);
-        if (M <= 8) filter<D, DP, K, M, false>(lo, ah, al, cs, nf, cp, g, q, bs0, bs1, wa);
+        if (M <= 8) filter<D, DP, K, M, false>(lo, ah, al, cs, nh, cp, g, q, bs0, bs1, wa);
         // Rows (bit r: token tw0 + r) left to the general path below. The
         // nearest centroid settles most rows in registers first: a row whose
         // quad's lists hold exactly one key within the threshold, and none of
@@ -531,7 +558,7 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
                 for (int qq = 0; qq < 4; qq++)
                     for (int i = 0; i < K; i++) keep_k<MF>(top, wa.ls[lane][qq][i]);
                 const float b = filter_bound(wa.an[lane], cmax, nmax);
-                const float thr = __fadd_rn(top[MF - 1], __fmul_rn(2.0f, b));
+                const float thr = __fadd_rn(top[MF - 1], b); // 2B in squared distance
                 wa.thr[lane] = thr;
                 if (thr - thr == 0.0f && b - b == 0.0f && c_eff >= MF) { // finite
                     n = 0;
@@ -547,7 +574,7 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
         }
         __syncwarp();
         if (M <= 8 && __any_sync(0xffffffffu, lane < TPW && wa.again[lane])) {
-            filter<D, DP, K, M, true>(lo, ah, al, cs, nf, cp, g, q, bs0, bs1, wa);
+            filter<D, DP, K, M, true>(lo, ah, al, cs, nh, cp, g, q, bs0, bs1, wa);
             __syncwarp();
             if (lane < TPW && wa.nc[lane] > CAP) wa.nc[lane] = -1;
             __syncwarp();
