@@ -1,0 +1,113 @@
+/* The GPU quantizer's codes without a division per value (templates/
+ * kvf_common.cuh, kvf_rint_div and kvf_rint_div_add; METHODS.md 2): this
+ * file repeats their f32 arithmetic on the CPU (C11 floats, no contraction)
+ * and checks the argument they rest on, that the fast path's integer is the
+ * one the division gives, on random values and on values a few ulp from a
+ * half-integer quotient, where the fast path must hand over to the
+ * division. The two functions below must change with the templates'. */
+#include <math.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <setjmp.h>
+#include <stdint.h>
+#include <string.h>
+#include <cmocka.h>
+
+static float bits_f32(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+static uint32_t f32_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+/* kvf_rint_div: rint(fl(x / S)) for S > 0, r = fl(1 / S). */
+static float rint_div(float x, float S, float r, long *slow) {
+    const float y = x * r, n = rintf(y);
+    if (fabsf(y - n) < 0.5f - fmaf(fabsf(y), 0x1p-21f, 0x1p-140f)) return n;
+    ++*slow;
+    return rintf(x / S);
+}
+
+/* kvf_rint_div_add: rint(fl(fl(x / S) + z)) for an integer z. */
+static float rint_div_add(float x, float S, float r, float z, long *slow) {
+    const float y = x * r, t = y + z, n = rintf(t);
+    const float m = fmaf(fabsf(y), 0x1p-21f, fmaf(fabsf(t), 0x1p-22f, 0x1p-140f));
+    if (fabsf(t - n) < 0.5f - m) return n;
+    ++*slow;
+    return rintf(x / S + z);
+}
+
+static uint64_t rng = 0x9e3779b97f4a7c15ull;
+static uint64_t next(void) { /* xorshift64 */
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return rng;
+}
+
+/* A positive finite f16 value as f32 (the stored scales; the two-level
+ * scales T * u reach 65504 * 127, covered by the range of x). */
+static float f16_value(uint32_t h) {
+    const int e = (int)(h >> 10) & 31, m = (int)(h & 1023u);
+    return e == 0 ? ldexpf((float)m, -24) : ldexpf((float)(m | 1024), e - 25);
+}
+
+/* x: any f32 bits (1 in 4), a small multiple of S (1 in 4), or within 32
+ * ulp of (k + 1/2) S for k in [-150, 150) (1 in 2). */
+static float sample_x(uint64_t a, float S) {
+    switch ((a >> 16) % 4) {
+    case 0: return bits_f32((uint32_t)(a >> 32));
+    case 1: return S * (float)((int)((a >> 20) % 9) - 1) * ((a >> 30) & 1 ? 1.0f : 0.37f);
+    default: {
+        const float h = ((float)((int)((a >> 20) % 300) - 150) + 0.5f) * S;
+        return bits_f32(f32_bits(h) + (uint32_t)((int)((a >> 40) % 64) - 32));
+    }
+    }
+}
+
+static int same(float a, float b) { return a == b || (isnan(a) && isnan(b)); }
+
+static void codes_equal_division(void **state) {
+    (void)state;
+    long n = 0, slow = 0, slow_z = 0, bad = 0, bad_z = 0;
+    for (long i = 0; i < 10000000L; i++) {
+        const uint64_t a = next();
+        const float S = f16_value(1u + (uint32_t)(a % 0x7bffu)), r = 1.0f / S;
+        const float x = sample_x(a, S), z = (float)((int)((a >> 48) % 256) - 128);
+        if (!isfinite(x)) continue;
+        n++;
+        if (!same(rint_div(x, S, r, &slow), rintf(x / S))) bad++;
+        if (!same(rint_div_add(x, S, r, z, &slow_z), rintf(x / S + z))) bad_z++;
+    }
+    print_message("  %ld values: %ld and %ld differ; the division ran for %ld and %ld\n", n, bad, bad_z, slow, slow_z);
+    assert_int_equal(bad, 0);
+    assert_int_equal(bad_z, 0);
+    assert_true(n > 9000000L);
+    /* The near-half-integer half of the samples must reach the division:
+     * a margin that never hands over would pass the random half alone. */
+    assert_true(slow > n / 20 && slow_z > n / 20);
+}
+
+/* Non-finite inputs and quotients always take the division. */
+static void non_finite_take_the_division(void **state) {
+    (void)state;
+    long slow = 0;
+    const float S = 0.25f, r = 4.0f;
+    assert_true(isnan(rint_div(NAN, S, r, &slow)));
+    assert_true(isinf(rint_div(INFINITY, S, r, &slow)));
+    assert_true(rint_div(3.0e38f, S, r, &slow) == rintf(3.0e38f / S));
+    assert_true(rint_div_add(-INFINITY, S, r, 3.0f, &slow) == -INFINITY);
+    assert_int_equal(slow, 4);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(codes_equal_division),
+        cmocka_unit_test(non_finite_take_the_division),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
