@@ -107,19 +107,20 @@ __device__ __forceinline__ void init(const void *src, i64 ts, i64 hs, int n_toke
 //     bits), within 255 ulp < 2^-15 |h_j| of h_j, |h_j| <= S + max|N| / 2:
 //     another 2^-15 (S + max|N| / 2). So |key_j - exact h_j| < 2^-13.9
 //     (S + max|N|), and B / 2 with B = KAPPA (S + max|N|), KAPPA = 2^-12,
-//     keeps a factor 1.87 to spare. Every |h_j| stays below 2^125 (else the
-//     bound is taken as infinite, below): no key is Inf or NaN, and
+//     keeps a factor 1.87 to spare (at D = 256, with 32 chained mma: 1.28).
+//     |a| max|mu| + max|N| / 2 stays below 2^125 (else the bound is taken as
+//     infinite, below), so |h_j| < 2^126: no key is Inf or NaN, and
 //     past-the-end centroids (N_j / 2 = 2^126, rows of zeros) key above all;
 //  2. every j with key_j <= (M-th smallest key) + B is a candidate (within
 //     2B in squared distance): the exact M nearest are among them. Per
-//     thread the K smallest keys are
-//     kept; a token whose lists may have dropped a candidate is filtered
-//     again, collecting every j whose s_j is under its threshold;
+//     thread the K smallest keys are kept; a token whose lists may have
+//     dropped a candidate is filtered again, collecting every j whose h_j is
+//     under its threshold;
 //  3. the candidates' f64 distances in channel order, as ref_kmeans.c, pick
 //     the result by the CPU's rule.
-// Tokens whose bound is not finite (NaN/Inf inputs or centroids) or with more
-// than CAP candidates take a full f64 scan with the CPU's sequential rule
-// (NaN handling included).
+// Tokens whose bound is not finite (NaN/Inf inputs or centroids, or |a|
+// max|mu| + max|N| / 2 >= 2^125) or with more than CAP candidates take a
+// full f64 scan with the CPU's sequential rule (NaN handling included).
 constexpr int TPW = 16;         // tokens per warp (one m16 tile)
 constexpr int CAP = 32;         // candidates per token before the full scan
 constexpr float KAPPA = 2.44140625e-4f; // 2^-12
@@ -293,9 +294,9 @@ __device__ __forceinline__ double sensitivity(const void *x, const u16 *crow, co
 // One pass of the filter over all centroids for the warp's 16 tokens (rows g
 // and g+8 of the thread); nh[k] = (n_2k, n_2k+1, n_2k, n_2k+1) with n_j =
 // N_j / 2, the start of the accumulators of columns 2k, 2k+1 (rows g and
-// g+8: one 16-byte load), and ah/al hold -a. COLLECT = 0: keep each row's K smallest over the
-// thread's columns. COLLECT = 1: append every j with s_j <= thr of a row
-// marked `again` to that row's candidates.
+// g+8: one 16-byte load), and ah/al hold -a. COLLECT = 0: keep each row's
+// K smallest keys over the thread's columns. COLLECT = 1: append every j
+// with h_j <= thr of a row marked `again` to that row's candidates.
 template <int D, int DP, int K, int M, bool COLLECT>
 __device__ __forceinline__ void filter(bool lo, const u32 (&ah)[D / 16][4], const u32 (&al)[D / 16][4],
                                        const u16 *cs, const float4 *nh, int cp, int g, int q, float (&bs0)[K],
@@ -546,7 +547,7 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
             }
         }
         __syncwarp();
-        // Candidates of token `lane`: within 2B of the M-th smallest filtered score.
+        // Candidates of token `lane`: within B of the M-th smallest key (2B in squared distance).
         if (lane < TPW) {
             const int t = tw0 + lane;
             int n = slow >> lane & 1 ? -1 : 0; // 0: settled above
