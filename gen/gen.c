@@ -210,7 +210,8 @@ static char *gen_cuda(const struct kvf_scheme *s) {
     kvf_buf_printf(&b, "#include \"kvf_rtn.cuh\"\n#include \"kvf_kivi.cuh\"\n#include \"kvf_kmeans.cuh\"\n"
                        "#include \"kvf_psac.cuh\"\n#include \"kvf_decode.cuh\"\n\n");
     kvf_gen_kernel_name(s, KVF_R_HEADER, name, sizeof name);
-    kvf_buf_printf(&b, "KVF_FORMAT_VERSION_GLOBAL(%uu)\nKVF_HEADER_KERNEL(%s)\n", KVF_FORMAT_VERSION, name);
+    kvf_buf_printf(&b, "KVF_FORMAT_VERSION_GLOBAL(%uu)\nKVF_KERNEL_ABI_GLOBAL(%uu)\nKVF_HEADER_KERNEL(%s)\n",
+                   KVF_FORMAT_VERSION, KVF_KERNEL_ABI, name);
     for (int t = 0; t < 2; t++) gen_encode_section(&b, s, t);
     for (int t = 0; t < 2; t++) gen_decode_section(&b, s, t);
     kvf_buf_printf(&b, "KVF_QSTATS_KERNELS(kvf_%s, %d, %d)\n", s->id, s->head_dim, s->key.psac_rank);

@@ -107,29 +107,40 @@ static int kmeans_global(kvf_context *ctx, int t, const char *sym, size_t want, 
     return KVF_OK;
 }
 
-/* The packed format the image's kernels implement (kvf_format_version,
- * templates/kvf_common.cuh) must be this library's: an image exported by a
- * kvforge of another format would misread caches. */
-static int check_image_format(kvf_context *ctx) {
+/* A u32 module global the generator writes into every image (`name`),
+ * which must equal `want`: KVF_EFORMAT naming `what` and the remedy when the
+ * image has none or another value. Inside push_ctx. */
+static int check_image_u32(kvf_context *ctx, const char *name, unsigned want, const char *what) {
     CUdeviceptr p;
     size_t bytes = 0;
     uint32_t v = 0;
-    CUresult r = ctx->cu->cuModuleGetGlobal(&p, &bytes, ctx->module, "kvf_format_version");
-    if (r != CUDA_SUCCESS && r != CUDA_ERROR_NOT_FOUND)
-        return kvf_cuda_fail(r, "cuModuleGetGlobal(kvf_format_version)", __FILE__, __LINE__, ctx->device);
+    char call[96];
+    CUresult r = ctx->cu->cuModuleGetGlobal(&p, &bytes, ctx->module, name);
+    if (r != CUDA_SUCCESS && r != CUDA_ERROR_NOT_FOUND) {
+        snprintf(call, sizeof call, "cuModuleGetGlobal(%s)", name);
+        return kvf_cuda_fail(r, call, __FILE__, __LINE__, ctx->device);
+    }
     if (r != CUDA_SUCCESS || bytes != sizeof v)
-        return kvf_set_error(KVF_EFORMAT,
-                             "kernel image has no kvf_format_version: made by a kvforge older than packed format "
-                             "version %u (export or compile it again)",
-                             KVF_FORMAT_VERSION);
-    if ((r = ctx->cu->cuMemcpyDtoH(&v, p, sizeof v)) != CUDA_SUCCESS)
-        return kvf_cuda_fail(r, "cuMemcpyDtoH(kvf_format_version)", __FILE__, __LINE__, ctx->device);
-    if (v != KVF_FORMAT_VERSION)
-        return kvf_set_error(KVF_EFORMAT,
-                             "kernel image implements packed format version %u, this library reads version %u "
-                             "(export or compile it again)",
-                             v, KVF_FORMAT_VERSION);
+        return kvf_set_error(KVF_EFORMAT, "kernel image has no %s: made by a kvforge older than %s %u (export or "
+                                          "compile it again)", name, what, want);
+    if ((r = ctx->cu->cuMemcpyDtoH(&v, p, sizeof v)) != CUDA_SUCCESS) {
+        snprintf(call, sizeof call, "cuMemcpyDtoH(%s)", name);
+        return kvf_cuda_fail(r, call, __FILE__, __LINE__, ctx->device);
+    }
+    if (v != want)
+        return kvf_set_error(KVF_EFORMAT, "kernel image implements %s %u, this library %s version %u (export or "
+                                          "compile it again)", what, v, strcmp(name, "kvf_format_version") ? "launches" : "reads",
+                             want);
     return KVF_OK;
+}
+
+/* The image must implement this library's packed format (kvf_format_version:
+ * another would misread caches) and be launched the way this library
+ * launches (kvf_kernel_abi: grids and arguments; another would run on the
+ * wrong grid). Both are templates/kvf_common.cuh globals written by gen.c. */
+static int check_image_format(kvf_context *ctx) {
+    int rc = check_image_u32(ctx, "kvf_format_version", KVF_FORMAT_VERSION, "packed format version");
+    return rc ? rc : check_image_u32(ctx, "kvf_kernel_abi", KVF_KERNEL_ABI, "kernel interface version");
 }
 
 static int load_module(kvf_context *ctx, const void *image) {

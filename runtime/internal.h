@@ -100,6 +100,13 @@ const kvf_embedded_file *kvf_find_embedded(const kvf_embedded_file *table, const
 
 #define KVF_PACKED_MAGIC 0x3146564bu /* "KVF1" little-endian */
 #define KVF_FORMAT_VERSION 2u /* 2: PSAC basis int8 with a per-head f32 scale (docs/FORMAT.md) */
+/* How runtime/context.c launches the templates' kernels (grids, arguments,
+ * the host's copies of tile sizes): the generator writes it into every module
+ * as kvf_kernel_abi and a context refuses an image of another value, so a
+ * kernel image exported by another kvforge fails to load instead of being
+ * launched wrongly. Raise it with any such change. 2: session 8's statistics
+ * sums launch only the tiles on or above the diagonal (805897f). */
+#define KVF_KERNEL_ABI 2u
 #define KVF_HEADER_BYTES 64u
 #define KVF_PLANE_ALIGN 256u
 

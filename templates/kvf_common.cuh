@@ -244,6 +244,10 @@ __device__ __forceinline__ void kvf_write_header(u8 *packed, const kvf_header_wo
 // reads it on load and refuses an image of another format: a kernel image
 // exported by an older kvforge would otherwise misread the caches.
 #define KVF_FORMAT_VERSION_GLOBAL(V) extern "C" __device__ unsigned kvf_format_version = V;
+// How the host launches these kernels (runtime/internal.h's KVF_KERNEL_ABI),
+// checked on load the same way: an image exported by a kvforge that launches
+// them otherwise is refused rather than run on the wrong grid.
+#define KVF_KERNEL_ABI_GLOBAL(V) extern "C" __device__ unsigned kvf_kernel_abi = V;
 
 // A kernel that writes the packed header (the methods whose encoders run as
 // several launches write it first).

@@ -180,6 +180,14 @@ static void ptx_fallback_compiles(void **state) {
     const char *o;
     assert_int_equal(kvf_jit_image(s, "compute_90", 1, &p, &n, &o), KVF_OK);
     assert_non_null(strstr((const char *)p, ".entry"));
+    /* The two globals a context checks on load (runtime/context.c
+     * check_image_format), with this library's values: test_gpu checks the
+     * refusal of an image without them or with other values. */
+    char want[64];
+    snprintf(want, sizeof want, " kvf_format_version = %u;", KVF_FORMAT_VERSION);
+    assert_non_null(strstr((const char *)p, want));
+    snprintf(want, sizeof want, " kvf_kernel_abi = %u;", KVF_KERNEL_ABI);
+    assert_non_null(strstr((const char *)p, want));
     free(p);
     /* A GPU newer than NVRTC knows gets PTX of the newest arch it supports. */
     char arch[32];
