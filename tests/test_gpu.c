@@ -315,6 +315,22 @@ static void compare_case(kvf_context *gpu, kvf_context *cpu, const run_case *c, 
             else { vr[(int)(t % d)] = nan; kr[(int)((t + 3) % d)] = huge; }
         }
     }
+    if (data == 3) { /* rows near the assignment filter's 2^125 guard (METHODS.md 3), keys and values */
+        for (int h = 0; h < c->heads; h++)
+            for (int64_t t = 0; t < c->tokens; t++) {
+                if (t % 3 == 2) continue; /* an ordinary row */
+                /* Head 0: one-hot rows of +-2^62, |a| max|mu| + max|N| / 2 = 1.5 * 2^124: a finite
+                 * bound with scores near 2^124. Other heads: 1.5 * 2^62, some two-hot: every
+                 * token of the head crosses the guard (the full scan) in the first assignment. */
+                const uint16_t big = (uint16_t)((h == 0 ? 0x5e80 : 0x5ec0) | (t % 2 ? 0x8000 : 0));
+                for (int kv = 0; kv < 2; kv++) {
+                    uint16_t *r = (kv ? v : k) + t * sh.token_stride + h * sh.head_stride;
+                    memset(r, 0, (size_t)d * 2);
+                    r[(t * 5) % d] = big;
+                    if (h != 0 && t % 3 == 1) r[(t * 5 + 1) % d] = big;
+                }
+            }
+    }
     qstats_pair q = {0};
     if (kvf_scheme_reads_qstats(s)) qstats_prepare(gpu, cpu, c->heads, &q);
     /* Positions for keys cached before RoPE: 3 axes (frame, row, column). */
@@ -337,7 +353,18 @@ static void compare_case(kvf_context *gpu, kvf_context *cpu, const run_case *c, 
     CK(cuMemcpyHtoD(dv, v, n * 2));
     CK(cuMemcpyHtoD(dk2, k, n * 2)); /* so padding holds the same as on the CPU side */
     CK(cuMemcpyHtoD(dv2, v, n * 2));
+    const int kmeans = s->key.centroids > 0 || s->value.centroids > 0;
+    unsigned long long st[2][8];
+    if (data == 3 && kmeans) assert_int_equal(kvf_context_assign_stats(gpu, 1, st), KVF_OK);
     gpu_encode(gpu, dk, dv, &sh, q.dev, dp, packed_bytes, 0xa5, pg);
+    if (data == 3 && kmeans) {
+        assert_int_equal(kvf_context_assign_stats(gpu, 0, st), KVF_OK);
+        unsigned long long full = 0;
+        for (int t = 0; t < 2; t++) full += st[t][2] + st[t][6];
+        /* Head 1's tokens at least once (its first assignment), whatever else. */
+        if (c->heads > 1) assert_true(full >= (unsigned long long)c->tokens);
+        printf("  rows near the filter's 2^125 guard: %llu full scans\n", full);
+    }
     /* Bytes between planes are padding nobody writes: compare the planes. */
     kvf_layout l;
     kvf_layout_compute(s, c->tokens, c->heads, &l);
@@ -442,8 +469,10 @@ static void run_scheme_cases(kvf_scheme *s, const run_case *cs) {
     if (!cs) cs = small ? tiny_cases : s->key.centroids || s->value.centroids ? small_cases : cases;
     printf("%s on %s:\n", kvf_scheme_id(s), kvf_context_backend(gpu));
     for (size_t i = 0; i < 4; i++)
-        for (int data = 0; data < (i == 0 ? 3 : 2); data++) compare_case(gpu, cpu, &cs[i], data, i == 0 && data == 0);
-    printf("  agrees with the CPU reference (4 shapes x 2 data sets, NaN/Inf/huge inputs on the first)\n");
+        for (int data = 0; data < 4; data++) /* 0, 1 everywhere; 2 on the first shape, 3 on the third */
+            if ((data != 2 || i == 0) && (data != 3 || i == 2)) compare_case(gpu, cpu, &cs[i], data, i == 0 && data == 0);
+    printf("  agrees with the CPU reference (4 shapes x 2 data sets, NaN/Inf/huge inputs on the first, rows near "
+           "the filter's 2^125 guard on the third)\n");
     kvf_context_destroy(gpu);
     kvf_context_destroy(cpu);
 }
@@ -926,6 +955,18 @@ static void context_from_cache_and_image(void **state) {
     ver[strlen("kvf_format_versio")] = 'm'; /* the global renamed away */
     assert_int_equal(kvf_context_create_from_image(kvf_scheme_canonical(s), image, size, 0, &bad), KVF_EFORMAT);
     assert_non_null(strstr(kvf_last_error(), "has no kvf_format_version"));
+    ver[strlen("kvf_format_versio")] = 'n';
+    ver[strlen("kvf_format_version = ")] = '2';
+    /* Launched otherwise (kvf_kernel_abi 1: session 8 changed the statistics
+     * sums' grid), or from before that global: refused too. */
+    char *abi = strstr((char *)image, "kvf_kernel_abi = 2;");
+    assert_non_null(abi);
+    abi[strlen("kvf_kernel_abi = ")] = '1';
+    assert_int_equal(kvf_context_create_from_image(kvf_scheme_canonical(s), image, size, 0, &bad), KVF_EFORMAT);
+    assert_non_null(strstr(kvf_last_error(), "implements kernel interface version 1, this library launches version 2"));
+    abi[strlen("kvf_kernel_ab")] = 'j';
+    assert_int_equal(kvf_context_create_from_image(kvf_scheme_canonical(s), image, size, 0, &bad), KVF_EFORMAT);
+    assert_non_null(strstr(kvf_last_error(), "has no kvf_kernel_abi"));
     free(image);
     kvf_context_destroy(a); kvf_context_destroy(b); kvf_context_destroy(img_ctx); kvf_context_destroy(cpu);
     kvf_scheme_free(s); kvf_scheme_free(other);
