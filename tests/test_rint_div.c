@@ -4,7 +4,9 @@
  * and checks the argument they rest on, that the fast path's integer is the
  * one the division gives, on random values and on values a few ulp from a
  * half-integer quotient, where the fast path must hand over to the
- * division. The two functions below must change with the templates'. */
+ * division. The two functions below must change with the templates'.
+ * Sampling catches a margin that is far too small (2^-24 |y| or less); the
+ * proof, not this test, says 2^-21 |y| is enough. */
 #include <math.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -49,20 +51,30 @@ static uint64_t next(void) { /* xorshift64 */
     return rng;
 }
 
-/* A positive finite f16 value as f32 (the stored scales; the two-level
- * scales T * u reach 65504 * 127, covered by the range of x). */
+/* A positive finite f16 value as f32 (the fp16 scales). */
 static float f16_value(uint32_t h) {
     const int e = (int)(h >> 10) & 31, m = (int)(h & 1023u);
     return e == 0 ? ldexpf((float)m, -24) : ldexpf((float)(m | 1024), e - 25);
 }
 
+/* A scale as encode8 makes them: an fp16 value (1 in 2), a two-level
+ * T * u with u in 1..127 (exact in f32, up to 65504 * 127), or +Inf (an fp16
+ * scale that overflowed; 1 in 64). */
+static float sample_scale(uint64_t a) {
+    if (a % 64 == 0) return INFINITY;
+    const float T = f16_value(1u + (uint32_t)((a >> 8) % 0x7bffu));
+    return (a >> 6) & 1 ? T : T * (float)(1 + (a >> 24) % 127);
+}
+
 /* x: any f32 bits (1 in 4), a small multiple of S (1 in 4), or within 32
- * ulp of (k + 1/2) S for k in [-150, 150) (1 in 2). */
-static float sample_x(uint64_t a, float S) {
+ * ulp of (k + 1/2) S for k in [-150, 150) (1 in 2: *near = 1). */
+static float sample_x(uint64_t a, float S, int *near) {
+    *near = 0;
     switch ((a >> 16) % 4) {
     case 0: return bits_f32((uint32_t)(a >> 32));
     case 1: return S * (float)((int)((a >> 20) % 9) - 1) * ((a >> 30) & 1 ? 1.0f : 0.37f);
     default: {
+        *near = 1;
         const float h = ((float)((int)((a >> 20) % 300) - 150) + 0.5f) * S;
         return bits_f32(f32_bits(h) + (uint32_t)((int)((a >> 40) % 64) - 32));
     }
@@ -73,23 +85,28 @@ static int same(float a, float b) { return a == b || (isnan(a) && isnan(b)); }
 
 static void codes_equal_division(void **state) {
     (void)state;
-    long n = 0, slow = 0, slow_z = 0, bad = 0, bad_z = 0;
+    long n = 0, near_n = 0, slow = 0, slow_z = 0, near_slow = 0, bad = 0, bad_z = 0;
     for (long i = 0; i < 10000000L; i++) {
         const uint64_t a = next();
-        const float S = f16_value(1u + (uint32_t)(a % 0x7bffu)), r = 1.0f / S;
-        const float x = sample_x(a, S), z = (float)((int)((a >> 48) % 256) - 128);
+        const float S = sample_scale(a), r = 1.0f / S;
+        int near;
+        const float x = sample_x(next(), S, &near), z = (float)((int)((a >> 48) % 256) - 128);
         if (!isfinite(x)) continue;
         n++;
+        const long before = slow;
         if (!same(rint_div(x, S, r, &slow), rintf(x / S))) bad++;
         if (!same(rint_div_add(x, S, r, z, &slow_z), rintf(x / S + z))) bad_z++;
+        if (near && isfinite(S)) near_n++, near_slow += slow - before;
     }
-    print_message("  %ld values: %ld and %ld differ; the division ran for %ld and %ld\n", n, bad, bad_z, slow, slow_z);
+    print_message("  %ld values: %ld and %ld differ; the division ran for %ld and %ld (%ld of %ld near a "
+                  "half-integer quotient)\n", n, bad, bad_z, slow, slow_z, near_slow, near_n);
     assert_int_equal(bad, 0);
     assert_int_equal(bad_z, 0);
     assert_true(n > 9000000L);
-    /* The near-half-integer half of the samples must reach the division:
-     * a margin that never hands over would pass the random half alone. */
-    assert_true(slow > n / 20 && slow_z > n / 20);
+    /* The values near a half-integer quotient must reach the division (a
+     * margin that never hands over would pass the others), though not all of
+     * them: within 32 ulp, most are far enough for the margin. */
+    assert_true(near_slow > near_n / 20 && near_slow < near_n);
 }
 
 /* Non-finite inputs and quotients always take the division. */
