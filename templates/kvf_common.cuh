@@ -116,7 +116,9 @@ __device__ __forceinline__ float kvf_rint_div(float x, float S, float r) {
     return kvf_rint(__fdiv_rn(x, S));
 }
 // rint(fl(fl(x / S) + z)) for an integer z (|z| <= 256), the same way: the
-// sum's rounding adds 2^-23 |t| to the distance covered.
+// sum's rounding adds 2^-23 |t| to the distance covered. The same integer,
+// though a zero may come out with the other sign (x / S just below -z + 1/2
+// in magnitude): the callers clamp to [0, L] and keep the code as u32.
 __device__ __forceinline__ float kvf_rint_div_add(float x, float S, float r, float z) {
     const float y = __fmul_rn(x, r), t = __fadd_rn(y, z), n = kvf_rint(t);
     const float m = __fmaf_rn(fabsf(y), 0x1p-21f, __fmaf_rn(fabsf(t), 0x1p-22f, 0x1p-140f));
