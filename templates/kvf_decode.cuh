@@ -271,7 +271,6 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
     constexpr bool AHEAD = NCENT && STAGES * RPT <= 4;
     u32 next_idx[RPT][NCENT ? STAGES : 1];
     const auto load_idx = [&](u32 t0n) {
-        if (!AHEAD) return;
 #pragma unroll
         for (int u = 0; u < RPT; u++) {
             const u32 tu = min(t0n + (u32)(u * ROWS + sub), n - 1);

@@ -352,20 +352,21 @@ __device__ __forceinline__ float filter_bound(float an, float cmax, float nmax) 
 // (a bound that is not finite, a list that may have dropped a candidate, or
 // more than one candidate). The threshold is the general path's, bit for bit.
 template <int K>
-__device__ __forceinline__ bool quick_pick(const float (&bs)[K], float an, float cmax, float nmax, int c_eff, bool live,
+__device__ __forceinline__ bool quick_pick(const float (&bs)[K], float an, float cmax, float nmax, bool live,
                                            int &j) {
     float top = bs[0]; // each list is ascending
     top = fminf(top, __shfl_xor_sync(0xffffffffu, top, 1));
     top = fminf(top, __shfl_xor_sync(0xffffffffu, top, 2));
     j = key_index(top);
     const float b = filter_bound(an, cmax, nmax), thr = __fadd_rn(top, b); // 2B in squared distance
+    // Keys within the threshold over the quad's lists: exactly 1 also says no
+    // list may have dropped one (a list whose K-th key is within holds K >= 2).
     int within = 0;
 #pragma unroll
     for (int i = 0; i < K; i++) within += bs[i] <= thr;
-    within |= bs[K - 1] <= thr ? 0x100 : 0; // this lane's list may have dropped one
     within += __shfl_xor_sync(0xffffffffu, within, 1);
     within += __shfl_xor_sync(0xffffffffu, within, 2);
-    const bool finite = thr - thr == 0.0f && b - b == 0.0f && c_eff >= 1;
+    const bool finite = thr - thr == 0.0f && b - b == 0.0f; // c_eff >= 1 whenever a tile runs
     return !live || (finite && within == 1);
 }
 
@@ -521,8 +522,8 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
         u32 slow = 0xffffu;
         if (M == 1) {
             int j0, j1;
-            const bool done0 = quick_pick<K>(bs0, an0, cmax, nmax, c_eff, tw0 + g < n_tokens, j0);
-            const bool done1 = quick_pick<K>(bs1, an1, cmax, nmax, c_eff, tw0 + g + 8 < n_tokens, j1);
+            const bool done0 = quick_pick<K>(bs0, an0, cmax, nmax, tw0 + g < n_tokens, j0);
+            const bool done1 = quick_pick<K>(bs1, an1, cmax, nmax, tw0 + g + 8 < n_tokens, j1);
             slow = quad_rows(__ballot_sync(0xffffffffu, !done0)) | quad_rows(__ballot_sync(0xffffffffu, !done1)) << 8;
             // Token `lane` (< TPW) of the tile: its row's pick, from the row's quad.
             const int r0 = __shfl_sync(0xffffffffu, j0, 4 * (lane & 7)), r1 = __shfl_sync(0xffffffffu, j1, 4 * (lane & 7));

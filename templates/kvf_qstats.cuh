@@ -60,53 +60,100 @@ constexpr int ACC_TILE = 32;
 template <int D> struct acc_grid {
     static constexpr int SIDE = D / ACC_TILE, TILES = SIDE * (SIDE + 1) / 2;
 };
+// One round's global loads of a thread: row k = threadIdx.x / 8 of the
+// round's T tokens, piece `part` = threadIdx.x % 8 of it: its share of the
+// row for the NaN/Inf check (uint4 pieces part, part + 8, ..) and its 4
+// values of each tile's 32 columns.
+template <int D> struct acc_round {
+    uint4 chk[D / 64];
+    uint2 a, b;
+    bool live;
+};
+
+template <int D>
+__device__ __forceinline__ void acc_load(const u16 *__restrict__ q, i64 ts, i64 hs, int n_tokens, int j, int t0,
+                                         int ta, int tb, acc_round<D> &in) {
+    const int k = threadIdx.x / 8, part = threadIdx.x % 8, tt = t0 + k;
+    in.live = tt < n_tokens;
+    const u16 *row = q + (i64)min(tt, n_tokens - 1) * ts + (i64)j * hs; // rows are 16-byte aligned (host check)
+#pragma unroll
+    for (int i = 0; i < D / 64; i++) in.chk[i] = ((const uint4 *)row)[part + 8 * i];
+    in.a = *(const uint2 *)(row + ta + part * 4);
+    in.b = *(const uint2 *)(row + tb + part * 4);
+}
+
+// Four bf16 values (lowest first) as f64, or zeros.
+__device__ __forceinline__ void bf16x4_f64(uint2 w, bool ok, double *out) {
+    const u32 v[2] = {w.x, w.y};
+#pragma unroll
+    for (int e = 0; e < 2; e++) {
+        out[2 * e] = ok ? (double)__uint_as_float(v[e] << 16) : 0.0;
+        out[2 * e + 1] = ok ? (double)__uint_as_float(v[e] & 0xffff0000u) : 0.0;
+    }
+}
+
 template <int D>
 __device__ __forceinline__ void accumulate(const u16 *__restrict__ q, i64 ts, i64 hs, int n_tokens, int group,
                                            u8 *qs, layout l) {
     constexpr int T = ACC_TILE; // also the tokens staged per round
-    static_assert(D % T == 0, "head_dim is 64, 128 or 256");
-    static_assert(T * 8 == 256 && (T / 2) * (T / 2) == 256, "256 threads: 8 per staged row, 2 x 2 of the tile each");
-    if (gridDim.x != (unsigned)acc_grid<D>::TILES) __trap(); // the launch disagrees with this file
+    static_assert(D % 64 == 0 && D <= 256, "head_dim is 64, 128 or 256");
+    static_assert(T * 8 == 256 && (T / 2) * (T / 2) == 256 && T == 4 * 8,
+                  "256 threads: 8 per staged row (4 columns each), 2 x 2 of the tile each");
+    if (gridDim.x != (unsigned)acc_grid<D>::TILES || blockDim.x != 256) __trap(); // the launch disagrees with this file
     __shared__ __align__(16) double qa[T][T], qb[T][T];
-    __shared__ int ok[T];
     int ya = 0, xb = blockIdx.x; // tile (ya, ya + xb'): row ya of the upper triangle
     while (xb >= acc_grid<D>::SIDE - ya) xb -= acc_grid<D>::SIDE - ya++;
     const int h = blockIdx.y, ta = ya * T, tb = (ya + xb) * T;
     const int a = 2 * (threadIdx.x / 16), b = 2 * (threadIdx.x % 16);
+    const int k = threadIdx.x / 8, part = threadIdx.x % 8;
     double acc[2][2] = {{0.0, 0.0}, {0.0, 0.0}};
-    for (int j = h * group; j < (h + 1) * group; j++)
-        for (int t0 = 0; t0 < n_tokens; t0 += T) {
-            { // ok[k]: token t0 + k's whole row is finite; 8 threads (aligned lanes of a warp) per row
-                const int k = threadIdx.x / 8, part = threadIdx.x % 8, tt = t0 + k;
-                const bool f = tt < n_tokens && row_finite<D>(q + tt * ts + j * hs, part, 8);
-                const unsigned m = __ballot_sync(0xffffffffu, f) >> (threadIdx.x % 32 / 8 * 8);
-                if (part == 0) ok[k] = (m & 0xffu) == 0xffu;
-            }
-            __syncthreads();
-            for (int k = threadIdx.x; k < T * T; k += 256) {
-                const int r = k / T, c = k % T, tt = t0 + r;
-                qa[r][c] = ok[r] ? (double)kvf_bf16_to_f32(q[tt * ts + j * hs + ta + c]) : 0.0;
-                qb[r][c] = ok[r] ? (double)kvf_bf16_to_f32(q[tt * ts + j * hs + tb + c]) : 0.0;
-            }
-            __syncthreads();
-            const int n = min(T, n_tokens - t0);
-            for (int k = 0; k < n; k++) {
-                const double2 x = *(const double2 *)&qa[k][a], y = *(const double2 *)&qb[k][b];
-                acc[0][0] = __fma_rn(x.x, y.x, acc[0][0]);
-                acc[0][1] = __fma_rn(x.x, y.y, acc[0][1]);
-                acc[1][0] = __fma_rn(x.y, y.x, acc[1][0]);
-                acc[1][1] = __fma_rn(x.y, y.y, acc[1][1]);
-            }
-            __syncthreads();
+    int used = 0; // a row of this thread's staging was finite
+    // Rounds: query heads h*group.. in order, then T tokens at a time (the
+    // CPU's order); each round's loads are issued before the previous
+    // round's products.
+    const int per_head = (n_tokens + T - 1) / T, rounds = per_head * group;
+    acc_round<D> in;
+    if (rounds > 0) acc_load<D>(q, ts, hs, n_tokens, h * group, 0, ta, tb, in);
+    for (int r = 0; r < rounds; r++) {
+        const int t0 = (r % per_head) * T;
+        { // stage: a row that holds a NaN or an Inf (or is past the end) loads as zeros
+            bool f = in.live;
+#pragma unroll
+            for (int i = 0; i < D / 64; i++) f = f && finite8(in.chk[i]);
+            const unsigned m = __ballot_sync(0xffffffffu, f) >> (threadIdx.x % 32 / 8 * 8); // the row's 8 lanes
+            const bool ok = (m & 0xffu) == 0xffu;
+            used |= ok;
+            double va[4], vb[4];
+            bf16x4_f64(in.a, ok, va);
+            bf16x4_f64(in.b, ok, vb);
+            *(double2 *)&qa[k][part * 4] = make_double2(va[0], va[1]);
+            *(double2 *)&qa[k][part * 4 + 2] = make_double2(va[2], va[3]);
+            *(double2 *)&qb[k][part * 4] = make_double2(vb[0], vb[1]);
+            *(double2 *)&qb[k][part * 4 + 2] = make_double2(vb[2], vb[3]);
         }
+        __syncthreads();
+        if (r + 1 < rounds) acc_load<D>(q, ts, hs, n_tokens, h * group + (r + 1) / per_head, ((r + 1) % per_head) * T, ta, tb, in);
+        const int n = min(T, n_tokens - t0);
+        for (int kk = 0; kk < n; kk++) {
+            const double2 x = *(const double2 *)&qa[kk][a], y = *(const double2 *)&qb[kk][b];
+            acc[0][0] = __fma_rn(x.x, y.x, acc[0][0]);
+            acc[0][1] = __fma_rn(x.x, y.y, acc[0][1]);
+            acc[1][0] = __fma_rn(x.y, y.x, acc[1][0]);
+            acc[1][1] = __fma_rn(x.y, y.y, acc[1][1]);
+        }
+        __syncthreads();
+    }
+    // A head that got no finite row keeps its sums as they are, bit for bit
+    // (the CPU skips it; adding +0 would turn a -0 into +0).
+    if (!__syncthreads_or(used)) return;
 #pragma unroll
     for (int i = 0; i < 2; i++)
 #pragma unroll
-        for (int k = 0; k < 2; k++) {
+        for (int c = 0; c < 2; c++) {
             float *m = (float *)(qs + l.msum) + (i64)h * D * D;
-            float *ab = m + (i64)(ta + a + i) * D + tb + b + k, *ba = m + (i64)(tb + b + k) * D + ta + a + i;
-            *ab = (float)__dadd_rn((double)*ab, acc[i][k]);
-            if (ta != tb) *ba = (float)__dadd_rn((double)*ba, acc[i][k]);
+            float *ab = m + (i64)(ta + a + i) * D + tb + b + c, *ba = m + (i64)(tb + b + c) * D + ta + a + i;
+            *ab = (float)__dadd_rn((double)*ab, acc[i][c]);
+            if (ta != tb) *ba = (float)__dadd_rn((double)*ba, acc[i][c]);
         }
 }
 
@@ -186,6 +233,7 @@ __device__ __forceinline__ void eigen(u8 *qs, layout l, const u16 *__restrict__ 
                                       int group) {
     constexpr int RA = R > 0 ? R : 1;
     __shared__ float u[D * RA], z[D * RA], red[256], lam[RA];
+    if (blockDim.x != 256) __trap(); // block_sum and the row-per-thread steps assume 256 threads
     __shared__ unsigned long long used_sh;
     const int h = blockIdx.x;
     if (threadIdx.x == 0) used_sh = 0;
