@@ -45,13 +45,12 @@ static uint8_t *read_all(const char *path, size_t *n) {
     return p;
 }
 
-/* tests/schemes_bad files that run until the loader's CPU time limit (1 s each)
- * stops them. test_scheme's test_bad_corpus loads every one of them, checking
- * the status, the located message and the CPU time taken: replaying them here
- * too would only spend those seconds a second time in `make test`. */
-static const char *const time_limited[] = {"concat_churn.lua", "string_compare.lua", "table_shift.lua",
-                                           "vararg_copy.lua",  "sort_loop.lua",      "xpcall_error_loop.lua",
-                                           NULL};
+/* tests/schemes_bad files that run until the loader's CPU time limit (1 s
+ * each) stops them (tu_time_limited_schemes). test_scheme's test_bad_corpus
+ * loads every one of them, checking the status, the located message and the
+ * CPU time taken: replaying them here too would only spend those seconds a
+ * second time in `make test`. */
+static const char *const *const time_limited = tu_time_limited_schemes;
 
 static int listed(const char *name, const char *const *list) {
     for (; list && *list; list++)

@@ -22,6 +22,10 @@ const char *tu_join(const char *dir, const char *name) {
     return b;
 }
 
+const char *const tu_time_limited_schemes[] = {"concat_churn.lua", "string_compare.lua", "table_shift.lua",
+                                               "vararg_copy.lua",  "sort_loop.lua",      "xpcall_error_loop.lua",
+                                               NULL};
+
 const char *tu_path(const char *rel) { return tu_join(tu_src(), rel); }
 
 char *tu_mkdtemp(void) {

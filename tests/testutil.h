@@ -15,6 +15,10 @@ const char *tu_src(void);
 const char *tu_join(const char *dir, const char *name);
 /* tu_join(tu_src(), rel). */
 const char *tu_path(const char *rel);
+/* tests/schemes_bad files that run until the loader's CPU time limit stops
+ * them (NULL-terminated): test_scheme checks its cases against this list,
+ * test_fuzz_replay leaves them out. */
+extern const char *const tu_time_limited_schemes[];
 /* Fresh private temporary directory (mkdtemp); removed by tu_rmtree. */
 char *tu_mkdtemp(void);
 void tu_rmtree(const char *dir);
