@@ -16,6 +16,18 @@ typedef long long i64;
 struct kvf_header_words { u64 w[8]; };
 
 __device__ __forceinline__ float kvf_bf16_to_f32(u16 b) { return __uint_as_float((u32)b << 16); }
+// The two bf16 values of a 32-bit word (the lower channel in the low half) as f32.
+__device__ __forceinline__ float kvf_bf16_lo(u32 w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float kvf_bf16_hi(u32 w) { return __uint_as_float(w & 0xffff0000u); }
+// Eight bf16 values (one 16-byte load, lowest channel in the low half of .x) as f32.
+__device__ __forceinline__ void kvf_bf16x8_to_f32(uint4 w, float *out) {
+    const u32 a[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+        out[2 * e] = kvf_bf16_lo(a[e]);
+        out[2 * e + 1] = kvf_bf16_hi(a[e]);
+    }
+}
 
 // Round to nearest even; a NaN is always 0x7FC0 (CPUs and GPUs make NaNs with
 // other sign and payload bits: stored planes must not depend on them).

@@ -172,16 +172,6 @@ __device__ __forceinline__ float int8_float(u32 w_biased) {
     return __fsub_rn(kvf_magic(w_biased & 0xffu), MAGIC + 128.0f);
 }
 
-// Eight bf16 values (one 16-byte load, lowest channel in the low half of .x) as f32.
-__device__ __forceinline__ void bf16x8_to_f32(uint4 w, float *out) {
-    const u32 a[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-    for (int e = 0; e < 4; e++) {
-        out[2 * e] = __uint_as_float(a[e] << 16);
-        out[2 * e + 1] = __uint_as_float(a[e] & 0xffff0000u);
-    }
-}
-
 // Word k of a row of R int8 PSAC codes (a channel's basis codes, or a
 // token's coefficients): codes 4k .. 4k+3, lowest in the low byte, zero past
 // R. With R % 4 == 0 one aligned 32-bit load (the planes are 256-byte aligned
@@ -306,7 +296,7 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
                     continue;
                 }
                 float y[8];
-                bf16x8_to_f32(raw[u], y);
+                kvf_bf16x8_to_f32(raw[u], y);
                 apply_rope<D, ROPE>(y, lane, positions + (u64)t[u] * rope.n_sections, rope);
                 if (live[u]) store_row(dst, y);
             }
@@ -434,7 +424,7 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
                     const u32 a[4] = {mu[u][s].x, mu[u][s].y, mu[u][s].z, mu[u][s].w};
 #pragma unroll
                     for (int e = 0; e < 4; e++) {
-                        const float lo = __uint_as_float(a[e] << 16), hi = __uint_as_float(a[e] & 0xffff0000u);
+                        const float lo = kvf_bf16_lo(a[e]), hi = kvf_bf16_hi(a[e]);
                         c[2 * e] = s ? __fadd_rn(c[2 * e], lo) : lo;
                         c[2 * e + 1] = s ? __fadd_rn(c[2 * e + 1], hi) : hi;
                     }

@@ -31,7 +31,7 @@ template <bool BF> __device__ __forceinline__ float ld1(const void *row, int c) 
 template <bool BF> __device__ __forceinline__ float2 ld2(const void *row, int c) {
     if (BF) {
         const u32 w = *(const u32 *)((const u16 *)row + c);
-        return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+        return make_float2(kvf_bf16_lo(w), kvf_bf16_hi(w));
     }
     return *(const float2 *)((const float *)row + c);
 }
@@ -165,7 +165,7 @@ template <int D, int M, bool BF> __host__ __device__ constexpr int assign_smem_b
 // a = hi + lo + O(2^-18 |a|): both halves as packed BF16 pairs (x0 -> bits 0..15).
 __device__ __forceinline__ void split_pair(float x0, float x1, u32 &hi, u32 &lo) {
     hi = kvf_cvt_bf16x2(x0, x1);
-    const float h0 = __uint_as_float(hi << 16), h1 = __uint_as_float(hi & 0xffff0000u);
+    const float h0 = kvf_bf16_lo(hi), h1 = kvf_bf16_hi(hi);
     lo = kvf_cvt_bf16x2(__fsub_rn(x0, h0), __fsub_rn(x1, h1));
 }
 
@@ -222,10 +222,10 @@ __device__ __forceinline__ void mu16(const u16 *crow, int kb, float (&m)[16]) {
     const u32 w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 #pragma unroll
     for (int q = 0; q < 4; q++) {
-        m[2 * q] = __uint_as_float(w[2 * q] << 16);
-        m[2 * q + 1] = __uint_as_float(w[2 * q] & 0xffff0000u);
-        m[2 * q + 8] = __uint_as_float(w[2 * q + 1] << 16);
-        m[2 * q + 9] = __uint_as_float(w[2 * q + 1] & 0xffff0000u);
+        m[2 * q] = kvf_bf16_lo(w[2 * q]);
+        m[2 * q + 1] = kvf_bf16_hi(w[2 * q]);
+        m[2 * q + 8] = kvf_bf16_lo(w[2 * q + 1]);
+        m[2 * q + 9] = kvf_bf16_hi(w[2 * q + 1]);
     }
 }
 
@@ -479,8 +479,8 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
                         const u32 w0 = *(const u32 *)((const u16 *)r0 + c), w1 = *(const u32 *)((const u16 *)r1 + c);
                         ah[ks][half * 2] = w0;
                         ah[ks][half * 2 + 1] = w1;
-                        const float a0 = __uint_as_float(w0 << 16), b0 = __uint_as_float(w0 & 0xffff0000u);
-                        const float a1 = __uint_as_float(w1 << 16), b1 = __uint_as_float(w1 & 0xffff0000u);
+                        const float a0 = kvf_bf16_lo(w0), b0 = kvf_bf16_hi(w0);
+                        const float a1 = kvf_bf16_lo(w1), b1 = kvf_bf16_hi(w1);
                         ss0 = __fmaf_rn(a0, a0, __fmaf_rn(b0, b0, ss0));
                         ss1 = __fmaf_rn(a1, a1, __fmaf_rn(b1, b1, ss1));
                         continue;
@@ -767,18 +767,20 @@ __device__ __forceinline__ double fixed_point(float e) {
 }
 
 // A lane's 32-bit words of a row (16-byte aligned from 4 words: rows are, check_device_args).
-__device__ __forceinline__ void ld_words(const u32 *p, u32 (&w)[1]) { w[0] = p[0]; }
-__device__ __forceinline__ void ld_words(const u32 *p, u32 (&w)[2]) {
-    const uint2 a = *(const uint2 *)p;
-    w[0] = a.x;
-    w[1] = a.y;
-}
 template <int W> __device__ __forceinline__ void ld_words(const u32 *p, u32 (&w)[W]) {
-    static_assert(W % 4 == 0, "1, 2 or a multiple of 4 words");
+    static_assert(W == 1 || W == 2 || W % 4 == 0, "1, 2 or a multiple of 4 words");
+    if constexpr (W == 1) {
+        w[0] = p[0];
+    } else if constexpr (W == 2) {
+        const uint2 a = *(const uint2 *)p;
+        w[0] = a.x;
+        w[1] = a.y;
+    } else {
 #pragma unroll
-    for (int i = 0; i < W / 4; i++) {
-        const uint4 a = ((const uint4 *)p)[i];
-        w[4 * i] = a.x; w[4 * i + 1] = a.y; w[4 * i + 2] = a.z; w[4 * i + 3] = a.w;
+        for (int i = 0; i < W / 4; i++) {
+            const uint4 a = ((const uint4 *)p)[i];
+            w[4 * i] = a.x; w[4 * i + 1] = a.y; w[4 * i + 2] = a.z; w[4 * i + 3] = a.w;
+        }
     }
 }
 
@@ -870,8 +872,8 @@ __device__ __forceinline__ void accumulate(const void *__restrict__ src, i64 ts,
 #pragma unroll
                     for (int i = 0; i < W; i++) {
                         if (BF) {
-                            sum[2 * i] = __dadd_rn(sum[2 * i], fixed_point(__uint_as_float(w[u][i] << 16)));
-                            sum[2 * i + 1] = __dadd_rn(sum[2 * i + 1], fixed_point(__uint_as_float(w[u][i] & 0xffff0000u)));
+                            sum[2 * i] = __dadd_rn(sum[2 * i], fixed_point(kvf_bf16_lo(w[u][i])));
+                            sum[2 * i + 1] = __dadd_rn(sum[2 * i + 1], fixed_point(kvf_bf16_hi(w[u][i])));
                         } else {
                             sum[i] = __dadd_rn(sum[i], fixed_point(__uint_as_float(w[u][i])));
                         }

@@ -33,12 +33,12 @@ __device__ __forceinline__ bool finite8(uint4 w) {
     return ok;
 }
 
-// Whether the 16-byte pieces part, part + parts, ... of a row of D values are
-// all finite (rows are 16-byte aligned: pointer and strides are checked on the host).
+// Whether a row of D values is all finite (rows are 16-byte aligned: pointer
+// and strides are checked on the host).
 template <int D>
-__device__ __forceinline__ bool row_finite(const u16 *row, int part, int parts) {
+__device__ __forceinline__ bool row_finite(const u16 *row) {
     bool ok = true;
-    for (int i = part; i < D / 8; i += parts) ok = ok && finite8(((const uint4 *)row)[i]);
+    for (int i = 0; i < D / 8; i++) ok = ok && finite8(((const uint4 *)row)[i]);
     return ok;
 }
 
@@ -87,8 +87,8 @@ __device__ __forceinline__ void bf16x4_f64(uint2 w, bool ok, double *out) {
     const u32 v[2] = {w.x, w.y};
 #pragma unroll
     for (int e = 0; e < 2; e++) {
-        out[2 * e] = ok ? (double)__uint_as_float(v[e] << 16) : 0.0;
-        out[2 * e + 1] = ok ? (double)__uint_as_float(v[e] & 0xffff0000u) : 0.0;
+        out[2 * e] = ok ? (double)kvf_bf16_lo(v[e]) : 0.0;
+        out[2 * e + 1] = ok ? (double)kvf_bf16_hi(v[e]) : 0.0;
     }
 }
 
@@ -241,7 +241,7 @@ __device__ __forceinline__ void eigen(u8 *qs, layout l, const u16 *__restrict__ 
     const long long rows = (long long)n_tokens * group;
     unsigned long long mine = 0;
     for (long long i = threadIdx.x; i < rows; i += 256) // rows of heads h*group.., then tokens
-        mine += row_finite<D>(q + (i % n_tokens) * ts + (h * group + i / n_tokens) * hs, 0, 1);
+        mine += row_finite<D>(q + (i % n_tokens) * ts + (h * group + i / n_tokens) * hs);
     atomicAdd(&used_sh, mine); // integer: the same total in any order
     __syncthreads();
     const unsigned long long used = used_sh;
