@@ -248,8 +248,6 @@ static int run_layer(layer_run *r, int layer, kvf_eval_sums *overall) {
 
 /* ------------------------------------------------------------ the run */
 
-static int default_threads(void) { return kvf_cpu_count(); }
-
 static void describe(kvf_eval_report *rep, const kvf_scheme *s, const kvf_dump *d, kvf_eval_backend *be) {
     snprintf(rep->scheme_id, sizeof rep->scheme_id, "%s", kvf_scheme_id(s));
     snprintf(rep->scheme_source, sizeof rep->scheme_source, "%s", s->source);
@@ -284,7 +282,7 @@ int kvf_eval_run(const kvf_scheme *s, const kvf_dump *d, const kvf_eval_options 
     kvf_eval_backend *be;
     if ((rc = kvf_eval_backend_open(s, opt->device, &be))) return rc;
     describe(rep, s, d, be);
-    layer_run r = {.s = s, .d = d, .be = be, .rep = rep, .threads = opt->threads > 0 ? opt->threads : default_threads(),
+    layer_run r = {.s = s, .d = d, .be = be, .rep = rep, .threads = opt->threads > 0 ? opt->threads : kvf_cpu_count(),
                    .key_role = rep->pre_rope ? KVF_DUMP_K_PRE : KVF_DUMP_K, .q_role = q_role_of(s, d),
                    .n_axes = kvf_rope_sections(s, NULL), .rows = (int64_t)d->chunks * d->tokens};
     rep->q_pre_used = r.q_role == KVF_DUMP_Q_PRE;

@@ -242,13 +242,16 @@ static inline float kvf_get_f32(const uint8_t *p) {
 /* CPUs this thread may run on (its affinity mask; else the online CPUs), at least 1. */
 int kvf_cpu_count(void);
 
+/* The most threads kvf_parallel_for runs. */
+#define KVF_MAX_THREADS 256
+
 /* run(arg, task, worker) for every task 0..n_tasks-1 on up to `threads`
- * threads (at most n_tasks and 256): worker 0 is the calling thread, 1.. the
+ * threads (at most n_tasks and KVF_MAX_THREADS): worker 0 is the calling thread, 1.. the
  * helpers (fewer if threads cannot start). setup(arg, worker), when given,
  * runs on each worker first: a helper whose setup fails takes no task, the
  * caller's failure is returned; teardown after a worker's last task. Tasks
- * are handed out in order; after a failure only lower tasks are still
- * taken, and the lowest failing task's status and message come back here,
+ * are handed out in order and none after a failure (those running finish);
+ * the lowest failing task's status and message come back here,
  * as one thread going in order would report them (runtime/parallel.c). */
 typedef struct kvf_tasks {
     int n_tasks, threads;

@@ -26,8 +26,9 @@ typedef struct pool {
 
 typedef struct helper { pool *p; int worker; } helper;
 
-/* Take tasks in order until none is left; after a failure only tasks below
- * it (they would have failed first, one thread going in order). */
+/* Take tasks in order until none is left or one has failed (the tasks below a
+ * failure are all handed out by then: they finish, and a lower failure among
+ * them is the one reported, as one thread going in order would). */
 static void take_tasks(pool *p, int worker) {
     const kvf_tasks *t = p->t;
     for (int k; (k = atomic_fetch_add(&p->next, 1)) < t->n_tasks && k < atomic_load(&p->err_task);) {
@@ -54,10 +55,9 @@ static void *helper_main(void *arg) {
 }
 
 int kvf_parallel_for(const kvf_tasks *t) {
-    enum { MAX_THREADS = 256 };
     if (t->n_tasks <= 0) return KVF_OK;
     int threads = t->threads < t->n_tasks ? t->threads : t->n_tasks;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > KVF_MAX_THREADS) threads = KVF_MAX_THREADS;
     if (threads < 1) threads = 1;
     int rc = t->setup ? t->setup(t->arg, 0) : KVF_OK;
     if (rc) return rc;
@@ -65,8 +65,8 @@ int kvf_parallel_for(const kvf_tasks *t) {
     atomic_init(&p.next, 0);
     atomic_init(&p.err_task, t->n_tasks);
     pthread_mutex_init(&p.lock, NULL);
-    pthread_t tid[MAX_THREADS];
-    helper hs[MAX_THREADS];
+    pthread_t tid[KVF_MAX_THREADS];
+    helper hs[KVF_MAX_THREADS];
     int n = 0;
     for (; n + 1 < threads; n++) {
         hs[n] = (helper){&p, n + 1};

@@ -34,10 +34,12 @@ static void head_buf_free(head_buf *b) {
 }
 
 enum { HB_ENCODE = 1, HB_DECODE_SUM = 2 }; /* head_buf_alloc's parts */
+enum { HB_ENCODE_PLANES = 3, HB_DECODE_PLANES = 2 }; /* their [n][d] f32 planes: x0, e, r; y, rhat */
 
 /* Bytes of the f32 planes head_buf_alloc allocates for parts. */
 static int64_t head_buf_bytes(int64_t n, int d, int parts) {
-    return n * d * (int64_t)sizeof(float) * ((parts & HB_ENCODE ? 3 : 0) + (parts & HB_DECODE_SUM ? 2 : 0));
+    return n * d * (int64_t)sizeof(float) *
+           ((parts & HB_ENCODE ? HB_ENCODE_PLANES : 0) + (parts & HB_DECODE_SUM ? HB_DECODE_PLANES : 0));
 }
 
 static int head_buf_alloc(head_buf *b, int64_t n, int d, int centroids, int parts) {
@@ -81,7 +83,7 @@ static size_t row_of(const kvf_layout *L, int32_t h, int64_t t) {
  * the CPUs this thread may run on, at most 16, at most one per 2^18 values
  * (a thread costs tens of microseconds to start), and as many as keep the
  * threads' head buffers within 4 GiB. */
-enum { CPU_THREADS_DEFAULT_MAX = 16, CPU_THREADS_MAX = 256 };
+enum { CPU_THREADS_DEFAULT_MAX = 16 };
 #define CPU_VALUES_PER_THREAD ((int64_t)1 << 18)
 #define CPU_BUFFER_BUDGET ((int64_t)4 << 30)
 
@@ -91,7 +93,7 @@ static int cpu_threads(const kvf_layout *L, int n_tasks, int64_t buffer_bytes) {
     if (env && *env) { /* anything but a count >= 1 means the default */
         char *end;
         long v = strtol(env, &end, 10);
-        if (!*end && v >= 1) t = v > CPU_THREADS_MAX ? CPU_THREADS_MAX : v;
+        if (!*end && v >= 1) t = v > KVF_MAX_THREADS ? KVF_MAX_THREADS : v;
     }
     if (t == 0) {
         const int64_t values = L->n_tokens * L->head_dim * n_tasks;
@@ -156,10 +158,10 @@ static void bf16_encode(const section_job *j, const uint16_t *x, uint8_t *packed
 
 /* Bits 16: the stored values come back as they are, or through RoPE for keys
  * cached before it. */
-static void bf16_decode(const section_job *j, const uint8_t *packed, const int32_t *pos, uint16_t *y) {
-    int d = j->L->head_dim, axes = kvf_rope_sections(j->s, NULL), axis[KVF_REF_MAX_DIM / 2];
-    float v[KVF_REF_MAX_DIM], inv[KVF_REF_MAX_DIM / 2];
-    if (pos) kvf_ref_rope_table(d, &j->s->rope, inv, axis);
+static void bf16_decode(const section_job *j, const uint8_t *packed, const int32_t *pos, const float *inv,
+                        const int *axis, uint16_t *y) {
+    int d = j->L->head_dim, axes = kvf_rope_sections(j->s, NULL);
+    float v[KVF_REF_MAX_DIM];
     for (int32_t h = 0; h < j->L->n_heads; h++)
         for (int64_t t = 0; t < j->L->n_tokens; t++) {
             const uint8_t *src = packed + j->l->stage[0].codes_off + row_of(j->L, h, t) * j->l->code_bytes_per_token;
@@ -351,11 +353,11 @@ static int decode_pool_head(const section_job *j, int32_t h, head_buf *b, const 
 static int decode_sections(const section_job *const sec[2], decode_arg arg[2]) {
     heads_job job = {.fn = decode_pool_head, .parts = HB_DECODE_SUM};
     for (int t = 0; t < 2; t++) {
+        if (arg[t].pos) kvf_ref_rope_table(sec[t]->L->head_dim, &sec[t]->s->rope, arg[t].inv, arg[t].axis);
         if (sec[t]->l->bits == 16) {
-            bf16_decode(sec[t], arg[t].packed, arg[t].pos, arg[t].out);
+            bf16_decode(sec[t], arg[t].packed, arg[t].pos, arg[t].inv, arg[t].axis, arg[t].out);
             continue;
         }
-        if (arg[t].pos) kvf_ref_rope_table(sec[t]->L->head_dim, &sec[t]->s->rope, arg[t].inv, arg[t].axis);
         job.sec[job.n_sec] = sec[t];
         job.arg[job.n_sec++] = &arg[t];
     }
