@@ -133,9 +133,10 @@ int kvf_ptxas_report_parse(const char *log, kvf_kernel_usage **out, int *n_out) 
     return KVF_OK;
 }
 
-int kvf_jit_usage_image(const struct kvf_scheme *s, const char *arch, kvf_kernel_usage **usage, int *n,
-                        void **image, size_t *size) {
-    *image = NULL;
+int kvf_jit_usage(const struct kvf_scheme *s, const char *arch, kvf_kernel_usage **usage, int *n, void **image,
+                  size_t *size) {
+    void *img = NULL;
+    size_t bytes = 0;
     if (strncmp(arch, "sm_", 3))
         return kvf_set_error(KVF_EINVAL, "arch %s: the register report needs a GPU arch (sm_XX); for a virtual "
                              "arch NVRTC writes PTX and ptxas does not run", arch);
@@ -143,22 +144,15 @@ int kvf_jit_usage_image(const struct kvf_scheme *s, const char *arch, kvf_kernel
     int rc = kvf_gen(s, &g);
     if (rc) return rc;
     char *report = NULL;
-    rc = kvf_nvrtc_compile_report(g.cu, g.cu_name, arch, image, size, &report);
+    rc = kvf_nvrtc_compile_report(g.cu, g.cu_name, arch, &img, &bytes, &report);
     if (rc == KVF_OK) rc = kvf_ptxas_report_parse(report, usage, n);
-    if (rc) {
-        kvf_wrap_error(rc, "scheme %s for %s", s->name, arch);
-        free(*image);
-        *image = NULL;
+    if (rc) kvf_wrap_error(rc, "scheme %s for %s", s->name, arch);
+    if (rc == KVF_OK && image) {
+        *image = img, *size = bytes;
+        img = NULL;
     }
+    free(img);
     free(report);
     kvf_gen_output_free(&g);
-    return rc;
-}
-
-int kvf_jit_usage(const struct kvf_scheme *s, const char *arch, kvf_kernel_usage **usage, int *n) {
-    void *image;
-    size_t size;
-    int rc = kvf_jit_usage_image(s, arch, usage, n, &image, &size);
-    free(image);
     return rc;
 }

@@ -21,12 +21,11 @@ typedef struct kvf_kernel_usage {
  * order; the caller frees it). KVF_EINVAL for a virtual arch (compute_90:
  * no ptxas); KVF_EFORMAT when the report lists no kernel, or a kernel without
  * its register line or its stack/spill line (a report this code does not know). */
-int kvf_jit_usage(const struct kvf_scheme *s, const char *arch, kvf_kernel_usage **usage, int *n);
-/* kvf_jit_usage that also hands over the cubin it compiled (the caller
- * frees *image; it differs in bytes from kvf_jit_image's: the report option
+/* image (NULL: not wanted): the cubin compiled, *size bytes, which the
+ * caller frees (it differs in bytes from kvf_jit_image's: the report option
  * is recorded in it). */
-int kvf_jit_usage_image(const struct kvf_scheme *s, const char *arch, kvf_kernel_usage **usage, int *n,
-                        void **image, size_t *size);
+int kvf_jit_usage(const struct kvf_scheme *s, const char *arch, kvf_kernel_usage **usage, int *n, void **image,
+                  size_t *size);
 
 /* The parser of kvf_jit_usage. ptxas -v lines, per entry: "Compiling entry
  * function 'NAME' for 'sm_90'", "Function properties for NAME", ". N bytes

@@ -13,9 +13,9 @@
 
 static char *cache_dir;
 
-/* ---- compiled images, shared: every_scheme_compiles keeps rtn_int4's as the
- * references jit_race compares its racers against (the same call with the
- * cache off, so there is no need to compile them a second time). */
+/* ---- compiled images, shared: every_scheme_compiles keeps rtn_int4's
+ * kvf_jit_image cubins (with the cache off) as the references jit_race
+ * compares its racers against, so jit_race need not compile them itself. */
 typedef struct jit_result {
     char origin[16];
     size_t size;
@@ -46,7 +46,7 @@ static int teardown(void **state) {
  * listed with its registers. With NVRTC 13 (what docs/BENCHMARKS.md's report
  * and the H200 runs used), also the register allocation measured there: the
  * decode, which is bound by bandwidth, neither spills nor uses a stack frame,
- * and no kernel spills more than 64 bytes (qstats_eigen spills 20 bytes for
+ * and no kernel spills more than 64 bytes (qstats_eigen spills 8 bytes for
  * sm_90). Another toolkit allocates registers its own way: there the report
  * is printed. One compile per scheme and arch serves both (the report's
  * cubin differs from the cache's only in the options recorded in it);
@@ -65,7 +65,7 @@ static void every_scheme_compiles(void **state) {
             size_t size = 0;
             kvf_kernel_usage *u;
             int k = 0;
-            if (kvf_jit_usage_image(s, archs[a], &u, &k, &image, &size))
+            if (kvf_jit_usage(s, archs[a], &u, &k, &image, &size))
                 fail_msg("%s for %s: %s", *n, archs[a], kvf_last_error());
             assert_true(size > 1000);
             assert_memory_equal(image, "\177ELF", 4); /* a cubin is an ELF file */
@@ -149,7 +149,7 @@ static void ptxas_report_parsed(void **state) {
     assert_non_null(strstr(kvf_last_error(), "no kernel"));
     /* A virtual arch has no ptxas report. */
     kvf_scheme *s = tu_scheme("rtn_int2");
-    assert_int_equal(kvf_jit_usage(s, "compute_90", &u, &n), KVF_EINVAL);
+    assert_int_equal(kvf_jit_usage(s, "compute_90", &u, &n, NULL, NULL), KVF_EINVAL);
     assert_non_null(strstr(kvf_last_error(), "needs a GPU arch (sm_XX)"));
     kvf_scheme_free(s);
 }

@@ -93,7 +93,7 @@ static int print_usage_report(kvf_scheme *s, const arch_job *j) {
     for (int i = 0; i < j->n && !rc; i++) {
         kvf_kernel_usage *u;
         int n;
-        if ((rc = kvf_jit_usage(s, j->archs[i], &u, &n))) break;
+        if ((rc = kvf_jit_usage(s, j->archs[i], &u, &n, NULL, NULL))) break;
         printf("%s %s: %d kernels (ptxas report of an NVRTC compile)\n", kvf_scheme_id(s), j->archs[i], n);
         printf("  %-26s %9s %8s %12s %11s %12s\n", "kernel", "registers", "barriers", "spills st/ld", "stack bytes",
                "static smem");
