@@ -50,13 +50,6 @@ static uint8_t *read_all(const char *path, size_t *n) {
  * loads every one of them, checking the status, the located message and the
  * CPU time taken: replaying them here too would only spend those seconds a
  * second time in `make test`. */
-static const char *const *const time_limited = tu_time_limited_schemes;
-
-static int listed(const char *name, const char *const *list) {
-    for (; list && *list; list++)
-        if (!strcmp(name, *list)) return 1;
-    return 0;
-}
 
 /* Every regular file of a directory (relative to the source tree) but those in
  * skip (NULL: none); returns how many. */
@@ -65,7 +58,7 @@ static int replay_dir(target_fn fn, const char *rel, const char *const *skip) {
     int n = 0;
     if (!d) return 0; /* fuzz/regress/TARGET exists once something was found */
     for (struct dirent *e; (e = readdir(d));) {
-        if (e->d_name[0] == '.' || !strcmp(e->d_name, "README.md") || listed(e->d_name, skip)) continue;
+        if (e->d_name[0] == '.' || !strcmp(e->d_name, "README.md") || tu_listed(e->d_name, skip)) continue;
         char path[600];
         snprintf(path, sizeof path, "%s/%s", rel, e->d_name);
         snprintf(current, sizeof current, "%s", path);
@@ -83,12 +76,12 @@ static void replay_scheme(void **state) {
     (void)state;
     assert_true(replay_dir(fuzz_scheme_one, "schemes", NULL) >= 2);
     /* A renamed file would silently be replayed (and cost its second) again. */
-    for (const char *const *f = time_limited; *f; f++) {
+    for (const char *const *f = tu_time_limited_schemes; *f; f++) {
         char rel[128];
         snprintf(rel, sizeof rel, "tests/schemes_bad/%s", *f);
         assert_int_equal(access(tu_path(rel), R_OK), 0);
     }
-    assert_true(replay_dir(fuzz_scheme_one, "tests/schemes_bad", time_limited) >= 50);
+    assert_true(replay_dir(fuzz_scheme_one, "tests/schemes_bad", tu_time_limited_schemes) >= 50);
     replay_dir(fuzz_scheme_one, "fuzz/corpus/scheme", NULL);
     int found = replay_dir(fuzz_scheme_one, "fuzz/regress/scheme", NULL);
     print_message("scheme: %d saved findings replayed\n", found);

@@ -4,16 +4,14 @@
  * and checks the argument they rest on, that the fast path's integer is the
  * one the division gives, on random values and on values a few ulp from a
  * half-integer quotient, where the fast path must hand over to the
- * division. The two functions below must change with the templates'.
+ * division. The two functions below must change with the templates'
+ * (margins_are_the_templates checks their margins).
  * Sampling catches a margin that is far too small (2^-24 |y| or less); the
  * proof, not this test, says 2^-21 |y| is enough. */
+#include "testutil.h"
+
 #include <math.h>
-#include <stdarg.h>
-#include <stddef.h>
-#include <setjmp.h>
-#include <stdint.h>
 #include <string.h>
-#include <cmocka.h>
 
 static float bits_f32(uint32_t u) {
     float f;
@@ -44,25 +42,14 @@ static float rint_div_add(float x, float S, float r, float z, long *slow) {
 }
 
 static uint64_t rng = 0x9e3779b97f4a7c15ull;
-static uint64_t next(void) { /* xorshift64 */
-    rng ^= rng << 13;
-    rng ^= rng >> 7;
-    rng ^= rng << 17;
-    return rng;
-}
-
-/* A positive finite f16 value as f32 (the fp16 scales). */
-static float f16_value(uint32_t h) {
-    const int e = (int)(h >> 10) & 31, m = (int)(h & 1023u);
-    return e == 0 ? ldexpf((float)m, -24) : ldexpf((float)(m | 1024), e - 25);
-}
+static uint64_t next(void) { return tu_rng_next(&rng); }
 
 /* A scale as encode8 makes them: an fp16 value (1 in 2), a two-level
  * T * u with u in 1..127 (exact in f32, up to 65504 * 127), or +Inf (an fp16
  * scale that overflowed; 1 in 64). */
 static float sample_scale(uint64_t a) {
     if (a % 64 == 0) return INFINITY;
-    const float T = f16_value(1u + (uint32_t)((a >> 8) % 0x7bffu));
+    const float T = kvf_f16_to_f32((uint16_t)(1u + (a >> 8) % 0x7bffu)); /* positive finite */
     return (a >> 6) & 1 ? T : T * (float)(1 + (a >> 24) % 127);
 }
 
@@ -109,6 +96,17 @@ static void codes_equal_division(void **state) {
     assert_true(near_slow > near_n / 20 && near_slow < near_n);
 }
 
+/* The margins above are the templates': the library's embedded
+ * kvf_common.cuh states these expressions, so changing one side alone
+ * fails here. */
+static void margins_are_the_templates(void **state) {
+    (void)state;
+    const kvf_embedded_file *t = kvf_find_embedded(kvf_embedded_templates, "kvf_common.cuh");
+    assert_non_null(t);
+    assert_non_null(strstr(t->data, "__fsub_rn(0.5f, __fmaf_rn(fabsf(y), 0x1p-21f, 0x1p-140f))"));
+    assert_non_null(strstr(t->data, "__fmaf_rn(fabsf(y), 0x1p-21f, __fmaf_rn(fabsf(t), 0x1p-22f, 0x1p-140f))"));
+}
+
 /* Non-finite inputs and quotients always take the division. */
 static void non_finite_take_the_division(void **state) {
     (void)state;
@@ -125,6 +123,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(codes_equal_division),
         cmocka_unit_test(non_finite_take_the_division),
+        cmocka_unit_test(margins_are_the_templates),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

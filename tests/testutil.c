@@ -26,6 +26,12 @@ const char *const tu_time_limited_schemes[] = {"concat_churn.lua", "string_compa
                                                "vararg_copy.lua",  "sort_loop.lua",      "xpcall_error_loop.lua",
                                                NULL};
 
+int tu_listed(const char *name, const char *const *list) {
+    for (; list && *list; list++)
+        if (!strcmp(name, *list)) return 1;
+    return 0;
+}
+
 const char *tu_path(const char *rel) { return tu_join(tu_src(), rel); }
 
 char *tu_mkdtemp(void) {

@@ -19,6 +19,8 @@ const char *tu_path(const char *rel);
  * them (NULL-terminated): test_scheme checks its cases against this list,
  * test_fuzz_replay leaves them out. */
 extern const char *const tu_time_limited_schemes[];
+/* Whether name is in a NULL-terminated list (NULL: an empty list). */
+int tu_listed(const char *name, const char *const *list);
 /* Fresh private temporary directory (mkdtemp); removed by tu_rmtree. */
 char *tu_mkdtemp(void);
 void tu_rmtree(const char *dir);

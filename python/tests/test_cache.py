@@ -219,7 +219,7 @@ def test_qstats_false_and_bad_values():
     (k, v), = chunks(np.random.default_rng(0), 1, 8)
     c.append(0, k, v, q=np.zeros((H, 8, D), np.float32))  # checked, then ignored
     assert not c.uses_qstats and c.memory()["qstats"] == 0
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="not a multiple of the"):
         c.append(0, k, v, q=np.zeros((H + 1, 8, D), np.float32))
     with pytest.raises(ValueError, match="qstats must be"):
         kvforge.QuantizedKVCache("rtn_int2", 1, H, D, qstats="yes")
