@@ -26,6 +26,7 @@ struct kvf_context {
     CUmodule module;
     CUfunction fn[KVF_ROLE_COUNT]; /* NULL where the scheme has no such kernel */
     int sms;                       /* multiprocessors (sizes the k-means assignment grid) */
+    int smem_optin;                /* dynamic shared bytes a block may opt into on this device */
     int assign_cfg[2][AC_COUNT];   /* per section: kvf_kmeans assign_cfg, indexed by AC_* */
     CUdeviceptr ws;                /* workspace of the k-means/PSAC path, grown on demand */
     size_t ws_bytes;
@@ -74,6 +75,8 @@ static int open_device(kvf_context *ctx, int *cc_major, int *cc_minor) {
     KVF_CU(ctx->cu, ctx->device,
            cuDeviceGetAttribute(cc_minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, ctx->dev));
     KVF_CU(ctx->cu, ctx->device, cuDeviceGetAttribute(&ctx->sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, ctx->dev));
+    KVF_CU(ctx->cu, ctx->device,
+           cuDeviceGetAttribute(&ctx->smem_optin, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, ctx->dev));
     KVF_CU(ctx->cu, ctx->device, cuDevicePrimaryCtxRetain(&ctx->cuctx, ctx->dev));
     snprintf(ctx->backend, sizeof ctx->backend, "sm_%d%d", *cc_major, *cc_minor);
     return KVF_OK;
@@ -181,6 +184,16 @@ static int load_module(kvf_context *ctx, const void *image) {
         }
         for (int k = 0; k < 2 && rc == KVF_OK; k++) {
             CUfunction f = ctx->fn[KVF_R_K_ASSIGN + k + t * KVF_R_SECTION_STRIDE];
+            /* The template sizes the block for its arch's shared memory
+             * (kvf_kmeans smem_optin_bytes): an image made for another arch
+             * (PTX) or a device that table does not know may need more. */
+            if (f && ctx->assign_cfg[t][AC_SMEM + k] > ctx->smem_optin) {
+                rc = kvf_set_error(KVF_ENOTIMPL, "the k-means assignment of scheme %s needs %d bytes of shared memory "
+                                                 "per block, device %d (%s) allows %d: use an image compiled for its arch",
+                                   ctx->scheme->id, ctx->assign_cfg[t][AC_SMEM + k], ctx->device, ctx->backend,
+                                   ctx->smem_optin);
+                break;
+            }
             if (f && (r = cu->cuFuncSetAttribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                                  ctx->assign_cfg[t][AC_SMEM + k])) != CUDA_SUCCESS)
                 rc = kvf_cuda_fail(r, "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)", __FILE__, __LINE__,

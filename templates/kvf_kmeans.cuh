@@ -125,13 +125,6 @@ constexpr int TPW = 16;         // tokens per warp (one m16 tile)
 constexpr int CAP = 32;         // candidates per token before the full scan
 constexpr float KAPPA = 2.44140625e-4f; // 2^-12
 
-// Warps per block: 16 for the nearest-centroid pass over a BF16 source (its
-// A fragments need no low half: registers and per-warp scratch small enough),
-// else 8 (4 at D = 256: the centroid rows fill shared memory).
-template <int D, int M, bool BF> struct assign_geom {
-    static constexpr int WARPS = D >= 256 ? 4 : (BF && M == 1 && D <= 128) ? 16 : 8;
-    static constexpr int DP = D + 16; // centroid row pitch (bf16): conflict-free 8-byte B-fragment loads
-};
 template <int M> struct assign_lists {
     static constexpr int MF = M <= 8 ? M : 1; // the filter runs for M <= 8; larger M scans fully
     static constexpr int K = MF + 1;          // per-thread best kept per token (one more than M shows a drop)
@@ -156,10 +149,44 @@ template <int M> struct assign_warp {
     int fj[M];
 };
 
-// Block part: centroid rows, N_j, weights, QSAC's group weight sums, limits.
+// The most dynamic shared memory a block may opt into on the arch compiled
+// for (the CUDA C++ Programming Guide's table of compute capabilities):
+// 163 KB on sm_80 and sm_87, 99 KB on sm_86, sm_89 and sm_12x, 227 KB on
+// sm_90 and sm_10x. runtime/context.c checks the device's own figure before
+// any launch (a PTX image of another arch, or a GPU this table does not know).
+__host__ __device__ constexpr int smem_optin_bytes() {
+#ifdef __CUDA_ARCH__
+    return __CUDA_ARCH__ == 800 || __CUDA_ARCH__ == 870                         ? 166912
+           : __CUDA_ARCH__ == 860 || __CUDA_ARCH__ == 890 || __CUDA_ARCH__ >= 1200 ? 101376
+                                                                                  : 232448;
+#else
+    return 232448;
+#endif
+}
+
+// A block's shared bytes with W warps: centroid rows (pitch D + 16 bf16:
+// conflict-free 8-byte B-fragment loads), N_j, weights, QSAC's group weight
+// sums, limits, then each warp's scratch.
+template <int D, int M> __host__ __device__ constexpr int assign_smem_for(int warps) {
+    return 256 * (D + 16) * 2 + 256 * 8 + D * 4 + 32 * 8 + 16 + warps * (int)((sizeof(assign_warp<M>) + 15) / 16 * 16);
+}
+
+// Warps per block: 16 for the nearest-centroid pass over a BF16 source (its
+// A fragments need no low half: registers and per-warp scratch small enough),
+// else 8 (4 at D = 256: the centroid rows fill shared memory); fewer where
+// the arch's shared memory holds fewer (0: none fits, refused below).
+template <int D, int M, bool BF> __host__ __device__ constexpr int assign_warps() {
+    int w = D >= 256 ? 4 : (BF && M == 1 && D <= 128) ? 16 : 8;
+    while (w > 0 && assign_smem_for<D, M>(w) > smem_optin_bytes()) w--;
+    return w;
+}
+template <int D, int M, bool BF> struct assign_geom {
+    static constexpr int WARPS = assign_warps<D, M, BF>();
+    static constexpr int DP = D + 16; // centroid row pitch (bf16)
+};
+
 template <int D, int M, bool BF> __host__ __device__ constexpr int assign_smem_bytes() {
-    return 256 * assign_geom<D, M, BF>::DP * 2 + 256 * 8 + D * 4 + 32 * 8 + 16 +
-           assign_geom<D, M, BF>::WARPS * (int)((sizeof(assign_warp<M>) + 15) / 16 * 16);
+    return assign_smem_for<D, M>(assign_geom<D, M, BF>::WARPS);
 }
 
 // a = hi + lo + O(2^-18 |a|): both halves as packed BF16 pairs (x0 -> bits 0..15).
@@ -389,7 +416,8 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
     constexpr int MF = assign_lists<M>::MF, K = assign_lists<M>::K;
     constexpr int WB = (int)((sizeof(assign_warp<M>) + 15) / 16 * 16);
     constexpr int SMEM = assign_smem_bytes<D, M, BF>();
-    static_assert(SMEM <= 227 * 1024, "assign: shared memory past the sm_80/sm_90 limit");
+    static_assert(W >= 1 && SMEM <= smem_optin_bytes(),
+                  "assign: the centroid rows of this head_dim need more shared memory than this GPU arch has");
     // A BF16 source is its own high half: no low half, no second mma (plain distances only;
     // QSAC's w * x is not BF16).
     constexpr bool NO_LO = BF && M == 1;

@@ -574,6 +574,40 @@ static void gpu_kmeans_sum_shapes(void **state) {
     }
 }
 
+/* An sm_80 image (PTX for compute_80, which the driver compiles for this
+ * GPU): its k-means assignment takes the block geometry of sm_80's 163 KB of
+ * shared memory (12 warps for the plain assignment at head_dim 128, 3 at 256,
+ * instead of sm_90's 16 and 4), and must agree with the CPU as sm_90's does. */
+static void gpu_sm80_geometry(void **state) {
+    (void)state;
+    SKIP_WITHOUT_GPU();
+    const char *const texts[] = {
+        "return { base = 'quantwm_int2', name = 'wm_sm80' }",
+        "return { base = 'qvg_int2', name = 'qvg_d256_sm80', head_dim = 256, key = { centroids = 40 }, "
+        "value = { centroids = 40 } }",
+    };
+    for (size_t i = 0; i < sizeof texts / sizeof texts[0]; i++) {
+        kvf_scheme *s = tu_scheme_text(texts[i]);
+        void *image = NULL;
+        size_t size = 0;
+        const char *origin;
+        if (kvf_jit_image(s, "compute_80", 1, &image, &size, &origin)) fail_msg("%s: %s", kvf_scheme_id(s), kvf_last_error());
+        kvf_context *gpu, *cpu;
+        if (kvf_context_create_from_image(kvf_scheme_canonical(s), image, size, 0, &gpu))
+            fail_msg("%s from compute_80 PTX: %s", kvf_scheme_id(s), kvf_last_error());
+        free(image);
+        assert_int_equal(kvf_context_create(s, KVF_DEVICE_CPU, &cpu), KVF_OK);
+        const run_case c = small ? tiny_cases[0] : small_cases[1];
+        compare_case(gpu, cpu, &c, 0, 1);
+        compare_case(gpu, cpu, &c, 1, 0);
+        printf("  %s (compute_80 PTX on %s): %lld tokens x %d heads agree with the CPU reference\n", kvf_scheme_id(s),
+               kvf_context_backend(gpu), (long long)c.tokens, c.heads);
+        kvf_context_destroy(gpu);
+        kvf_context_destroy(cpu);
+        kvf_scheme_free(s);
+    }
+}
+
 /* Query statistics updated on the GPU into a host copy. */
 static void gpu_qstats_run(kvf_context *gpu, CUdeviceptr dqs, size_t bytes, int heads, uint16_t *const *chunks,
                            const int64_t *n, int n_chunks, int hq, int d, uint8_t *back) {
@@ -1010,6 +1044,7 @@ int main(void) {
         cmocka_unit_test(gpu_rope_pre),
         cmocka_unit_test(gpu_psac_shapes),
         cmocka_unit_test(gpu_kmeans_sum_shapes),
+        cmocka_unit_test(gpu_sm80_geometry),
         cmocka_unit_test(gpu_qstats_nonfinite),
         cmocka_unit_test(decode_special_values),
         cmocka_unit_test(gpu_corrupt_centroid_index),

@@ -305,6 +305,39 @@ static void compile_error_reports_log(void **state) {
     assert_null(img);
 }
 
+/* The k-means assignment sizes its block to the arch's shared memory
+ * (kvf_kmeans smem_optin_bytes): the shipped k-means schemes also compile for
+ * sm_86 (99 KB a block, against sm_90's 227 KB), head_dim 256 fits sm_80's
+ * 163 KB, and where its centroid rows alone do not fit (sm_86) the compile
+ * fails saying so, instead of an image whose launch fails on the device. */
+static void kmeans_fits_arch_shared_memory(void **state) {
+    (void)state;
+    setenv("KVFORGE_CACHE", "0", 1);
+    const char *const fits[][2] = {{"qvg_int2", "sm_86"}, {"quantwm_int2", "sm_86"}};
+    for (size_t i = 0; i < sizeof fits / sizeof fits[0]; i++) {
+        kvf_scheme *s = tu_scheme(fits[i][0]);
+        void *image = NULL;
+        size_t size = 0;
+        const char *origin;
+        if (kvf_jit_image(s, fits[i][1], 0, &image, &size, &origin))
+            fail_msg("%s for %s: %s", fits[i][0], fits[i][1], kvf_last_error());
+        free(image);
+        kvf_scheme_free(s);
+    }
+    kvf_scheme *d256 = tu_scheme_text("return { base = 'qvg_int2', name = 'qvg_d256', head_dim = 256 }");
+    void *image = NULL;
+    size_t size = 0;
+    const char *origin;
+    if (kvf_jit_image(d256, "sm_80", 0, &image, &size, &origin)) fail_msg("head_dim 256 for sm_80: %s", kvf_last_error());
+    free(image);
+    image = NULL;
+    assert_int_equal(kvf_jit_image(d256, "sm_86", 0, &image, &size, &origin), KVF_ECOMPILE);
+    assert_null(image);
+    assert_non_null(strstr(kvf_last_error(), "more shared memory than this GPU arch has"));
+    kvf_scheme_free(d256);
+    unsetenv("KVFORGE_CACHE");
+}
+
 int main(void) {
     const kvf_nvrtc_api *api;
     if (kvf_nvrtc_load(&api)) {
@@ -320,6 +353,7 @@ int main(void) {
         cmocka_unit_test(ptx_fallback_compiles),
         cmocka_unit_test(jit_race),
         cmocka_unit_test(compile_error_reports_log),
+        cmocka_unit_test(kmeans_fits_arch_shared_memory),
     };
     return cmocka_run_group_tests_name("nvrtc", tests, setup, teardown);
 }
