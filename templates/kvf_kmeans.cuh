@@ -172,11 +172,14 @@ template <int D, int M> __host__ __device__ constexpr int assign_smem_for(int wa
 }
 
 // Warps per block: 16 for the nearest-centroid pass over a BF16 source (its
-// A fragments need no low half: registers and per-warp scratch small enough),
-// else 8 (4 at D = 256: the centroid rows fill shared memory); fewer where
-// the arch's shared memory holds fewer (0: none fits, refused below).
+// A fragments need no low half: registers and per-warp scratch small enough)
+// and for QSAC (124 registers under the launch bounds of 512 threads on
+// sm_90, 226 of its 227 KB of shared memory; quantwm_int2's encode 4.06 ->
+// 3.85 ms against 8 warps), else 8 (4 at D = 256: the centroid rows fill
+// shared memory); fewer where the arch's shared memory holds fewer (0: none
+// fits, refused below).
 template <int D, int M, bool BF> __host__ __device__ constexpr int assign_warps() {
-    int w = D >= 256 ? 4 : (BF && M == 1 && D <= 128) ? 16 : 8;
+    int w = D >= 256 ? 4 : (M > 1 || BF) && D <= 128 ? 16 : 8;
     while (w > 0 && assign_smem_for<D, M>(w) > smem_optin_bytes()) w--;
     return w;
 }
