@@ -171,15 +171,16 @@ template <int D, int M> __host__ __device__ constexpr int assign_smem_for(int wa
     return 256 * (D + 16) * 2 + 256 * 8 + D * 4 + 32 * 8 + 16 + warps * (int)((sizeof(assign_warp<M>) + 15) / 16 * 16);
 }
 
-// Warps per block: 16 for the nearest-centroid pass over a BF16 source (its
-// A fragments need no low half: registers and per-warp scratch small enough)
-// and for QSAC (124 registers under the launch bounds of 512 threads on
-// sm_90, 226 of its 227 KB of shared memory; quantwm_int2's encode 4.06 ->
-// 3.85 ms against 8 warps), else 8 (4 at D = 256: the centroid rows fill
-// shared memory); fewer where the arch's shared memory holds fewer (0: none
-// fits, refused below).
+// Warps per block: 16 up to D = 128 (the registers stay within the launch
+// bounds of 512 threads without a spill on sm_90: 101 for the nearest
+// centroid over a BF16 source, 120 over f32 with the low halves, 124 for
+// QSAC, whose 9.4 KB of scratch a warp takes 226 of the 227 KB; against 8
+// warps, quantwm_int2's encode 4.06 -> 3.85 ms and qvg_pro_int2's 44.3 ->
+// 37.5 ms on the H200), 4 at D = 256 (the centroid rows fill shared memory);
+// fewer where the arch's shared memory holds fewer (0: none fits, refused
+// below).
 template <int D, int M, bool BF> __host__ __device__ constexpr int assign_warps() {
-    int w = D >= 256 ? 4 : (M > 1 || BF) && D <= 128 ? 16 : 8;
+    int w = D <= 128 ? 16 : 4;
     while (w > 0 && assign_smem_for<D, M>(w) > smem_optin_bytes()) w--;
     return w;
 }
