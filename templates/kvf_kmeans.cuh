@@ -964,8 +964,10 @@ __device__ __forceinline__ void subtract(float *e, int n_tokens, int n_heads, co
 // Residual quantizer of a stage: r = e - mu[z]; planes; e_out <- e - (mu + r_hat)
 // (e_out: the f32 workspace, PSAC's input; the source itself when that is the workspace).
 // RES_RPT rows per thread, ROWS apart, every load issued before any use: the
-// centroid is a gather behind the index load, two latencies a batch.
-constexpr int RES_RPT = 4;
+// centroid is a gather behind the index load, two latencies a batch. 2 rows
+// (48-60 registers) ran faster than 4 (72-75 registers: fewer blocks per SM)
+// and than 1 on the H200 (docs/BENCHMARKS.md, session 9).
+constexpr int RES_RPT = 2;
 template <int D, int BITS, int G, int MODE, int SFMT, int NCENT, int WRITE_E, bool BF>
 __device__ __forceinline__ void residual(const void *src, i64 ts, i64 hs, float *e_out, int n_tokens, int n_heads,
                                          u8 *__restrict__ packed, kvf_quant::stage_planes p) {
