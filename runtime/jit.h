@@ -4,7 +4,8 @@
 #include "internal.h"
 
 /* Image (cubin, or PTX when want_ptx) of the scheme's kernels for arch
- * ("sm_90"), from the disk cache or NVRTC. *origin: "disk-cache" or "nvrtc".
+ * ("sm_90"; PTX also for "compute_90"), from the disk cache or NVRTC.
+ * *origin: "disk-cache" or "nvrtc". KVF_EINVAL for a cubin of a virtual arch.
  * Needs no GPU. The caller frees *image. */
 int kvf_jit_image(const struct kvf_scheme *s, const char *arch, int want_ptx, void **image, size_t *size,
                   const char **origin);

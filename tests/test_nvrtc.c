@@ -189,6 +189,12 @@ static void ptx_fallback_compiles(void **state) {
     snprintf(want, sizeof want, " kvf_kernel_abi = %u;", KVF_KERNEL_ABI);
     assert_non_null(strstr((const char *)p, want));
     free(p);
+    /* A cubin of a virtual arch: NVRTC would give an empty one; refused
+     * before anything is compiled or cached. */
+    p = NULL;
+    assert_int_equal(kvf_jit_image(s, "compute_90", 0, &p, &n, &o), KVF_EINVAL);
+    assert_null(p);
+    assert_non_null(strstr(kvf_last_error(), "compute_90: a cubin needs a GPU arch"));
     /* A GPU newer than NVRTC knows gets PTX of the newest arch it supports. */
     char arch[32];
     int ptx = 0;

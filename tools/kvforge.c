@@ -14,7 +14,7 @@ static int usage(void) {
     fputs("usage:\n"
           "  kvforge gen SCHEME.lua [-o DIR]                 write the generated CUDA, C and header\n"
           "  kvforge compile SCHEME.lua [--arch sm_90,...] [--resources]\n"
-          "                                                  NVRTC compile only (no GPU needed); --resources:\n"
+          "                                                  NVRTC compile only (no GPU needed; compute_XX: PTX); --resources:\n"
           "                                                  ptxas's registers/spills/static shared memory per kernel\n"
           "  kvforge export SCHEME.lua --arch sm_80,sm_90 -o DIR   fatbin + C/header embedding it\n"
           "  kvforge info SCHEME.lua                         canonical configuration and footprint\n"
@@ -126,11 +126,12 @@ static int cmd_compile(int argc, char **argv) {
         const char *origin;
         struct timespec t0, t1;
         clock_gettime(CLOCK_MONOTONIC, &t0);
-        rc = kvf_jit_image(s, j.archs[i], 0, &image, &size, &origin);
+        const int ptx = !strncmp(j.archs[i], "compute_", 8); /* a virtual arch: PTX */
+        rc = kvf_jit_image(s, j.archs[i], ptx, &image, &size, &origin);
         clock_gettime(CLOCK_MONOTONIC, &t1);
         if (!rc) {
-            printf("%s %s: %zu-byte cubin from %s in %.1f ms\n", kvf_scheme_id(s), j.archs[i], size, origin,
-                   (t1.tv_sec - t0.tv_sec) * 1e3 + (t1.tv_nsec - t0.tv_nsec) / 1e6);
+            printf("%s %s: %zu-byte %s from %s in %.1f ms\n", kvf_scheme_id(s), j.archs[i], ptx ? strlen(image) : size,
+                   ptx ? "PTX" : "cubin", origin, (t1.tv_sec - t0.tv_sec) * 1e3 + (t1.tv_nsec - t0.tv_nsec) / 1e6);
             free(image);
         }
     }
