@@ -174,7 +174,7 @@ template <int D, int M> __host__ __device__ constexpr int assign_smem_for(int wa
 // Warps per block: 16 up to D = 128 (the registers stay within the launch
 // bounds of 512 threads without a spill on sm_90: 101 for the nearest
 // centroid over a BF16 source, 120 over f32 with the low halves, 124 for
-// QSAC, whose 9.4 KB of scratch a warp takes 226 of the 227 KB; against 8
+// QSAC, whose 9,360 bytes of scratch a warp make it 221 of 227 KiB; against 8
 // warps, quantwm_int2's encode 4.06 -> 3.85 ms and qvg_pro_int2's 44.3 ->
 // 37.5 ms on the H200), 4 at D = 256 (the centroid rows fill shared memory);
 // fewer where the arch's shared memory holds fewer (0: none fits, refused
