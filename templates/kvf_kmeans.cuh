@@ -151,16 +151,18 @@ template <int M> struct assign_warp {
 
 // The most dynamic shared memory a block may opt into on the arch compiled
 // for (the CUDA C++ Programming Guide's table of compute capabilities):
-// 163 KB on sm_80 and sm_87, 99 KB on sm_86, sm_89 and sm_12x, 227 KB on
-// sm_90 and sm_10x. runtime/context.c checks the device's own figure before
-// any launch (a PTX image of another arch, or a GPU this table does not know).
+// 227 KiB on sm_90, sm_100 and sm_103, 163 KiB on sm_80 and sm_87, 99 KiB on
+// sm_86, sm_89 and sm_12x, and 99 KiB assumed for an arch this table does
+// not name (sm_88, sm_110, later ones: a smaller block runs, a larger one
+// would not). runtime/context.c checks the device's own figure before any
+// launch (a PTX image of another arch, a device below its arch's figure).
 __host__ __device__ constexpr int smem_optin_bytes() {
 #ifdef __CUDA_ARCH__
-    return __CUDA_ARCH__ == 800 || __CUDA_ARCH__ == 870                         ? 166912
-           : __CUDA_ARCH__ == 860 || __CUDA_ARCH__ == 890 || __CUDA_ARCH__ >= 1200 ? 101376
-                                                                                  : 232448;
+    return __CUDA_ARCH__ == 900 || __CUDA_ARCH__ == 1000 || __CUDA_ARCH__ == 1030 ? 232448
+           : __CUDA_ARCH__ == 800 || __CUDA_ARCH__ == 870                        ? 166912
+                                                                                 : 101376;
 #else
-    return 232448;
+    return 101376;
 #endif
 }
 
@@ -176,16 +178,18 @@ template <int D, int M> __host__ __device__ constexpr int assign_smem_for(int wa
 // centroid over a BF16 source, 120 over f32 with the low halves, 124 for
 // QSAC, whose 9,360 bytes of scratch a warp make it 221 of 227 KiB; against 8
 // warps, quantwm_int2's encode 4.06 -> 3.85 ms and qvg_pro_int2's 44.3 ->
-// 37.5 ms on the H200), 4 at D = 256 (the centroid rows fill shared memory);
-// fewer where the arch's shared memory holds fewer (0: none fits, refused
-// below).
-template <int D, int M, bool BF> __host__ __device__ constexpr int assign_warps() {
+// 37.4-37.5 ms on the H200), 4 at D = 256 (the centroid rows fill shared
+// memory); fewer where the arch's shared memory holds fewer (QSAC with M >= 5
+// on sm_90, most sections on sm_80 and 99 KiB archs; 0: none fits, refused
+// below). test_nvrtc requires the assignment kernels to compile without a
+// spill (QSAC M = 8 over an f32 source included).
+template <int D, int M> __host__ __device__ constexpr int assign_warps() {
     int w = D <= 128 ? 16 : 4;
     while (w > 0 && assign_smem_for<D, M>(w) > smem_optin_bytes()) w--;
     return w;
 }
 template <int D, int M, bool BF> struct assign_geom {
-    static constexpr int WARPS = assign_warps<D, M, BF>();
+    static constexpr int WARPS = assign_warps<D, M>();
     static constexpr int DP = D + 16; // centroid row pitch (bf16)
 };
 
@@ -965,8 +969,8 @@ __device__ __forceinline__ void subtract(float *e, int n_tokens, int n_heads, co
 // (e_out: the f32 workspace, PSAC's input; the source itself when that is the workspace).
 // RES_RPT rows per thread, ROWS apart, every load issued before any use: the
 // centroid is a gather behind the index load, two latencies a batch. 2 rows
-// (48-60 registers) ran faster than 4 (72-75 registers: fewer blocks per SM)
-// and than 1 on the H200 (docs/BENCHMARKS.md, session 9).
+// (48-70 registers, sm_90) ran faster than 4 (72-91 registers: fewer blocks
+// per SM) and than 1 on the H200 (docs/BENCHMARKS.md, session 9).
 constexpr int RES_RPT = 2;
 template <int D, int BITS, int G, int MODE, int SFMT, int NCENT, int WRITE_E, bool BF>
 __device__ __forceinline__ void residual(const void *src, i64 ts, i64 hs, float *e_out, int n_tokens, int n_heads,
