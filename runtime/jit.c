@@ -34,11 +34,12 @@ static void meta_json(const struct kvf_scheme *s, const char *arch, const kvf_nv
 
 int kvf_jit_image(const struct kvf_scheme *s, const char *arch, int want_ptx, void **image, size_t *size,
                   const char **origin) {
+    *image = NULL;
     /* NVRTC compiles for a virtual arch without error and returns an empty
      * cubin: refused before anything is compiled or cached. */
     if (!want_ptx && strncmp(arch, "sm_", 3))
-        return kvf_set_error(KVF_EINVAL, "arch %s: a cubin needs a GPU arch (sm_XX); a virtual arch has PTX only",
-                             arch);
+        return kvf_set_error(KVF_EINVAL, "arch %s is not a GPU arch (sm_XX), which a cubin needs (a virtual arch, "
+                             "compute_XX, has PTX only)", arch);
     const kvf_nvrtc_api *nv;
     int rc = kvf_nvrtc_load(&nv);
     if (rc) return rc;

@@ -33,6 +33,15 @@ static int setup(void **state) {
     return 0;
 }
 
+/* Before each test: the cache on, in the suite's directory (a test that
+ * turns it off or moves it and then fails does not leave that to the next). */
+static int fresh_env(void **state) {
+    (void)state;
+    setenv("KVFORGE_CACHE_DIR", cache_dir, 1);
+    unsetenv("KVFORGE_CACHE");
+    return 0;
+}
+
 static int teardown(void **state) {
     (void)state;
     for (int a = 0; a < 2; a++) free(rtn_int4_ref[a].image);
@@ -79,6 +88,8 @@ static void every_scheme_compiles(void **state) {
                 if (strstr(u[i].name, "_decode_")) decode++;
                 if (!strict) continue;
                 assert_true(u[i].spill_stores <= 64 && u[i].spill_loads <= 64);
+                /* 16 warps a block hold the assignment to 128 registers (sm_90) */
+                if (strstr(u[i].name, "_assign")) assert_int_equal(u[i].spill_stores + u[i].spill_loads, 0);
                 if (strstr(u[i].name, "_decode_")) assert_int_equal(u[i].spill_stores + u[i].spill_loads + u[i].stack, 0);
             }
             assert_int_equal(decode, 2); /* decode_k and decode_v */
@@ -191,10 +202,10 @@ static void ptx_fallback_compiles(void **state) {
     free(p);
     /* A cubin of a virtual arch: NVRTC would give an empty one; refused
      * before anything is compiled or cached. */
-    p = NULL;
+    p = &n; /* not NULL: the call must clear it */
     assert_int_equal(kvf_jit_image(s, "compute_90", 0, &p, &n, &o), KVF_EINVAL);
     assert_null(p);
-    assert_non_null(strstr(kvf_last_error(), "compute_90: a cubin needs a GPU arch"));
+    assert_non_null(strstr(kvf_last_error(), "arch compute_90 is not a GPU arch (sm_XX), which a cubin needs"));
     /* A GPU newer than NVRTC knows gets PTX of the newest arch it supports. */
     char arch[32];
     int ptx = 0;
@@ -341,6 +352,27 @@ static void kmeans_fits_arch_shared_memory(void **state) {
     assert_null(image);
     assert_non_null(strstr(kvf_last_error(), "more shared memory than this GPU arch has"));
     kvf_scheme_free(d256);
+    /* The assignment with the most registers: QSAC over M = 8 candidates on
+     * an f32 source (a second key stage), 14 warps on sm_90 and 8 on sm_80:
+     * no spill (NVRTC 13, whose allocation the H200 runs measured). */
+    const kvf_nvrtc_api *nv;
+    assert_int_equal(kvf_nvrtc_load(&nv), KVF_OK);
+    kvf_scheme *wm8 = tu_scheme_text("return { base = 'quantwm_int2', name = 'wm8', key = { qsac_candidates = 8, "
+                                     "stages = 2 } }");
+    for (int a = 0; a < 2 && nv->major == 13; a++) {
+        kvf_kernel_usage *u;
+        int k = 0, assign = 0;
+        if (kvf_jit_usage(wm8, archs[a], &u, &k, NULL, NULL)) fail_msg("wm8 for %s: %s", archs[a], kvf_last_error());
+        for (int i = 0; i < k; i++) {
+            if (!strstr(u[i].name, "_assign")) continue;
+            assign++;
+            if (u[i].spill_stores || u[i].spill_loads)
+                fail_msg("%s for %s: %ld/%ld bytes spilled", u[i].name, archs[a], u[i].spill_stores, u[i].spill_loads);
+        }
+        assert_int_equal(assign, 3); /* k_assign, k_assign_qsac, v_assign */
+        free(u);
+    }
+    kvf_scheme_free(wm8);
     unsetenv("KVFORGE_CACHE");
 }
 
@@ -353,13 +385,13 @@ int main(void) {
     }
     printf("NVRTC %d.%d\n", api->major, api->minor);
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(every_scheme_compiles),
-        cmocka_unit_test(ptxas_report_parsed),
-        cmocka_unit_test(jit_uses_disk_cache),
-        cmocka_unit_test(ptx_fallback_compiles),
-        cmocka_unit_test(jit_race),
-        cmocka_unit_test(compile_error_reports_log),
-        cmocka_unit_test(kmeans_fits_arch_shared_memory),
+        cmocka_unit_test_setup(every_scheme_compiles, fresh_env),
+        cmocka_unit_test_setup(ptxas_report_parsed, fresh_env),
+        cmocka_unit_test_setup(jit_uses_disk_cache, fresh_env),
+        cmocka_unit_test_setup(ptx_fallback_compiles, fresh_env),
+        cmocka_unit_test_setup(jit_race, fresh_env),
+        cmocka_unit_test_setup(compile_error_reports_log, fresh_env),
+        cmocka_unit_test_setup(kmeans_fits_arch_shared_memory, fresh_env),
     };
     return cmocka_run_group_tests_name("nvrtc", tests, setup, teardown);
 }
