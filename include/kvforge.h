@@ -140,6 +140,11 @@ int kvf_context_create(const kvf_scheme *s, int device, kvf_context **out);
 /*
  * Create a context from precompiled kernels (an exported fatbin or cubin image)
  * and the scheme's canonical text: needs no NVRTC. See `kvforge export`.
+ * KVF_EFORMAT for an image of another packed format or kernel interface;
+ * KVF_ENOTIMPL when its k-means assignment needs more shared memory per block
+ * than the device allows (an image made for an arch with more: export for
+ * the device's own arch, e.g. sm_86 or sm_89, whose 99 KiB sm_80's image
+ * exceeds).
  */
 int kvf_context_create_from_image(const char *scheme_canonical, const void *image,
                                   size_t image_size, int device, kvf_context **out);

@@ -575,29 +575,46 @@ static void gpu_kmeans_sum_shapes(void **state) {
 }
 
 /* An sm_80 image (PTX for compute_80, which the driver compiles for this
- * GPU): its k-means assignment takes the block geometry of sm_80's 163 KB of
- * shared memory (12 warps for the plain assignment at head_dim 128, 3 at 256,
- * instead of sm_90's 16 and 4), and must agree with the CPU as sm_90's does. */
+ * GPU): its k-means assignment takes the block geometry of sm_80's 163 KiB of
+ * shared memory (12 warps for the plain assignment at head_dim 128, 9 for
+ * QSAC, 3 at head_dim 256, instead of sm_90's 16, 16 and 4), and must agree
+ * with the CPU as sm_90's does. The first case (300 tokens x 3 heads) gives
+ * each warp one tile; the second has a head per multiprocessor and more, so
+ * every block (one per head) loops over tiles W warps apart. On a device with
+ * less shared memory than sm_80 (sm_86/89/12x) the image is refused instead. */
 static void gpu_sm80_geometry(void **state) {
     (void)state;
     SKIP_WITHOUT_GPU();
-    const char *const texts[] = {
-        "return { base = 'quantwm_int2', name = 'wm_sm80' }",
-        "return { base = 'qvg_int2', name = 'qvg_d256_sm80', head_dim = 256, key = { centroids = 40 }, "
-        "value = { centroids = 40 } }",
+    int sms = 0, optin = 0;
+    CK(cuDeviceGetAttribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev));
+    CK(cuDeviceGetAttribute(&optin, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, dev));
+    const struct { const char *text; run_case c; } shapes[] = {
+        {"return { base = 'quantwm_int2', name = 'wm_sm80' }", {300, 3, 1, 0}},
+        {"return { base = 'quantwm_int2', name = 'wm16_sm80', key = { centroids = 16 }, value = { centroids = 16 } }",
+         {small ? 40 : 400, sms + 8, 0, 0}},
+        {"return { base = 'qvg_int2', name = 'qvg_d256_sm80', head_dim = 256, key = { centroids = 40 }, "
+         "value = { centroids = 40 } }",
+         {small ? 40 : 300, small ? 2 : sms + 8, 1, 0}},
     };
-    for (size_t i = 0; i < sizeof texts / sizeof texts[0]; i++) {
-        kvf_scheme *s = tu_scheme_text(texts[i]);
+    for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
+        kvf_scheme *s = tu_scheme_text(shapes[i].text);
         void *image = NULL;
         size_t size = 0;
         const char *origin;
         if (kvf_jit_image(s, "compute_80", 1, &image, &size, &origin)) fail_msg("%s: %s", kvf_scheme_id(s), kvf_last_error());
         kvf_context *gpu, *cpu;
-        if (kvf_context_create_from_image(kvf_scheme_canonical(s), image, size, 0, &gpu))
-            fail_msg("%s from compute_80 PTX: %s", kvf_scheme_id(s), kvf_last_error());
+        int rc = kvf_context_create_from_image(kvf_scheme_canonical(s), image, size, 0, &gpu);
         free(image);
+        if (optin < 166912) { /* sm_80's 163 KiB do not fit this device */
+            assert_int_equal(rc, KVF_ENOTIMPL);
+            assert_non_null(strstr(kvf_last_error(), "bytes of shared memory per block"));
+            printf("  %s: compute_80 image refused on a device with %d bytes a block\n", kvf_scheme_id(s), optin);
+            kvf_scheme_free(s);
+            continue;
+        }
+        if (rc) fail_msg("%s from compute_80 PTX: %s", kvf_scheme_id(s), kvf_last_error());
         assert_int_equal(kvf_context_create(s, KVF_DEVICE_CPU, &cpu), KVF_OK);
-        const run_case c = small ? tiny_cases[0] : small_cases[1];
+        const run_case c = small ? tiny_cases[0] : shapes[i].c;
         compare_case(gpu, cpu, &c, 0, 1);
         compare_case(gpu, cpu, &c, 1, 0);
         printf("  %s (compute_80 PTX on %s): %lld tokens x %d heads agree with the CPU reference\n", kvf_scheme_id(s),
@@ -606,6 +623,33 @@ static void gpu_sm80_geometry(void **state) {
         kvf_context_destroy(cpu);
         kvf_scheme_free(s);
     }
+}
+
+/* An image whose assignment asks for more shared memory than any device
+ * allows (its assign_cfg patched in the PTX: the plain assignment's bytes
+ * times 2^16 and more) is refused on load, naming both sizes: the check the
+ * arch table relies on for devices it does not know. */
+static void oversized_assignment_refused(void **state) {
+    (void)state;
+    SKIP_WITHOUT_GPU();
+    kvf_scheme *s = tu_scheme("qvg_int2");
+    void *image = NULL;
+    size_t size = 0;
+    const char *origin;
+    assert_int_equal(kvf_jit_image(s, "compute_90", 1, &image, &size, &origin), KVF_OK);
+    char *cfg = strstr((char *)image, "_k_assign_cfg[36] = {");
+    assert_non_null(cfg);
+    char *third = strchr(strchr(strchr(cfg, '{') + 1, ',') + 1, ','); /* ", B2," of bytes B0, B1, B2, B3 */
+    assert_non_null(third);
+    third += 2;
+    assert_true(third[0] >= '0' && third[0] <= '9' && third[1] == ','); /* one digit: B2 < 10 */
+    third[0] = '9';                                                      /* >= 9 * 2^16 bytes */
+    kvf_context *bad = NULL;
+    assert_int_equal(kvf_context_create_from_image(kvf_scheme_canonical(s), image, size, 0, &bad), KVF_ENOTIMPL);
+    assert_null(bad);
+    assert_non_null(strstr(kvf_last_error(), "bytes of shared memory per block, device 0"));
+    free(image);
+    kvf_scheme_free(s);
 }
 
 /* Query statistics updated on the GPU into a host copy. */
@@ -1045,6 +1089,7 @@ int main(void) {
         cmocka_unit_test(gpu_psac_shapes),
         cmocka_unit_test(gpu_kmeans_sum_shapes),
         cmocka_unit_test(gpu_sm80_geometry),
+        cmocka_unit_test(oversized_assignment_refused),
         cmocka_unit_test(gpu_qstats_nonfinite),
         cmocka_unit_test(decode_special_values),
         cmocka_unit_test(gpu_corrupt_centroid_index),
