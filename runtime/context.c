@@ -188,8 +188,9 @@ static int load_module(kvf_context *ctx, const void *image) {
              * (kvf_kmeans smem_optin_bytes): an image made for another arch
              * (PTX) or a device that table does not know may need more. */
             if (f && ctx->assign_cfg[t][AC_SMEM + k] > ctx->smem_optin) {
-                rc = kvf_set_error(KVF_ENOTIMPL, "the k-means assignment of scheme %s needs %d bytes of shared memory "
-                                                 "per block, device %d (%s) allows %d: use an image compiled for its arch",
+                rc = kvf_set_error(KVF_ENOTIMPL,
+                                   "the k-means assignment of scheme %s needs %d bytes of shared memory per block, "
+                                   "device %d (%s) allows %d: use an image compiled for its arch",
                                    ctx->scheme->id, ctx->assign_cfg[t][AC_SMEM + k], ctx->device, ctx->backend,
                                    ctx->smem_optin);
                 break;

@@ -601,7 +601,8 @@ static void gpu_sm80_geometry(void **state) {
         void *image = NULL;
         size_t size = 0;
         const char *origin;
-        if (kvf_jit_image(s, "compute_80", 1, &image, &size, &origin)) fail_msg("%s: %s", kvf_scheme_id(s), kvf_last_error());
+        if (kvf_jit_image(s, "compute_80", 1, &image, &size, &origin))
+            fail_msg("%s: %s", kvf_scheme_id(s), kvf_last_error());
         kvf_context *gpu, *cpu;
         int rc = kvf_context_create_from_image(kvf_scheme_canonical(s), image, size, 0, &gpu);
         free(image);

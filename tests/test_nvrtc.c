@@ -345,7 +345,8 @@ static void kmeans_fits_arch_shared_memory(void **state) {
     void *image = NULL;
     size_t size = 0;
     const char *origin;
-    if (kvf_jit_image(d256, "sm_80", 0, &image, &size, &origin)) fail_msg("head_dim 256 for sm_80: %s", kvf_last_error());
+    if (kvf_jit_image(d256, "sm_80", 0, &image, &size, &origin))
+        fail_msg("head_dim 256 for sm_80: %s", kvf_last_error());
     free(image);
     image = NULL;
     assert_int_equal(kvf_jit_image(d256, "sm_86", 0, &image, &size, &origin), KVF_ECOMPILE);
