@@ -3,8 +3,9 @@
 # (built here by `make all aot-demo carry`). Prints what docs/VALIDATION.md
 # and docs/BENCHMARKS.md record. Parts: tests, demo, jit, aot, sanitizer, bench
 # (the default set), and python (pytest and examples on the GPU) and profile
-# (ncu per-kernel times of one layer's encode + decode), which only run when
-# named, e.g. `bash tools/h200_validate.sh tests bench python`.
+# (ncu per-kernel times of one layer's encode + decode) and ab (out/bin
+# against every variant in out/xbench, built by tools/variant.sh), which only
+# run when named, e.g. `bash tools/h200_validate.sh tests bench python`.
 set -u
 export LD_LIBRARY_PATH=$PWD/out/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export KVF_SRC=$PWD KVFORGE_CACHE_DIR=$(mktemp -d) KVFORGE_LIB=$PWD/out/lib/libkvforge.so
@@ -79,6 +80,28 @@ for r in rows[1:]:
 for name, (t, n) in tot.items(): print(f"  {name:28s} {n:4d} launches {t:9.3f} ms total {t/n:8.3f} ms each")
 PY
   done
+fi
+if has ab; then
+  # Rounds of `kvf_bench --reps N SCHEMES` alternating out/bin and each
+  # variant (same process order every round, so drift shows as a trend), then
+  # each variant's test_gpu over KVF_AB_TEST's schemes (empty: none).
+  rounds=${KVF_AB_ROUNDS:-2} reps=${KVF_AB_REPS:-5} schemes=${KVF_AB_SCHEMES:-qvg_int2 quantwm_int2}
+  echo "== ab: $rounds rounds of kvf_bench --reps $reps $schemes (name scheme encode_ms decode_ms of_copy)"
+  for r in $(seq "$rounds"); do
+    for b in out/bin/kvf_bench out/xbench/*/kvf_bench; do
+      [ -x "$b" ] || continue
+      v=$(basename "$(dirname "$b")"); [ "$v" = bin ] && v=main
+      timeout 300 "$b" --reps "$reps" $schemes 2>&1 | awk -v v="$v" '$2 ~ /x$/ && NF >= 8 {print "  " v, $1, $3, $6, $9}'
+    done
+  done
+  if [ -n "${KVF_AB_TEST:-}" ]; then
+    for t in out/xbench/*/test_gpu; do
+      [ -x "$t" ] || continue
+      start=$SECONDS
+      KVF_TEST_SCHEMES=$KVF_AB_TEST timeout 300 "$t" >"${OUT:-/tmp}/ab_$(basename "$(dirname "$t")").txt" 2>&1
+      echo "  test_gpu $(basename "$(dirname "$t")") ($KVF_AB_TEST): exit $? after $((SECONDS - start)) s"
+    done
+  fi
 fi
 if has bench; then
   echo "== bench"
