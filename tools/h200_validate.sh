@@ -97,9 +97,10 @@ if has ab; then
   if [ -n "${KVF_AB_TEST:-}" ]; then
     for t in out/xbench/*/test_gpu; do
       [ -x "$t" ] || continue
-      start=$SECONDS
-      KVF_TEST_SCHEMES=$KVF_AB_TEST timeout 300 "$t" >"${OUT:-/tmp}/ab_$(basename "$(dirname "$t")").txt" 2>&1
-      echo "  test_gpu $(basename "$(dirname "$t")") ($KVF_AB_TEST): exit $? after $((SECONDS - start)) s"
+      v=$(basename "$(dirname "$t")") start=$SECONDS
+      KVF_TEST_SCHEMES=$KVF_AB_TEST timeout 300 "$t" >"${OUT:-/tmp}/ab_$v.txt" 2>&1
+      rc=$?
+      echo "  test_gpu $v ($KVF_AB_TEST): exit $rc after $((SECONDS - start)) s"
     done
   fi
 fi

@@ -13,5 +13,5 @@ make -s -j"$(nproc)" O="out/xbuild/$name" "out/xbuild/$name/bin/kvf_bench" "out/
 mkdir -p "out/xbench/$name"
 cp "out/xbuild/$name/bin/kvf_bench" "out/xbuild/$name/bin/test_gpu" "out/xbench/$name/"
 git rev-parse --short HEAD > "out/xbench/$name/BASE"
-git diff --stat HEAD > "out/xbench/$name/DIFF" || true
-echo "variant $name: out/xbench/$name (on $(cat "out/xbench/$name/BASE"), $(git diff --shortstat HEAD | sed 's/^ //'))"
+git status --short --untracked-files=all > "out/xbench/$name/DIFF" # what differs from BASE (out/ is ignored)
+echo "variant $name: out/xbench/$name (on $(cat "out/xbench/$name/BASE"), $(wc -l < "out/xbench/$name/DIFF") files changed)"
