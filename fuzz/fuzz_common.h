@@ -76,15 +76,6 @@ static inline int fuzz_indices_ok(const kvf_scheme *s, const uint8_t *data, int6
     return 1;
 }
 
-/* Little-endian reads of the packed header (the targets never cast the input). */
-static inline uint32_t fuzz_le32(const uint8_t *p) {
-    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
-
-static inline uint64_t fuzz_le64(const uint8_t *p) {
-    return (uint64_t)fuzz_le32(p) | (uint64_t)fuzz_le32(p + 4) << 32;
-}
-
 /* A buffer of n bytes filled with a pattern, to see afterwards what a call wrote. */
 static inline uint8_t *fuzz_patterned(size_t n, uint8_t pattern) {
     uint8_t *p = malloc(n ? n : 1);

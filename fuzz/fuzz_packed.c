@@ -17,7 +17,6 @@
  */
 #include "fuzz_common.h"
 
-
 typedef struct fp_scheme {
     kvf_scheme *s;
     kvf_context *ctx;
@@ -83,8 +82,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     int32_t h = 2;
     int pick = (int)(size % FUZZ_SCHEMES);
     if (size >= KVF_HEADER_BYTES) {
-        uint64_t hash = fuzz_le64(data + 8), hn = fuzz_le64(data + 16);
-        uint32_t hh = fuzz_le32(data + 24);
+        uint64_t hash = kvf_get_u64(data + 8), hn = kvf_get_u64(data + 16);
+        uint32_t hh = kvf_get_u32(data + 24);
         for (int i = 0; i < FUZZ_SCHEMES; i++)
             if (kvf_scheme_hash(sch[i].s) == hash) pick = i;
         if (hn >= 1 && hn <= 4096 && hh >= 1 && hh <= 64 && hn * hh <= 4096) {

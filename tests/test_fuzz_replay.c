@@ -97,8 +97,8 @@ static int packed_seed(const uint8_t *data, size_t size) {
     fuzz_packed_one(data, size);
     fp_scheme *sch = fp_schemes();
     if (size < KVF_HEADER_BYTES) FUZZ_FAIL("seed shorter than a header");
-    int64_t n = (int64_t)fuzz_le64(data + 16);
-    int32_t h = (int32_t)fuzz_le32(data + 24);
+    int64_t n = (int64_t)kvf_get_u64(data + 16);
+    int32_t h = (int32_t)kvf_get_u32(data + 24);
     unsigned ok = 0;
     for (int i = 0; i < FUZZ_SCHEMES; i++) ok |= (unsigned)(kvf_packed_check(sch[i].s, data, size, n, h) == KVF_OK) << i;
     if (!ok) FUZZ_FAIL("no fuzz_packed scheme accepts this seed (stale: run make fuzz-seeds)");
