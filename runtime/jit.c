@@ -32,14 +32,19 @@ static void meta_json(const struct kvf_scheme *s, const char *arch, const kvf_nv
              s->id, arch, nv->major, nv->minor, KVF_VERSION_STRING, (long long)time(NULL));
 }
 
+/* A cubin, and ptxas with it, needs a GPU arch: for a virtual one NVRTC
+ * writes PTX only (and its "cubin" is empty, without an error). */
+static int need_gpu_arch(const char *arch, const char *what) {
+    if (!strncmp(arch, "sm_", 3)) return KVF_OK;
+    return kvf_set_error(KVF_EINVAL, "arch %s is not a GPU arch (sm_XX), which %s needs (a virtual arch, compute_XX, "
+                         "has PTX only)", arch, what);
+}
+
 int kvf_jit_image(const struct kvf_scheme *s, const char *arch, int want_ptx, void **image, size_t *size,
                   const char **origin) {
     *image = NULL;
-    /* NVRTC compiles for a virtual arch without error and returns an empty
-     * cubin: refused before anything is compiled or cached. */
-    if (!want_ptx && strncmp(arch, "sm_", 3))
-        return kvf_set_error(KVF_EINVAL, "arch %s is not a GPU arch (sm_XX), which a cubin needs (a virtual arch, "
-                             "compute_XX, has PTX only)", arch);
+    /* Refused before anything is compiled or cached. */
+    if (!want_ptx && need_gpu_arch(arch, "a cubin")) return KVF_EINVAL;
     const kvf_nvrtc_api *nv;
     int rc = kvf_nvrtc_load(&nv);
     if (rc) return rc;
@@ -143,9 +148,8 @@ int kvf_jit_usage(const struct kvf_scheme *s, const char *arch, kvf_kernel_usage
                   size_t *size) {
     void *img = NULL;
     size_t bytes = 0;
-    if (strncmp(arch, "sm_", 3))
-        return kvf_set_error(KVF_EINVAL, "arch %s: the register report needs a GPU arch (sm_XX); for a virtual "
-                             "arch NVRTC writes PTX and ptxas does not run", arch);
+    if (image) *image = NULL;
+    if (need_gpu_arch(arch, "the register report")) return KVF_EINVAL;
     kvf_gen_output g;
     int rc = kvf_gen(s, &g);
     if (rc) return rc;

@@ -19,12 +19,12 @@ typedef struct kvf_kernel_usage {
 
 /* NVRTC compile of the scheme's kernels for arch ("sm_90"; no cache, no GPU)
  * with ptxas's report parsed per kernel: *usage (n entries, in the report's
- * order; the caller frees it). KVF_EINVAL for a virtual arch (compute_90:
- * no ptxas); KVF_EFORMAT when the report lists no kernel, or a kernel without
- * its register line or its stack/spill line (a report this code does not know). */
-/* image (NULL: not wanted): the cubin compiled, *size bytes, which the
- * caller frees (it differs in bytes from kvf_jit_image's: the report option
- * is recorded in it). */
+ * order; the caller frees it), and with image (NULL: not wanted) the cubin,
+ * *size bytes, which the caller frees (it differs in bytes from
+ * kvf_jit_image's: the report option is recorded in it). KVF_EINVAL for a
+ * virtual arch (compute_90: no ptxas); KVF_EFORMAT when the report lists no
+ * kernel, or a kernel without its register line or its stack/spill line (a
+ * report this code does not know). */
 int kvf_jit_usage(const struct kvf_scheme *s, const char *arch, kvf_kernel_usage **usage, int *n, void **image,
                   size_t *size);
 
