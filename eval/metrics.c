@@ -244,7 +244,8 @@ static int step_task(void *arg, int t, int worker) {
     (void)worker;
     step_job *job = arg;
     const kvf_eval_step *st = job->st;
-    return t < st->q_heads ? attention_task(st, t, &job->attn[t]) : kv_task(st, t - st->q_heads, &job->kv[t - st->q_heads]);
+    return t < st->q_heads ? attention_task(st, t, &job->attn[t])
+                           : kv_task(st, t - st->q_heads, &job->kv[t - st->q_heads]);
 }
 
 /* ||O_hat - O||_F / ||O||_F from the squared norms: 0 when equal, infinite
@@ -267,7 +268,8 @@ static int check_step(const kvf_eval_step *st) {
 int kvf_eval_step_run(const kvf_eval_step *st, kvf_eval_sums *out) {
     int rc = check_step(st);
     if (rc) return rc;
-    step_job job = {st, calloc((size_t)st->q_heads, sizeof(kvf_attn_sums)), calloc((size_t)st->kv_heads, sizeof(kv_sums))};
+    step_job job = {st, calloc((size_t)st->q_heads, sizeof(kvf_attn_sums)),
+                    calloc((size_t)st->kv_heads, sizeof(kv_sums))};
     if (!job.attn || !job.kv) rc = kvf_set_error(KVF_ENOMEM, "kvf_eval_step_run: out of memory");
     else {
         kvf_tasks t = {st->q_heads + st->kv_heads, st->threads, &job, NULL, step_task, NULL};

@@ -16,7 +16,6 @@
 
 #include <math.h>
 
-
 static kvf_context *fr_contexts(int i) {
     static kvf_context *ctx[FUZZ_ROUNDTRIP_SCHEMES];
     if (!ctx[0]) {

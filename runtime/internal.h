@@ -211,6 +211,9 @@ void kvf_synth_kv(uint16_t *x, int64_t n_tokens, int n_heads, int head_dim, uint
 
 /* The CUDA toolkit (NVRTC, fatbinary): $CUDA_HOME, else the build's default. */
 const char *kvf_cuda_home(void);
+
+/* ------------------------------------------------------- little-endian fields */
+
 /* Little-endian fields of the packed planes, the cache's key and entries. */
 static inline void kvf_put_u16(uint8_t *p, uint16_t v) {
     p[0] = (uint8_t)(v & 0xffu);
@@ -226,7 +229,9 @@ static inline uint32_t kvf_get_u32(const uint8_t *p) {
 static inline void kvf_put_u64(uint8_t *p, uint64_t v) {
     for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
 }
-static inline uint64_t kvf_get_u64(const uint8_t *p) { return (uint64_t)kvf_get_u32(p) | (uint64_t)kvf_get_u32(p + 4) << 32; }
+static inline uint64_t kvf_get_u64(const uint8_t *p) {
+    return (uint64_t)kvf_get_u32(p) | (uint64_t)kvf_get_u32(p + 4) << 32;
+}
 static inline void kvf_put_f32(uint8_t *p, float v) {
     uint32_t u;
     memcpy(&u, &v, 4);
@@ -238,6 +243,8 @@ static inline float kvf_get_f32(const uint8_t *p) {
     memcpy(&v, &u, 4);
     return v;
 }
+
+/* ------------------------------------------------------ threads (parallel.c) */
 
 /* CPUs this thread may run on (its affinity mask; else the online CPUs), at least 1. */
 int kvf_cpu_count(void);

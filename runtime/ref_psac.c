@@ -9,7 +9,6 @@
 #include <math.h>
 #include <string.h>
 
-
 /* The stored basis: one scale per head, s = max |u| / 127 (f32; NaN entries
  * left out of the maximum), codes b = clamp(rintf(u / s), -127, 127) (NaN: 0).
  * A maximum that gives no finite positive s stores s = 0 and zero codes. */

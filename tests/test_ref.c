@@ -779,7 +779,7 @@ static void test_determinism(void **state) {
     free(k), free(v), free(a), free(b);
 }
 
-/* The CPU reference runs a section's heads on several threads
+/* The CPU reference runs the heads of K and V on several threads
  * (KVFORGE_CPU_THREADS): 1 and 4 threads give the same packed bytes and the
  * same decode, for every kind of section (centroids with QSAC and PSAC from
  * statistics, four stages, KIVI's channel axis, a rotation); and a thread

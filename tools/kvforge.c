@@ -336,8 +336,8 @@ static int parse_eval_args(int argc, char **argv, eval_args *a) {
         else if (i + 1 < argc && !strcmp(o, "--threads")) {
             char *end;
             long n = strtol(argv[++i], &end, 10);
-            if (*end || n < 1 || n > 256) {
-                fprintf(stderr, "kvforge eval: --threads %s: must be an integer in 1..256\n", argv[i]);
+            if (*end || n < 1 || n > KVF_MAX_THREADS) {
+                fprintf(stderr, "kvforge eval: --threads %s: must be an integer in 1..%d\n", argv[i], KVF_MAX_THREADS);
                 return 2;
             }
             a->threads = (int)n;
