@@ -166,11 +166,17 @@ __host__ __device__ constexpr int smem_optin_bytes() {
 #endif
 }
 
-// A block's shared bytes with W warps: centroid rows (pitch D + 16 bf16:
-// conflict-free 8-byte B-fragment loads), N_j, weights, QSAC's group weight
-// sums, limits, then each warp's scratch.
+// Centroid row pitch (bf16): conflict-free 8-byte B-fragment loads.
+template <int D> __host__ __device__ constexpr int assign_pitch() { return D + 16; }
+// One warp's scratch, rounded to 16 bytes.
+template <int M> __host__ __device__ constexpr int assign_warp_bytes() {
+    return (int)((sizeof(assign_warp<M>) + 15) / 16 * 16);
+}
+
+// A block's shared bytes with W warps: centroid rows, N_j, weights, QSAC's
+// group weight sums, limits, then each warp's scratch.
 template <int D, int M> __host__ __device__ constexpr int assign_smem_for(int warps) {
-    return 256 * (D + 16) * 2 + 256 * 8 + D * 4 + 32 * 8 + 16 + warps * (int)((sizeof(assign_warp<M>) + 15) / 16 * 16);
+    return 256 * assign_pitch<D>() * 2 + 256 * 8 + D * 4 + 32 * 8 + 16 + warps * assign_warp_bytes<M>();
 }
 
 // Warps per block: 16 up to D = 128 (the registers stay within the launch
@@ -178,23 +184,18 @@ template <int D, int M> __host__ __device__ constexpr int assign_smem_for(int wa
 // centroid over a BF16 source, 120 over f32 with the low halves, 124 for
 // QSAC, whose 9,360 bytes of scratch a warp make it 221 of 227 KiB; against 8
 // warps, quantwm_int2's encode 4.06 -> 3.85 ms and qvg_pro_int2's 44.3 ->
-// 37.4-37.5 ms on the H200), 4 at D = 256 (the centroid rows fill shared
-// memory); fewer where the arch's shared memory holds fewer (QSAC with M >= 5
-// on sm_90, most sections on sm_80 and 99 KiB archs; 0: none fits, refused
-// below). test_nvrtc requires the assignment kernels to compile without a
+// 37.4-37.5 ms on the H200), 4 at D = 256 (chosen when its centroid rows
+// filled shared memory; sm_90 would now hold 8, not measured); fewer where
+// the arch's shared memory holds fewer (QSAC with M >= 6 on sm_90, most
+// sections on sm_80 and 99 KiB archs; 0: none fits, refused below). test_nvrtc requires the assignment kernels to compile without a
 // spill (QSAC M = 8 over an f32 source included).
 template <int D, int M> __host__ __device__ constexpr int assign_warps() {
     int w = D <= 128 ? 16 : 4;
     while (w > 0 && assign_smem_for<D, M>(w) > smem_optin_bytes()) w--;
     return w;
 }
-template <int D, int M, bool BF> struct assign_geom {
-    static constexpr int WARPS = assign_warps<D, M>();
-    static constexpr int DP = D + 16; // centroid row pitch (bf16)
-};
-
-template <int D, int M, bool BF> __host__ __device__ constexpr int assign_smem_bytes() {
-    return assign_smem_for<D, M>(assign_geom<D, M, BF>::WARPS);
+template <int D, int M> __host__ __device__ constexpr int assign_smem_bytes() {
+    return assign_smem_for<D, M>(assign_warps<D, M>());
 }
 
 // a = hi + lo + O(2^-18 |a|): both halves as packed BF16 pairs (x0 -> bits 0..15).
@@ -228,9 +229,9 @@ __device__ __forceinline__ int kblock_channel(int p) {
 
 // A filtered score with its centroid index in the low 8 mantissa bits: one
 // float that min/max order (within 255 ulp = 2^-15 relative of the score,
-// covered by the bound, see assign). Scores are finite wherever the lists
-// are used (a token whose scores may not be has an infinite bound and takes
-// the full scan, which reads no list).
+// covered by the bound, see assign). The lists' contents matter only where
+// the bound is finite, and there the scores are (a token whose scores may not
+// be has an infinite bound and takes the full scan, whatever its lists hold).
 __device__ __forceinline__ float score_key(float s, int j) {
     return __uint_as_float((__float_as_uint(s) & 0xffffff00u) | (u32)j);
 }
@@ -420,12 +421,10 @@ template <int D, int G, int M, bool BF>
 __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64 hs, int n_tokens, int c_eff,
                                        const u16 *__restrict__ cent, int c_alloc, int *idx_ws, u8 *idx_plane,
                                        const float *__restrict__ weights, unsigned long long *stats) {
-    constexpr int W = assign_geom<D, M, BF>::WARPS, DP = assign_geom<D, M, BF>::DP, KS = D / 16;
+    constexpr int W = assign_warps<D, M>(), DP = assign_pitch<D>(), KS = D / 16;
     constexpr int MF = assign_lists<M>::MF, K = assign_lists<M>::K;
-    constexpr int WB = (int)((sizeof(assign_warp<M>) + 15) / 16 * 16);
-    constexpr int SMEM = assign_smem_bytes<D, M, BF>();
-    static_assert(W >= 1 && SMEM <= smem_optin_bytes(),
-                  "assign: the centroid rows of this head_dim need more shared memory than this GPU arch has");
+    constexpr int WB = assign_warp_bytes<M>(), SMEM = assign_smem_bytes<D, M>();
+    static_assert(W >= 1, "assign: the centroid rows of this head_dim need more shared memory than this GPU arch has");
     // A BF16 source is its own high half: no low half, no second mma (plain distances only;
     // QSAC's w * x is not BF16).
     constexpr bool NO_LO = BF && M == 1;
@@ -1034,15 +1033,15 @@ __device__ __forceinline__ void residual(const void *src, i64 ts, i64 hs, float 
     /* (plain, QSAC) and tokens per block (plain, QSAC), whether stage 0 reads  */                        \
     /* the BF16 input, the residual's rows per thread, the sums' block size.    */                        \
     extern "C" __device__ const int PREFIX##_assign_cfg[9] = {                                                \
-        kvf_kmeans::assign_smem_bytes<D, 1, BF>(), kvf_kmeans::assign_smem_bytes<D, QSAC, BF>(),               \
-        kvf_kmeans::assign_geom<D, 1, BF>::WARPS * 32, kvf_kmeans::assign_geom<D, QSAC, BF>::WARPS * 32,        \
-        kvf_kmeans::assign_geom<D, 1, BF>::WARPS * kvf_kmeans::TPW,                                           \
-        kvf_kmeans::assign_geom<D, QSAC, BF>::WARPS * kvf_kmeans::TPW, BF, kvf_kmeans::RES_RPT,              \
+        kvf_kmeans::assign_smem_bytes<D, 1>(), kvf_kmeans::assign_smem_bytes<D, QSAC>(),               \
+        kvf_kmeans::assign_warps<D, 1>() * 32, kvf_kmeans::assign_warps<D, QSAC>() * 32,        \
+        kvf_kmeans::assign_warps<D, 1>() * kvf_kmeans::TPW,                                           \
+        kvf_kmeans::assign_warps<D, QSAC>() * kvf_kmeans::TPW, BF, kvf_kmeans::RES_RPT,              \
         kvf_kmeans::SUM_THREADS};                                                                              \
     /* Filter statistics, counted while [0] != 0 (bench/bench.c sets it): per   */                      \
     /* kernel (plain, QSAC) tokens, candidates, full scans, second filters.      */                      \
     extern "C" __device__ unsigned long long PREFIX##_assign_stats[9] = {};                                  \
-    extern "C" __global__ void __launch_bounds__(kvf_kmeans::assign_geom<D, 1, BF>::WARPS * 32, 1)              \
+    extern "C" __global__ void __launch_bounds__(kvf_kmeans::assign_warps<D, 1>() * 32, 1)              \
     PREFIX##_assign(const void *src, i64 ts, i64 hs, int n, int c_eff, const u16 *cent, int c_alloc,           \
                     int *idx_ws, u8 *idx_plane) {                                                              \
         kvf_kmeans::assign<D, G, 1, BF>(src, ts, hs, n, c_eff, cent, c_alloc, idx_ws, idx_plane, 0,           \
@@ -1074,7 +1073,7 @@ __device__ __forceinline__ void residual(const void *src, i64 ts, i64 hs, float 
 // QSAC's assignment (keys with qsac_candidates > 1 only), after KVF_KMEANS_KERNELS
 // of the same PREFIX (its assign_cfg and assign_stats).
 #define KVF_KMEANS_QSAC_KERNEL(PREFIX, D, G, QSAC, BF)                                                        \
-    extern "C" __global__ void __launch_bounds__(kvf_kmeans::assign_geom<D, QSAC, BF>::WARPS * 32, 1)           \
+    extern "C" __global__ void __launch_bounds__(kvf_kmeans::assign_warps<D, QSAC>() * 32, 1)           \
     PREFIX##_assign_qsac(const void *src, i64 ts, i64 hs, int n, int c_eff, const u16 *cent, int c_alloc,      \
                          u8 *idx_plane, const float *weights) {                                                \
         kvf_kmeans::assign<D, G, QSAC, BF>(src, ts, hs, n, c_eff, cent, c_alloc, 0, idx_plane, weights,       \

@@ -56,7 +56,7 @@ __device__ __forceinline__ bool row_finite(const u16 *row) {
 // run at a quarter of the f64 fma rate), and fma(qa, qb, acc) is the CPU's
 // acc + qa * qb: the product of two bf16 values is exact in f64.
 constexpr int ACC_TILE = 32;
-// runtime/context.c launches (ACC_TILES, heads) blocks of 256 threads.
+// runtime/context.c launches (acc_grid<D>::TILES, heads) blocks of 256 threads.
 template <int D> struct acc_grid {
     static constexpr int SIDE = D / ACC_TILE, TILES = SIDE * (SIDE + 1) / 2;
 };
