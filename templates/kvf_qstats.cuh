@@ -49,9 +49,9 @@ __device__ __forceinline__ bool row_finite(const u16 *row) {
 // once per 16 x 16 tile). Only tiles on or above the diagonal are launched:
 // the sum for (b, a) is the one for (a, b) (the products commute exactly, in
 // the same order), so an off-diagonal tile adds it to both elements, each to
-// its own old value, as the CPU adds its mirrored sums. Rows that are not finite load as zeros: their
-// products are +0 and leave the sum as it is (it starts at +0 and never
-// becomes -0), as the CPU's skipping. The staged values are f64 already
+// its own old value, as the CPU adds its mirrored sums. Rows that are not
+// finite load as zeros: their products are +0 and leave the sum as it is (it
+// starts at +0 and never becomes -0), as the CPU's skipping. The staged values are f64 already
 // (converted once per element, not once per product: f32 -> f64 conversions
 // run at a quarter of the f64 fma rate), and fma(qa, qb, acc) is the CPU's
 // acc + qa * qb: the product of two bf16 values is exact in f64.
@@ -97,8 +97,7 @@ __device__ __forceinline__ void accumulate(const u16 *__restrict__ q, i64 ts, i6
                                            u8 *qs, layout l) {
     constexpr int T = ACC_TILE; // also the tokens staged per round
     static_assert(D % 64 == 0 && D <= 256, "head_dim is 64, 128 or 256");
-    static_assert(T * 8 == 256 && (T / 2) * (T / 2) == 256 && T == 4 * 8,
-                  "256 threads: 8 per staged row (4 columns each), 2 x 2 of the tile each");
+    static_assert(T == 32, "256 threads: 8 per staged row (4 columns each), 2 x 2 of the tile each");
     if (gridDim.x != (unsigned)acc_grid<D>::TILES || blockDim.x != 256) __trap(); // the launch disagrees with this file
     __shared__ __align__(16) double qa[T][T], qb[T][T];
     int ya = 0, xb = blockIdx.x; // tile (ya, ya + xb'): row ya of the upper triangle
