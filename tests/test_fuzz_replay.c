@@ -45,12 +45,6 @@ static uint8_t *read_all(const char *path, size_t *n) {
     return p;
 }
 
-/* tests/schemes_bad files that run until the loader's CPU time limit (1 s
- * each) stops them (tu_time_limited_schemes). test_scheme's test_bad_corpus
- * loads every one of them, checking the status, the located message and the
- * CPU time taken: replaying them here too would only spend those seconds a
- * second time in `make test`. */
-
 /* Every regular file of a directory (relative to the source tree) but those in
  * skip (NULL: none); returns how many. */
 static int replay_dir(target_fn fn, const char *rel, const char *const *skip) {
@@ -75,7 +69,9 @@ static int replay_dir(target_fn fn, const char *rel, const char *const *skip) {
 static void replay_scheme(void **state) {
     (void)state;
     assert_true(replay_dir(fuzz_scheme_one, "schemes", NULL) >= 2);
-    /* A renamed file would silently be replayed (and cost its second) again. */
+    /* The bad schemes that run until the loader's 1 s CPU limit are skipped:
+     * test_scheme's test_bad_corpus loads each (status, message, CPU time).
+     * A renamed file would silently be replayed (and cost its second) again. */
     for (const char *const *f = tu_time_limited_schemes; *f; f++) {
         char rel[128];
         snprintf(rel, sizeof rel, "tests/schemes_bad/%s", *f);
@@ -100,7 +96,8 @@ static int packed_seed(const uint8_t *data, size_t size) {
     int64_t n = (int64_t)kvf_get_u64(data + 16);
     int32_t h = (int32_t)kvf_get_u32(data + 24);
     unsigned ok = 0;
-    for (int i = 0; i < FUZZ_SCHEMES; i++) ok |= (unsigned)(kvf_packed_check(sch[i].s, data, size, n, h) == KVF_OK) << i;
+    for (int i = 0; i < FUZZ_SCHEMES; i++)
+        ok |= (unsigned)(kvf_packed_check(sch[i].s, data, size, n, h) == KVF_OK) << i;
     if (!ok) FUZZ_FAIL("no fuzz_packed scheme accepts this seed (stale: run make fuzz-seeds)");
     seeded_schemes |= ok;
     return 0;

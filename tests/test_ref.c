@@ -786,17 +786,23 @@ static void test_determinism(void **state) {
  * count that is not a number falls back to the default. */
 static void test_threads_same_bytes(void **state) {
     (void)state;
-    /* qvg_pro with 16 centroids: its four stages on several threads, in a
-     * fifth of the time of its 256 (the whole test took 15 s with them). */
-    static const char *const names[] = {"quantwm_int2", "qvg_pro_int2 (16 centroids)", "kivi_int2", "quarot_int2"};
+    /* A shipped scheme, or a scheme text (qvg_pro with 16 centroids: its four
+     * stages on several threads, in a fifth of the time of its 256: the whole
+     * test took 15 s with them); `many`: also the fallback of a thread count
+     * that is not a number (it parses the same for every scheme: once). */
+    static const struct { const char *name, *text; bool many; } cases[] = {
+        {"quantwm_int2", NULL, false},
+        {"thr_pro", "return { base = 'qvg_pro_int2', name = 'thr_pro', key = { centroids = 16 }, "
+                    "value = { centroids = 16 } }", false},
+        {"kivi_int2", NULL, true},
+        {"quarot_int2", NULL, false},
+    };
     const int64_t n = 300;
     const int h = 5;
     const char *old = getenv("KVFORGE_CPU_THREADS");
     char *saved = old ? strdup(old) : NULL;
-    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
-        kvf_scheme *s = i == 1 ? tu_scheme_text("return { base = 'qvg_pro_int2', name = 'thr_pro', key = { centroids = "
-                                                 "16 }, value = { centroids = 16 } }")
-                               : tu_scheme(names[i]);
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        kvf_scheme *s = cases[i].text ? tu_scheme_text(cases[i].text) : tu_scheme(cases[i].name);
         kvf_context *c;
         assert_int_equal(kvf_context_create(s, KVF_DEVICE_CPU, &c), KVF_OK);
         int d = kvf_scheme_head_dim(s);
@@ -828,7 +834,7 @@ static void test_threads_same_bytes(void **state) {
         assert_memory_equal(p[0], p[1], bytes);
         assert_memory_equal(out[0][0], out[1][0], nel * 2);
         assert_memory_equal(out[0][1], out[1][1], nel * 2);
-        if (!strcmp(names[i], "kivi_int2")) { /* the fallback parses the same for every scheme: once */
+        if (cases[i].many) {
             setenv("KVFORGE_CPU_THREADS", "many", 1);
             assert_int_equal(kvf_encode(c, k, v, &sh, qs, p[1], bytes, NULL), KVF_OK);
             assert_memory_equal(p[0], p[1], bytes);

@@ -631,7 +631,8 @@ static void test_bad_corpus(void **state) {
     for (size_t i = 0; i < N_BAD; i++) {
         const bool t = strstr(bad_cases[i].want, "time limit exceeded") != NULL;
         if (t != (bool)tu_listed(bad_cases[i].file, tu_time_limited_schemes))
-            fail_msg("%s: %s tu_time_limited_schemes", bad_cases[i].file, t ? "time-limited, not in" : "in, not time-limited:");
+            fail_msg("%s: %s", bad_cases[i].file, t ? "time-limited but not in tu_time_limited_schemes"
+                                                     : "in tu_time_limited_schemes but not time-limited");
         timed += t;
     }
     assert_int_equal(listed, timed);
