@@ -354,13 +354,13 @@ static void compare_case(kvf_context *gpu, kvf_context *cpu, const run_case *c, 
     CK(cuMemcpyHtoD(dk2, k, n * 2)); /* so padding holds the same as on the CPU side */
     CK(cuMemcpyHtoD(dv2, v, n * 2));
     const int kmeans = s->key.centroids > 0 || s->value.centroids > 0;
-    unsigned long long st[2][8];
-    if (data == 3 && kmeans) assert_int_equal(kvf_context_assign_stats(gpu, 1, st), KVF_OK);
+    unsigned long long astats[2][8];
+    if (data == 3 && kmeans) assert_int_equal(kvf_context_assign_stats(gpu, 1, astats), KVF_OK);
     gpu_encode(gpu, dk, dv, &sh, q.dev, dp, packed_bytes, 0xa5, pg);
     if (data == 3 && kmeans) {
-        assert_int_equal(kvf_context_assign_stats(gpu, 0, st), KVF_OK);
+        assert_int_equal(kvf_context_assign_stats(gpu, 0, astats), KVF_OK);
         unsigned long long full = 0;
-        for (int t = 0; t < 2; t++) full += st[t][2] + st[t][6];
+        for (int t = 0; t < 2; t++) full += astats[t][2] + astats[t][6];
         /* Head 1's tokens at least once (its first assignment), whatever else. */
         if (c->heads > 1) assert_true(full >= (unsigned long long)c->tokens);
         printf("  rows near the filter's 2^125 guard: %llu full scans\n", full);
@@ -578,7 +578,8 @@ static void gpu_kmeans_sum_shapes(void **state) {
  * GPU): its k-means assignment takes the block geometry of sm_80's 163 KiB of
  * shared memory (12 warps for the plain assignment at head_dim 128, 9 for
  * QSAC, 3 at head_dim 256, instead of sm_90's 16, 16 and 4), and must agree
- * with the CPU as sm_90's does. The first case (300 tokens x 3 heads) gives
+ * with the CPU as sm_90's does (KVF_TEST_SMALL: tiny_cases[0] for each
+ * scheme instead of these shapes). The first case (300 tokens x 3 heads) gives
  * each warp one tile; the second has a head per multiprocessor and more, so
  * every block (one per head) loops over tiles W warps apart. On a device with
  * less shared memory than sm_80 (sm_86/89/12x) the image is refused instead. */
@@ -591,10 +592,10 @@ static void gpu_sm80_geometry(void **state) {
     const struct { const char *text; run_case c; } shapes[] = {
         {"return { base = 'quantwm_int2', name = 'wm_sm80' }", {300, 3, 1, 0}},
         {"return { base = 'quantwm_int2', name = 'wm16_sm80', key = { centroids = 16 }, value = { centroids = 16 } }",
-         {small ? 40 : 400, sms + 8, 0, 0}},
+         {400, sms + 8, 0, 0}},
         {"return { base = 'qvg_int2', name = 'qvg_d256_sm80', head_dim = 256, key = { centroids = 40 }, "
          "value = { centroids = 40 } }",
-         {small ? 40 : 300, small ? 2 : sms + 8, 1, 0}},
+         {300, sms + 8, 1, 0}},
     };
     for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
         kvf_scheme *s = tu_scheme_text(shapes[i].text);
@@ -606,7 +607,8 @@ static void gpu_sm80_geometry(void **state) {
         kvf_context *gpu, *cpu;
         int rc = kvf_context_create_from_image(kvf_scheme_canonical(s), image, size, 0, &gpu);
         free(image);
-        if (optin < 166912) { /* sm_80's 163 KiB do not fit this device */
+        enum { SM80_OPTIN = 166912 }; /* kvf_kmeans smem_optin_bytes for sm_80: 163 KiB */
+        if (optin < SM80_OPTIN) {
             assert_int_equal(rc, KVF_ENOTIMPL);
             assert_non_null(strstr(kvf_last_error(), "bytes of shared memory per block"));
             printf("  %s: compute_80 image refused on a device with %d bytes a block\n", kvf_scheme_id(s), optin);
@@ -628,7 +630,7 @@ static void gpu_sm80_geometry(void **state) {
 
 /* An image whose assignment asks for more shared memory than any device
  * allows (its assign_cfg patched in the PTX: the plain assignment's bytes
- * times 2^16 and more) is refused on load, naming both sizes: the check the
+ * times 2^16 and more) is refused on load, saying what it needs: the check the
  * arch table relies on for devices it does not know. */
 static void oversized_assignment_refused(void **state) {
     (void)state;
@@ -1040,8 +1042,7 @@ static void context_from_cache_and_image(void **state) {
     ver[strlen("kvf_format_versio")] = 'n';
     ver[strlen("kvf_format_version = ")] = '2';
     /* Launched otherwise (an earlier kvf_kernel_abi: session 8 changed the
-     * statistics sums' grid, session 9 the decode's shared memory), or from
-     * before that global: refused too. */
+     * statistics sums' grid), or from before that global: refused too. */
     char want[128];
     snprintf(want, sizeof want, "kvf_kernel_abi = %u;", KVF_KERNEL_ABI);
     _Static_assert(KVF_KERNEL_ABI >= 2 && KVF_KERNEL_ABI <= 9, "one digit, with an earlier version");
