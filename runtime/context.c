@@ -111,29 +111,25 @@ static int kmeans_global(kvf_context *ctx, int t, const char *sym, size_t want, 
 }
 
 /* A u32 module global the generator writes into every image (`name`),
- * which must equal `want`: KVF_EFORMAT naming `what` and the remedy when the
+ * which must equal `want`: KVF_EFORMAT naming `what` ("packed format") and
+ * what this library does with it (`verb`: "reads"), and the remedy, when the
  * image has none or another value. Inside push_ctx. */
-static int check_image_u32(kvf_context *ctx, const char *name, unsigned want, const char *what) {
+static int check_image_u32(kvf_context *ctx, const char *name, unsigned want, const char *what, const char *verb) {
     CUdeviceptr p;
     size_t bytes = 0;
     uint32_t v = 0;
-    char call[96];
     CUresult r = ctx->cu->cuModuleGetGlobal(&p, &bytes, ctx->module, name);
-    if (r != CUDA_SUCCESS && r != CUDA_ERROR_NOT_FOUND) {
-        snprintf(call, sizeof call, "cuModuleGetGlobal(%s)", name);
-        return kvf_cuda_fail(r, call, __FILE__, __LINE__, ctx->device);
-    }
+    if (r != CUDA_SUCCESS && r != CUDA_ERROR_NOT_FOUND)
+        return kvf_wrap_error(kvf_cuda_fail(r, "cuModuleGetGlobal", __FILE__, __LINE__, ctx->device), "reading %s",
+                              name);
     if (r != CUDA_SUCCESS || bytes != sizeof v)
-        return kvf_set_error(KVF_EFORMAT, "kernel image has no %s: made by a kvforge older than %s %u (export or "
-                                          "compile it again)", name, what, want);
-    if ((r = ctx->cu->cuMemcpyDtoH(&v, p, sizeof v)) != CUDA_SUCCESS) {
-        snprintf(call, sizeof call, "cuMemcpyDtoH(%s)", name);
-        return kvf_cuda_fail(r, call, __FILE__, __LINE__, ctx->device);
-    }
+        return kvf_set_error(KVF_EFORMAT, "kernel image has no %s: made by a kvforge older than %s version %u "
+                                          "(export or compile it again)", name, what, want);
+    if ((r = ctx->cu->cuMemcpyDtoH(&v, p, sizeof v)) != CUDA_SUCCESS)
+        return kvf_wrap_error(kvf_cuda_fail(r, "cuMemcpyDtoH", __FILE__, __LINE__, ctx->device), "reading %s", name);
     if (v != want)
-        return kvf_set_error(KVF_EFORMAT, "kernel image implements %s %u, this library %s version %u (export or "
-                                          "compile it again)", what, v, strcmp(name, "kvf_format_version") ? "launches" : "reads",
-                             want);
+        return kvf_set_error(KVF_EFORMAT, "kernel image implements %s version %u, this library %s version %u "
+                                          "(export or compile it again)", what, v, verb, want);
     return KVF_OK;
 }
 
@@ -142,8 +138,8 @@ static int check_image_u32(kvf_context *ctx, const char *name, unsigned want, co
  * launches (kvf_kernel_abi: grids and arguments; another would run on the
  * wrong grid). Both are templates/kvf_common.cuh globals written by gen.c. */
 static int check_image_format(kvf_context *ctx) {
-    int rc = check_image_u32(ctx, "kvf_format_version", KVF_FORMAT_VERSION, "packed format version");
-    return rc ? rc : check_image_u32(ctx, "kvf_kernel_abi", KVF_KERNEL_ABI, "kernel interface version");
+    int rc = check_image_u32(ctx, "kvf_format_version", KVF_FORMAT_VERSION, "packed format", "reads");
+    return rc ? rc : check_image_u32(ctx, "kvf_kernel_abi", KVF_KERNEL_ABI, "kernel interface", "launches");
 }
 
 static int load_module(kvf_context *ctx, const void *image) {
@@ -186,7 +182,8 @@ static int load_module(kvf_context *ctx, const void *image) {
             CUfunction f = ctx->fn[KVF_R_K_ASSIGN + k + t * KVF_R_SECTION_STRIDE];
             /* The template sizes the block for its arch's shared memory
              * (kvf_kmeans smem_optin_bytes): an image made for another arch
-             * (PTX) or a device that table does not know may need more. */
+             * (a PTX or cubin image), or a device below its arch's figure,
+             * may need more. */
             if (f && ctx->assign_cfg[t][AC_SMEM + k] > ctx->smem_optin) {
                 rc = kvf_set_error(KVF_ENOTIMPL,
                                    "the k-means assignment of scheme %s needs %d bytes of shared memory per block, "
