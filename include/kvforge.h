@@ -134,7 +134,10 @@ int kvf_device_count(int *count);
  * the CPU reference backend (host pointers). On a device this JIT-compiles the
  * scheme's kernels with NVRTC for the device's arch, through the disk cache
  * ($KVFORGE_CACHE_DIR, else $XDG_CACHE_HOME/kvforge, else ~/.cache/kvforge;
- * KVFORGE_CACHE=0 turns it off).
+ * KVFORGE_CACHE=0 turns it off). KVF_ENOTIMPL as kvf_context_create_from_image
+ * when the compiled image's k-means assignment needs more shared memory per
+ * block than the device allows (a GPU newer than NVRTC that gets the PTX of
+ * an arch with more).
  */
 int kvf_context_create(const kvf_scheme *s, int device, kvf_context **out);
 /*
