@@ -122,20 +122,35 @@ __device__ __forceinline__ float kvf_clamp(float r, float lo, float hi) { return
 // rounding; y - rint(y) is exact (Sterbenz). tests/test_rint_div.c repeats
 // this arithmetic on the CPU against the division, half of its values within
 // 32 ulp of a half-integer quotient (change it with these two functions).
-__device__ __forceinline__ float kvf_rint_div(float x, float S, float r) {
-    const float y = __fmul_rn(x, r), n = kvf_rint(y);
-    if (fabsf(__fsub_rn(y, n)) < __fsub_rn(0.5f, __fmaf_rn(fabsf(y), 0x1p-21f, 0x1p-140f))) return n;
-    return kvf_rint(__fdiv_rn(x, S));
+// kvf_rint_mul is the fast path of one value: n = rint(y), y = fl(x r);
+// true where the division's result is n. kvf_rint_mul_add the same for
+// rint(fl(fl(x / S) + z)), t = fl(y + z).
+__device__ __forceinline__ bool kvf_rint_mul(float x, float r, float &n) {
+    const float y = __fmul_rn(x, r);
+    n = kvf_rint(y);
+    return fabsf(__fsub_rn(y, n)) < __fsub_rn(0.5f, __fmaf_rn(fabsf(y), 0x1p-21f, 0x1p-140f));
 }
-// rint(fl(fl(x / S) + z)) for an integer z (|z| <= 256), the same way: the
-// sum's rounding adds 2^-23 |t| to the distance covered. The same integer,
-// though a zero may come out with the other sign (x / S just below -z + 1/2
-// in magnitude): the callers clamp to [0, L] and keep the code as u32.
-__device__ __forceinline__ float kvf_rint_div_add(float x, float S, float r, float z) {
-    const float y = __fmul_rn(x, r), t = __fadd_rn(y, z), n = kvf_rint(t);
+__device__ __forceinline__ bool kvf_rint_mul_add(float x, float r, float z, float &n) {
+    const float y = __fmul_rn(x, r), t = __fadd_rn(y, z);
+    n = kvf_rint(t);
     const float m = __fmaf_rn(fabsf(y), 0x1p-21f, __fmaf_rn(fabsf(t), 0x1p-22f, 0x1p-140f));
-    if (fabsf(__fsub_rn(t, n)) < __fsub_rn(0.5f, m)) return n;
-    return kvf_rint(__fadd_rn(__fdiv_rn(x, S), z));
+    return fabsf(__fsub_rn(t, n)) < __fsub_rn(0.5f, m);
+}
+// rint(fl(x_i / S)) (ADD = false) or rint(fl(fl(x_i / S) + z)) for an
+// integer z, |z| <= 256 (ADD = true: the sum's rounding adds 2^-23 |t| to
+// the distance covered) of 8 values, S > 0: every value's fast path, and
+// where any of them misses its margin, the division for all 8 (the same
+// integers wherever the fast path holds): one branch a lane, not one a value.
+// With ADD a zero may come out with the other sign (x / S just below -z +
+// 1/2 in magnitude): the callers clamp to [0, L] and keep the code as u32.
+template <bool ADD>
+__device__ __forceinline__ void kvf_rint_div8(const float (&x)[8], float S, float r, float z, float (&n)[8]) {
+    bool ok = true;
+#pragma unroll
+    for (int i = 0; i < 8; i++) ok &= ADD ? kvf_rint_mul_add(x[i], r, z, n[i]) : kvf_rint_mul(x[i], r, n[i]);
+    if (ok) return;
+#pragma unroll
+    for (int i = 0; i < 8; i++) n[i] = kvf_rint(ADD ? __fadd_rn(__fdiv_rn(x[i], S), z) : __fdiv_rn(x[i], S));
 }
 
 // Reduce over the `width` consecutive lanes of a group (width a power of two).

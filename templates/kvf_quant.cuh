@@ -24,19 +24,17 @@ struct lane_out {
 // Symmetric codes of 8 values under the effective scale S, for both scale
 // formats: clamp(rint(v / S), -QMAX, QMAX) + QMAX, or QMAX where S is 0.
 template <int BITS>
-__device__ __forceinline__ void codes_symmetric(const float v[8], float S, u32 q[8]) {
+__device__ __forceinline__ void codes_symmetric(const float (&v)[8], float S, u32 (&q)[8]) {
     constexpr int QMAX = (1 << (BITS - 1)) - 1;
-    const float r = S > 0.0f ? __frcp_rn(S) : 0.0f;
+    float n[8];
+    if (S > 0.0f) kvf_rint_div8<false>(v, S, __frcp_rn(S), 0.0f, n);
 #pragma unroll
-    for (int i = 0; i < 8; i++) {
-        int qi = S > 0.0f ? (int)kvf_clamp(kvf_rint_div(v[i], S, r), (float)-QMAX, (float)QMAX) : 0;
-        q[i] = (u32)(qi + QMAX);
-    }
+    for (int i = 0; i < 8; i++) q[i] = (u32)((S > 0.0f ? (int)kvf_clamp(n[i], (float)-QMAX, (float)QMAX) : 0) + QMAX);
 }
 
 // Quantize 8 values of a lane. LPR = lanes per row, LPG = lanes per group.
 template <int BITS, int LPG, int LPR, int MODE, int SFMT>
-__device__ __forceinline__ void encode8(const float v[8], lane_out &o) {
+__device__ __forceinline__ void encode8(const float (&v)[8], lane_out &o) {
     constexpr int L = (1 << BITS) - 1, QMAX = (1 << (BITS - 1)) - 1;
     float mn = v[0], mx = v[0], a = 0.0f;
 #pragma unroll
@@ -54,10 +52,13 @@ __device__ __forceinline__ void encode8(const float v[8], lane_out &o) {
         const float S = kvf_f16_to_f32(o.scale);
         if (MODE == KVF_MODE_AFFINE) {
             o.zero = kvf_stored_f16(mn);
-            const float M = kvf_f16_to_f32(o.zero), r = S > 0.0f ? __frcp_rn(S) : 0.0f;
+            const float M = kvf_f16_to_f32(o.zero);
+            float d[8], n[8];
 #pragma unroll
-            for (int i = 0; i < 8; i++)
-                o.q[i] = S > 0.0f ? (u32)kvf_clamp(kvf_rint_div(__fsub_rn(v[i], M), S, r), 0.0f, (float)L) : 0u;
+            for (int i = 0; i < 8; i++) d[i] = __fsub_rn(v[i], M);
+            if (S > 0.0f) kvf_rint_div8<false>(d, S, __frcp_rn(S), 0.0f, n);
+#pragma unroll
+            for (int i = 0; i < 8; i++) o.q[i] = S > 0.0f ? (u32)kvf_clamp(n[i], 0.0f, (float)L) : 0u;
         } else {
             o.zero = 0;
             codes_symmetric<BITS>(v, S, o.q);
@@ -75,10 +76,10 @@ __device__ __forceinline__ void encode8(const float v[8], lane_out &o) {
     if (MODE == KVF_MODE_AFFINE) {
         const float z = S > 0.0f ? kvf_clamp(kvf_rint(__fdiv_rn(-mn, S)), -128.0f, 127.0f) : 0.0f;
         o.zero = (u16)(u8)(signed char)(int)z;
-        const float r = S > 0.0f ? __frcp_rn(S) : 0.0f;
+        float n[8];
+        if (S > 0.0f) kvf_rint_div8<true>(v, S, __frcp_rn(S), z, n);
 #pragma unroll
-        for (int i = 0; i < 8; i++)
-            o.q[i] = S > 0.0f ? (u32)kvf_clamp(kvf_rint_div_add(v[i], S, r, z), 0.0f, (float)L) : 0u;
+        for (int i = 0; i < 8; i++) o.q[i] = S > 0.0f ? (u32)kvf_clamp(n[i], 0.0f, (float)L) : 0u;
     } else {
         o.zero = 0;
         codes_symmetric<BITS>(v, S, o.q);

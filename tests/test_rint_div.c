@@ -1,5 +1,6 @@
 /* The GPU quantizer's codes without a division per value (templates/
- * kvf_common.cuh, kvf_rint_div and kvf_rint_div_add; METHODS.md 2): this
+ * kvf_common.cuh, kvf_rint_mul and kvf_rint_mul_add, the fast paths of
+ * kvf_rint_div8, which divides where one misses; METHODS.md 2): this
  * file repeats their f32 arithmetic on the CPU (C11 floats, no contraction)
  * and checks the argument they rest on, that the fast path's integer is the
  * one the division gives, on random values and on values a few ulp from a
@@ -24,7 +25,7 @@ static uint32_t f32_bits(float f) {
     return u;
 }
 
-/* kvf_rint_div: rint(fl(x / S)) for S > 0, r = fl(1 / S). */
+/* kvf_rint_mul, then the division: rint(fl(x / S)) for S > 0, r = fl(1 / S). */
 static float rint_div(float x, float S, float r, long *slow) {
     const float y = x * r, n = rintf(y);
     if (fabsf(y - n) < 0.5f - fmaf(fabsf(y), 0x1p-21f, 0x1p-140f)) return n;
@@ -32,7 +33,7 @@ static float rint_div(float x, float S, float r, long *slow) {
     return rintf(x / S);
 }
 
-/* kvf_rint_div_add: rint(fl(fl(x / S) + z)) for an integer z. */
+/* kvf_rint_mul_add, then the division: rint(fl(fl(x / S) + z)) for an integer z. */
 static float rint_div_add(float x, float S, float r, float z, long *slow) {
     const float y = x * r, t = y + z, n = rintf(t);
     const float m = fmaf(fabsf(y), 0x1p-21f, fmaf(fabsf(t), 0x1p-22f, 0x1p-140f));
