@@ -11,6 +11,9 @@
 namespace kvf_rtn {
 
 constexpr int BLOCK = 256;
+// Blocks an SM must hold (unrotated: 32 registers, full occupancy; this
+// memory-bound kernel ran 2% slower at 33 registers, 6 blocks).
+constexpr int MIN_BLOCKS = 8;
 
 template <int D, int BITS, int G, int MODE, int SFMT, int ROT>
 __device__ __forceinline__ void encode(const u16 *__restrict__ x, i64 token_stride, i64 head_stride, int n_tokens,
@@ -41,7 +44,7 @@ __device__ __forceinline__ void encode(const u16 *__restrict__ x, i64 token_stri
 } // namespace kvf_rtn
 
 #define KVF_RTN_ENCODE_KERNEL(NAME, D, BITS, G, MODE, SFMT, ROT)                                   \
-    extern "C" __global__ void __launch_bounds__(kvf_rtn::BLOCK)                                   \
+    extern "C" __global__ void __launch_bounds__(kvf_rtn::BLOCK, ROT ? 1 : kvf_rtn::MIN_BLOCKS)     \
     NAME(const u16 *__restrict__ x, i64 token_stride, i64 head_stride, int n_tokens, int n_heads,  \
          u8 *__restrict__ packed, kvf_quant::stage_planes planes, int write_header,                \
          kvf_header_words hdr) {                                                                   \
