@@ -174,9 +174,11 @@ template <int M> __host__ __device__ constexpr int assign_warp_bytes() {
 }
 
 // A block's shared bytes with W warps: centroid rows, N_j, weights, QSAC's
-// group weight sums, limits, then each warp's scratch.
+// group weight sums, the exact norms (nearest centroid only), limits, then
+// each warp's scratch.
 template <int D, int M> __host__ __device__ constexpr int assign_smem_for(int warps) {
-    return 256 * assign_pitch<D>() * 2 + 256 * 8 + D * 4 + 32 * 8 + 16 + warps * assign_warp_bytes<M>();
+    return 256 * assign_pitch<D>() * 2 + 256 * 8 + D * 4 + 32 * 8 + (M == 1 ? 256 * 8 : 0) + 16 +
+           warps * assign_warp_bytes<M>();
 }
 
 // Warps per block: 16 up to D = 128 (the registers stay within the launch
@@ -265,21 +267,30 @@ __device__ __forceinline__ void mu16(const u16 *crow, int kb, float (&m)[16]) {
     }
 }
 
-// ||mu||^2 - 2 <x, mu>: both sums in one channel-order loop, the CPU's values
-// (kvf_ref_centroid_norms' and kvf_ref_nearest_normed's sums).
+// ||mu||^2, the CPU's value (kvf_ref_centroid_norms): f64 in channel order.
+template <int D> __device__ __forceinline__ double norm2(const u16 *crow) {
+    double nn = 0.0;
+#pragma unroll 1
+    for (int kb = 0; kb < D / 16; kb++) {
+        float mv[16];
+        mu16(crow, kb, mv);
+#pragma unroll
+        for (int i = 0; i < 16; i++) nn = __fma_rn((double)mv[i], (double)mv[i], nn);
+    }
+    return nn;
+}
+
+// nn - 2 <x, mu> with nn = ||mu||^2 (norm2): kvf_ref_nearest_normed's value.
 template <int D, bool BF>
-__device__ __forceinline__ double plain_dist(const void *x, const u16 *crow) {
-    double nn = 0.0, dot = 0.0;
+__device__ __forceinline__ double plain_dist(const void *x, const u16 *crow, double nn) {
+    double dot = 0.0;
 #pragma unroll 1
     for (int kb = 0; kb < D / 16; kb++) {
         float xv[16], mv[16];
         ld16<BF>(x, kb * 16, xv);
         mu16(crow, kb, mv);
 #pragma unroll
-        for (int i = 0; i < 16; i++) {
-            nn = __fma_rn((double)mv[i], (double)mv[i], nn);
-            dot = __fma_rn((double)xv[i], (double)mv[i], dot);
-        }
+        for (int i = 0; i < 16; i++) dot = __fma_rn((double)xv[i], (double)mv[i], dot);
     }
     return __dsub_rn(nn, __dmul_rn(2.0, dot));
 }
@@ -437,7 +448,8 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
                                                 // past c_eff; pairs of columns, twice (filter)
     float *wv = (float *)(nh + 128);            // [D]
     double *gw = (double *)(wv + D);            // [32] QSAC: weight sum of each group
-    u32 *lim = (u32 *)(gw + 32);                // [0] max |mu|, [1] max |N| (f32 bits)
+    double *nn64 = gw + 32;                     // [256] M = 1: |mu_j|^2 (norm2), for the exact distances
+    u32 *lim = (u32 *)(nn64 + (M == 1 ? 256 : 0)); // [0] max |mu|, [1] max |N| (f32 bits)
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, q = lane & 3;
     assign_warp<M> &wa = *(assign_warp<M> *)(smem + (SMEM - (W - warp) * WB));
     const int h = blockIdx.y, cp = (c_eff + 31) & ~31;
@@ -457,6 +469,8 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
         for (int c = threadIdx.x * G; c < (threadIdx.x + 1) * G; c++) s = __dadd_rn(s, (double)wv[c]);
         gw[threadIdx.x] = s;
     }
+    if (M == 1)
+        for (int j = threadIdx.x; j < c_eff; j += W * 32) nn64[j] = norm2<D>(cs + j * DP);
     // The filter's N_j and the bound's limits: 8 threads per centroid, f64
     // partial sums (any order: only the exact distances below need the CPU's).
     for (int i = threadIdx.x; i < cp * 8; i += W * 32) {
@@ -636,8 +650,8 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
                 if (wa.off[i] <= f && wa.nc[i] > MF) tl = i;
             const int k = f - wa.off[tl];
             const void *x = src_row<BF>(src, ts, hs, h, tw0 + tl);
-            const u16 *mu = cs + wa.cj[tl][k] * DP;
-            wa.cd[tl][k] = M > 1 ? weighted_dist<D, BF>(x, mu, wv) : plain_dist<D, BF>(x, mu);
+            const int j = wa.cj[tl][k];
+            wa.cd[tl][k] = M > 1 ? weighted_dist<D, BF>(x, cs + j * DP, wv) : plain_dist<D, BF>(x, cs + j * DP, nn64[j]);
         }
         __syncwarp();
         // The CPU's rule over the candidates: the smallest (distance, j); for QSAC
@@ -730,7 +744,7 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
             const int tl = __ffs(full) - 1;
             const void *x = src_row<BF>(src, ts, hs, h, tw0 + tl);
             for (int j = lane; j < c_eff; j += 32)
-                wa.scr[j] = M > 1 ? weighted_dist<D, BF>(x, cs + j * DP, wv) : plain_dist<D, BF>(x, cs + j * DP);
+                wa.scr[j] = M > 1 ? weighted_dist<D, BF>(x, cs + j * DP, wv) : plain_dist<D, BF>(x, cs + j * DP, nn64[j]);
             __syncwarp();
             int best = 0;
             if (M == 1) {
