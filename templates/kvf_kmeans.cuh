@@ -125,6 +125,13 @@ constexpr int TPW = 16;         // tokens per warp (one m16 tile)
 constexpr int CAP = 32;         // candidates per token before the full scan
 constexpr float KAPPA = 2.44140625e-4f; // 2^-12
 
+// n8 column tiles a filter step: independent mma chains. 8 for the nearest
+// centroid over a BF16 source (one mma a tile and k-step; qvg_int2's encode
+// 2.937 -> 2.913 ms against 4 on the H200); 4 for QSAC, which ran 1.4%
+// slower at 8 (its 124 registers are at the cap), and over an f32 source
+// (two mma: qvg_pro_int2's encode 37.2 -> 37.8 ms at 8, 128 registers).
+template <int M, bool BF> __host__ __device__ constexpr int filter_tiles() { return M == 1 && BF ? 8 : 4; }
+
 template <int M> struct assign_lists {
     static constexpr int MF = M <= 8 ? M : 1; // the filter runs for M <= 8; larger M scans fully
     static constexpr int K = MF + 1;          // per-thread best kept per token (one more than M shows a drop)
@@ -344,18 +351,18 @@ __device__ __forceinline__ double sensitivity(const void *x, const u16 *crow, co
 // g+8: one 16-byte load), and ah/al hold -a. COLLECT = 0: keep each row's
 // K smallest keys over the thread's columns. COLLECT = 1: append every j
 // with h_j <= thr of a row marked `again` to that row's candidates.
-template <int D, int DP, int K, int M, bool COLLECT>
+template <int D, int DP, int K, int M, int FNU, bool COLLECT>
 __device__ __forceinline__ void filter(bool lo, const u32 (&ah)[D / 16][4], const u32 (&al)[D / 16][4],
                                        const u16 *cs, const float4 *nh, int cp, int g, int q, float (&bs0)[K],
                                        float (&bs1)[K], assign_warp<M> &wa) {
     const float neg = __int_as_float(0xff800000);
     const float thr0 = COLLECT && wa.again[g] ? wa.thr[g] : neg, thr1 = COLLECT && wa.again[g + 8] ? wa.thr[g + 8] : neg;
-    for (int nt = 0; nt < cp / 8; nt += 4) {
-        float acc[4][4]; // rows g, g+8 x columns 2q, 2q+1 of each 8: h_j = N_j / 2 - <a, mu_j>
+    for (int nt = 0; nt < cp / 8; nt += FNU) {
+        float acc[FNU][4]; // rows g, g+8 x columns 2q, 2q+1 of each 8: h_j = N_j / 2 - <a, mu_j>
 #pragma unroll
         for (int ks = 0; ks < D / 16; ks++)
 #pragma unroll
-            for (int u = 0; u < 4; u++) {
+            for (int u = 0; u < FNU; u++) {
                 const uint2 b = *(const uint2 *)(cs + ((nt + u) * 8 + g) * DP + ks * 16 + q * 4);
                 if (ks == 0) {
                     mma_bf16_from(acc[u], ah[0], b.x, b.y, nh[(nt + u) * 4 + q]);
@@ -365,7 +372,7 @@ __device__ __forceinline__ void filter(bool lo, const u32 (&ah)[D / 16][4], cons
                 if (lo) mma_bf16(acc[u], al[ks], b.x, b.y); // warp-uniform: some e is not BF16
             }
 #pragma unroll
-        for (int u = 0; u < 4; u++)
+        for (int u = 0; u < FNU; u++)
 #pragma unroll
             for (int i = 0; i < 2; i++) {
                 const int j = (nt + u) * 8 + q * 2 + i;
@@ -452,7 +459,8 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
     u32 *lim = (u32 *)(nn64 + (M == 1 ? 256 : 0)); // [0] max |mu|, [1] max |N| (f32 bits)
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, q = lane & 3;
     assign_warp<M> &wa = *(assign_warp<M> *)(smem + (SMEM - (W - warp) * WB));
-    const int h = blockIdx.y, cp = (c_eff + 31) & ~31;
+    constexpr int FNU = filter_tiles<M, BF>(), CB = 8 * FNU; // n8 tiles and columns a filter step
+    const int h = blockIdx.y, cp = (c_eff + CB - 1) & ~(CB - 1);
     const u16 *ch = cent + (i64)h * c_alloc * D;
     for (int i = threadIdx.x; i < cp * (D / 16); i += W * 32) { // one 16-channel k-block, permuted
         const int j = i / (D / 16), c16 = (i % (D / 16)) * 16;
@@ -562,7 +570,7 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
         float bs0[K], bs1[K]; // score keys (score_key)
 #pragma unroll
         for (int i = 0; i < K; i++) bs0[i] = bs1[i] = __int_as_float(0x7f800000);
-        if (M <= 8) filter<D, DP, K, M, false>(lo, ah, al, cs, nh, cp, g, q, bs0, bs1, wa);
+        if (M <= 8) filter<D, DP, K, M, FNU, false>(lo, ah, al, cs, nh, cp, g, q, bs0, bs1, wa);
         // Rows (bit r: token tw0 + r) left to the general path below. The
         // nearest centroid settles most rows in registers first: a row whose
         // quad's lists hold exactly one key within the threshold, and none of
@@ -625,7 +633,7 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
         }
         __syncwarp();
         if (M <= 8 && __any_sync(0xffffffffu, lane < TPW && wa.again[lane])) {
-            filter<D, DP, K, M, true>(lo, ah, al, cs, nh, cp, g, q, bs0, bs1, wa);
+            filter<D, DP, K, M, FNU, true>(lo, ah, al, cs, nh, cp, g, q, bs0, bs1, wa);
             __syncwarp();
             if (lane < TPW && wa.nc[lane] > CAP) wa.nc[lane] = -1;
             __syncwarp();
