@@ -189,15 +189,16 @@ template <int D, int M> __host__ __device__ constexpr int assign_smem_for(int wa
 }
 
 // Warps per block: 16 up to D = 128 (the registers stay within the launch
-// bounds of 512 threads without a spill on sm_90: 101 for the nearest
-// centroid over a BF16 source, 120 over f32 with the low halves, 124 for
-// QSAC, whose 9,360 bytes of scratch a warp make it 221 of 227 KiB; against 8
-// warps, quantwm_int2's encode 4.06 -> 3.85 ms and qvg_pro_int2's 44.3 ->
-// 37.4-37.5 ms on the H200), 4 at D = 256 (chosen when its centroid rows
-// filled shared memory; sm_90 would now hold 8, not measured); fewer where
-// the arch's shared memory holds fewer (QSAC with M >= 6 on sm_90, most
-// sections on sm_80 and 99 KiB archs; 0: none fits, refused below). test_nvrtc requires the assignment kernels to compile without a
-// spill (QSAC M = 8 over an f32 source included).
+// bounds of 512 threads without a spill on sm_90: 119 for the nearest
+// centroid over a BF16 source (8 filter tiles), 120 over f32 with the low
+// halves, 124 for QSAC, whose 9,360 bytes of scratch a warp make it 221 of
+// 227 KiB; against 8 warps, quantwm_int2's encode 4.06 -> 3.85 ms and
+// qvg_pro_int2's 44.3 -> 37.4-37.5 ms on the H200), 4 at D = 256 (chosen
+// when its centroid rows filled shared memory; sm_90 would now hold 8, not
+// measured); fewer where the arch's shared memory holds fewer (QSAC with M
+// >= 6 on sm_90, most sections on sm_80 and 99 KiB archs; 0: none fits,
+// refused below). test_nvrtc requires the assignment kernels to compile
+// without a spill (QSAC M = 8 over an f32 source included).
 template <int D, int M> __host__ __device__ constexpr int assign_warps() {
     int w = D <= 128 ? 16 : 4;
     while (w > 0 && assign_smem_for<D, M>(w) > smem_optin_bytes()) w--;
