@@ -137,7 +137,9 @@ int kvf_device_count(int *count);
  * KVFORGE_CACHE=0 turns it off). KVF_ENOTIMPL as kvf_context_create_from_image
  * when the compiled image's k-means assignment needs more shared memory per
  * block than the device allows (a GPU newer than NVRTC that gets the PTX of
- * an arch with more).
+ * an arch with more), and when the arch cannot hold the assignment's
+ * centroid rows at all (head_dim 256 on the 99 KiB archs: sm_86, sm_89,
+ * sm_12x); KVF_ECOMPILE, with NVRTC's log, for any other failed compile.
  */
 int kvf_context_create(const kvf_scheme *s, int device, kvf_context **out);
 /*

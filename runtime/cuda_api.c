@@ -270,8 +270,10 @@ static int compile_program(const char *source, const char *name, const char *arc
     if (cr != NVRTC_SUCCESS) {
         char where[1400];
         dump_failed_source(name, source, log ? log : "", where, sizeof where);
-        rc = kvf_set_error(KVF_ECOMPILE, "NVRTC %d.%d could not compile %s for %s: %s%s\n%s", a->major, a->minor,
-                           name, arch, a->nvrtcGetErrorString(cr), where, log ? log : "");
+        /* A template refused a valid scheme on this arch (kvf_common.cuh's KVF_NOT_ON_THIS_ARCH). */
+        const int not_here = log && strstr(log, "[KVF_ENOTIMPL] ");
+        rc = kvf_set_error(not_here ? KVF_ENOTIMPL : KVF_ECOMPILE, "NVRTC %d.%d could not compile %s for %s: %s%s\n%s",
+                           a->major, a->minor, name, arch, a->nvrtcGetErrorString(cr), where, log ? log : "");
         goto done;
     }
     if (want_ptx) NVRTC_CHECK(a, nvrtcGetPTXSize(prog, size));

@@ -12,6 +12,11 @@ typedef long long i64;
 #define KVF_MODE_AFFINE 0
 #define KVF_MODE_SYMMETRIC 1
 
+// Starts the message of a static_assert that refuses a valid scheme on the
+// arch compiled for (not a bug): the host reports such a failed compile as
+// KVF_ENOTIMPL instead of KVF_ECOMPILE (runtime/cuda_api.c, same text).
+#define KVF_NOT_ON_THIS_ARCH "[KVF_ENOTIMPL] "
+
 // The 64-byte packed-cache header, passed by value and written by one thread.
 struct kvf_header_words { u64 w[8]; };
 

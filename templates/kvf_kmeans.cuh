@@ -443,7 +443,8 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
     constexpr int W = assign_warps<D, M>(), DP = assign_pitch<D>(), KS = D / 16;
     constexpr int MF = assign_lists<M>::MF, K = assign_lists<M>::K;
     constexpr int WB = assign_warp_bytes<M>(), SMEM = assign_smem_bytes<D, M>();
-    static_assert(W >= 1, "assign: the centroid rows of this head_dim need more shared memory than this GPU arch has");
+    static_assert(W >= 1, KVF_NOT_ON_THIS_ARCH
+                  "assign: the centroid rows of this head_dim need more shared memory than this GPU arch has");
     // A BF16 source is its own high half: no low half, no second mma (plain distances only;
     // QSAC's w * x is not BF16).
     constexpr bool NO_LO = BF && M == 1;
