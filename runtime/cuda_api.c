@@ -237,6 +237,20 @@ static void dump_failed_source(const char *name, const char *source, const char 
 
 /* extra: one more option (NULL: none); report: when not NULL, the compile
  * log of a successful compile (the caller frees it). */
+static int count_of(const char *s, const char *needle) {
+    int n = 0;
+    for (const char *p = s; (p = strstr(p, needle)); p += strlen(needle)) n++;
+    return n;
+}
+
+/* A failed compile whose every error is a template's static_assert marked
+ * KVF_NOT_ON_THIS_ARCH (kvf_common.cuh): a valid scheme this arch cannot
+ * run, not a broken source. */
+static int only_not_on_this_arch(const char *log) {
+    const int marked = log ? count_of(log, "error: static assertion failed with \"[KVF_ENOTIMPL] ") : 0;
+    return marked > 0 && marked == count_of(log, "): error");
+}
+
 static int compile_program(const char *source, const char *name, const char *arch, int want_ptx, const char *extra,
                            void **image, size_t *size, char **report) {
     const kvf_nvrtc_api *a;
@@ -270,9 +284,7 @@ static int compile_program(const char *source, const char *name, const char *arc
     if (cr != NVRTC_SUCCESS) {
         char where[1400];
         dump_failed_source(name, source, log ? log : "", where, sizeof where);
-        /* A template refused a valid scheme on this arch (kvf_common.cuh's KVF_NOT_ON_THIS_ARCH). */
-        const int not_here = log && strstr(log, "[KVF_ENOTIMPL] ");
-        rc = kvf_set_error(not_here ? KVF_ENOTIMPL : KVF_ECOMPILE, "NVRTC %d.%d could not compile %s for %s: %s%s\n%s",
+        rc = kvf_set_error(only_not_on_this_arch(log) ? KVF_ENOTIMPL : KVF_ECOMPILE, "NVRTC %d.%d could not compile %s for %s: %s%s\n%s",
                            a->major, a->minor, name, arch, a->nvrtcGetErrorString(cr), where, log ? log : "");
         goto done;
     }

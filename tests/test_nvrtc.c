@@ -82,7 +82,9 @@ static void check_usage(const char *label, const char *arch, const kvf_kernel_us
         if (!strict) continue;
         assert_true(u[i].spill_stores <= 64 && u[i].spill_loads <= 64);
         if (is_assign) assert_int_equal(u[i].spill_stores + u[i].spill_loads, 0);
-        /* The RTN/KIVI encodes: 32 registers when unrotated (kvf_rtn MIN_BLOCKS), no spill. */
+        /* The group encodes (RTN, QuaRot, KIVI's keys and values) do not spill; the
+         * unrotated RTN kernel (RTN, KIVI's values) is capped at 32 registers by
+         * kvf_rtn's MIN_BLOCKS. */
         if (strstr(u[i].name, "_encode_k") || strstr(u[i].name, "_encode_v"))
             assert_int_equal(u[i].spill_stores + u[i].spill_loads, 0);
         if (is_decode) assert_int_equal(u[i].spill_stores + u[i].spill_loads + u[i].stack, 0);
@@ -334,6 +336,18 @@ static void compile_error_reports_log(void **state) {
     int rc = kvf_nvrtc_compile("this is not CUDA", "broken.cu", "sm_90", 0, &img, &n);
     assert_int_equal(rc, KVF_ECOMPILE);
     assert_non_null(strstr(kvf_last_error(), "broken.cu"));
+    assert_null(img);
+    /* A template's KVF_NOT_ON_THIS_ARCH assertion alone is KVF_ENOTIMPL;
+     * with any other error beside it, KVF_ECOMPILE (the log has both). */
+    const char *marked = "static_assert(sizeof(int) == 3, \"[KVF_ENOTIMPL] too small here\");\n";
+    rc = kvf_nvrtc_compile(marked, "marked.cu", "sm_90", 0, &img, &n);
+    assert_int_equal(rc, KVF_ENOTIMPL);
+    assert_non_null(strstr(kvf_last_error(), "too small here"));
+    assert_null(img);
+    const char *both = "static_assert(sizeof(int) == 3, \"[KVF_ENOTIMPL] too small here\");\nint f() { return g; }\n";
+    rc = kvf_nvrtc_compile(both, "both.cu", "sm_90", 0, &img, &n);
+    assert_int_equal(rc, KVF_ECOMPILE);
+    assert_non_null(strstr(kvf_last_error(), "too small here"));
     assert_null(img);
 }
 
