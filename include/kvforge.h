@@ -139,7 +139,8 @@ int kvf_device_count(int *count);
  * block than the device allows (a GPU newer than NVRTC that gets the PTX of
  * an arch with more), and when the arch cannot hold the assignment's
  * centroid rows at all (head_dim 256 on the 99 KiB archs: sm_86, sm_89,
- * sm_12x); KVF_ECOMPILE, with NVRTC's log, for any other failed compile.
+ * sm_12x, and archs the templates do not name); KVF_ECOMPILE, with NVRTC's
+ * log, for any other failed compile.
  */
 int kvf_context_create(const kvf_scheme *s, int device, kvf_context **out);
 /*

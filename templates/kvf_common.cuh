@@ -126,9 +126,10 @@ __device__ __forceinline__ float kvf_clamp(float r, float lo, float hi) { return
 // margin is computed with a factor 2 to spare, which covers its own
 // rounding; y - rint(y) is exact (Sterbenz). tests/test_rint_div.c repeats
 // this arithmetic on the CPU against the division, half of its values within
-// 32 ulp of a half-integer quotient (change it with these two functions).
-// kvf_rint_mul is the fast path of one value: n = rint(y), y = fl(x r);
-// true where the division's result is n. kvf_rint_mul_add the same for
+// 32 ulp of a half-integer quotient (change it with kvf_rint_mul and
+// kvf_rint_mul_add). kvf_rint_mul is the fast path of one value: n =
+// rint(y), y = fl(x r); true only where the division's result is n (the
+// test is sufficient, not exact). kvf_rint_mul_add the same for
 // rint(fl(fl(x / S) + z)), t = fl(y + z).
 __device__ __forceinline__ bool kvf_rint_mul(float x, float r, float &n) {
     const float y = __fmul_rn(x, r);

@@ -127,9 +127,12 @@ constexpr float KAPPA = 2.44140625e-4f; // 2^-12
 
 // n8 column tiles a filter step: independent mma chains. 8 for the nearest
 // centroid over a BF16 source (one mma a tile and k-step; qvg_int2's encode
-// 2.937 -> 2.913 ms against 4 on the H200); 4 for QSAC, which ran 1.4%
-// slower at 8 (its 124 registers are at the cap), and over an f32 source
-// (two mma: qvg_pro_int2's encode 37.2 -> 37.8 ms at 8, 128 registers).
+// 2.937 -> 2.913 ms against 4 on the H200, means of 3 runs); 4 for QSAC
+// (quantwm_int2's encode 1.4% slower with every assignment at 8, its V's
+// included; 124 registers, just under the cap of 128) and over an f32
+// source (two mma a step where the low halves are not zero; qvg_pro_int2's
+// encode 37.8 ms at 8 against 37.0 at 4 in two device runs, 128 registers
+// against 120; docs/BENCHMARKS.md, session 10).
 template <int M, bool BF> __host__ __device__ constexpr int filter_tiles() { return M == 1 && BF ? 8 : 4; }
 
 template <int M> struct assign_lists {

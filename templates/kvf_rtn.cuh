@@ -11,9 +11,11 @@
 namespace kvf_rtn {
 
 constexpr int BLOCK = 256;
-// Blocks an SM must hold when unrotated: 32 registers, full occupancy
-// (rtn_int2's encode 0.354 ms on the H200; 0.377 ms at 33 registers, 6
-// blocks). The rotated encode keeps the compiler's choice.
+// Blocks an SM must hold when unrotated: 32 registers, full occupancy on
+// archs of 2048 threads an SM such as sm_80 and sm_90 (rtn_int2's encode
+// 0.354 ms on the H200; 0.377 ms at 33 registers, 6 blocks); archs of 1536
+// threads hold 6 (ptxas then allows 36). The rotated encode keeps the
+// compiler's choice.
 constexpr int MIN_BLOCKS = 8;
 
 template <int D, int BITS, int G, int MODE, int SFMT, int ROT>

@@ -1,6 +1,7 @@
 /* The GPU quantizer's codes without a division per value (templates/
  * kvf_common.cuh, kvf_rint_mul and kvf_rint_mul_add, the fast paths of
- * kvf_rint_div8, which divides where one misses; METHODS.md 2): this
+ * kvf_rint_div8, which divides all 8 values of a lane where any one misses;
+ * METHODS.md 2): this
  * file repeats their f32 arithmetic on the CPU (C11 floats, no contraction)
  * and checks the argument they rest on, that the fast path's integer is the
  * one the division gives, on random values and on values a few ulp from a
