@@ -111,6 +111,9 @@ static void every_scheme_compiles(void **state) {
             int decode, assign;
             check_usage(*n, archs[a], u, k, strict, &decode, &assign);
             assert_int_equal(decode, 2); /* decode_k and decode_v */
+            /* Unrotated RTN: 8 blocks of 256 threads an SM (kvf_rtn MIN_BLOCKS). */
+            for (int i = 0; i < k && strict && !strncmp(*n, "rtn_", 4); i++)
+                if (strstr(u[i].name, "_encode_")) assert_in_range(u[i].registers, 1, 32);
             free(u);
             if (strcmp(*n, "rtn_int4")) continue;
             const char *origin = NULL;
