@@ -143,10 +143,11 @@ __device__ __forceinline__ bool kvf_rint_mul_add(float x, float r, float z, floa
     return fabsf(__fsub_rn(t, n)) < __fsub_rn(0.5f, m);
 }
 // rint(fl(x_i / S)) (ADD = false) or rint(fl(fl(x_i / S) + z)) for an
-// integer z, |z| <= 256 (ADD = true: the sum's rounding adds 2^-23 |t| to
-// the distance covered) of 8 values, S > 0: every value's fast path, and
-// where any of them misses its margin, the division for all 8 (the same
-// integers wherever the fast path holds): one branch a lane, not one a value.
+// integer z, |z| <= 256 (ADD = true: the sum's rounding moves t by up to
+// 2^-24 |t|, which kvf_rint_mul_add's margin covers) of 8 values, S > 0,
+// r = fl(1 / S): every value's fast path, and where any of them misses its
+// margin, the division for all 8 (the same integers wherever the fast path
+// holds): one branch a lane, not one a value.
 // With ADD a zero may come out with the other sign (x / S just below -z +
 // 1/2 in magnitude): the callers clamp to [0, L] and keep the code as u32.
 template <bool ADD>

@@ -349,6 +349,14 @@ __device__ __forceinline__ double sensitivity(const void *x, const u16 *crow, co
     return score;
 }
 
+// The CPU's exact distance of row x to centroid j (its permuted shared row
+// crow): QSAC's weighted distance (M > 1, weights w), else the nearest
+// centroid's |mu_j|^2 - 2 <x, mu_j> with |mu_j|^2 = nn (norm2).
+template <int D, int M, bool BF>
+__device__ __forceinline__ double exact_dist(const void *x, const u16 *crow, const float *w, double nn) {
+    return M > 1 ? weighted_dist<D, BF>(x, crow, w) : plain_dist<D, BF>(x, crow, nn);
+}
+
 // One pass of the filter over all centroids for the warp's 16 tokens (rows g
 // and g+8 of the thread); nh[k] = (n_2k, n_2k+1, n_2k, n_2k+1) with n_j =
 // N_j / 2, the start of the accumulators of columns 2k, 2k+1 (rows g and
@@ -664,7 +672,7 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
             const int k = f - wa.off[tl];
             const void *x = src_row<BF>(src, ts, hs, h, tw0 + tl);
             const int j = wa.cj[tl][k];
-            wa.cd[tl][k] = M > 1 ? weighted_dist<D, BF>(x, cs + j * DP, wv) : plain_dist<D, BF>(x, cs + j * DP, nn64[j]);
+            wa.cd[tl][k] = exact_dist<D, M, BF>(x, cs + j * DP, wv, M > 1 ? 0.0 : nn64[j]);
         }
         __syncwarp();
         // The CPU's rule over the candidates: the smallest (distance, j); for QSAC
@@ -757,7 +765,7 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
             const int tl = __ffs(full) - 1;
             const void *x = src_row<BF>(src, ts, hs, h, tw0 + tl);
             for (int j = lane; j < c_eff; j += 32)
-                wa.scr[j] = M > 1 ? weighted_dist<D, BF>(x, cs + j * DP, wv) : plain_dist<D, BF>(x, cs + j * DP, nn64[j]);
+                wa.scr[j] = exact_dist<D, M, BF>(x, cs + j * DP, wv, M > 1 ? 0.0 : nn64[j]);
             __syncwarp();
             int best = 0;
             if (M == 1) {
