@@ -235,22 +235,32 @@ static void dump_failed_source(const char *name, const char *source, const char 
         }                                                                                           \
     } while (0)
 
-/* extra: one more option (NULL: none); report: when not NULL, the compile
- * log of a successful compile (the caller frees it). */
 static int count_of(const char *s, const char *needle) {
     int n = 0;
     for (const char *p = s; (p = strstr(p, needle)); p += strlen(needle)) n++;
     return n;
 }
 
-/* A failed compile whose every error is a template's static_assert marked
- * KVF_NOT_ON_THIS_ARCH (kvf_common.cuh): a valid scheme this arch cannot
- * run, not a broken source. */
-static int only_not_on_this_arch(const char *log) {
-    const int marked = log ? count_of(log, "error: static assertion failed with \"[KVF_ENOTIMPL] ") : 0;
-    return marked > 0 && marked == count_of(log, "): error");
+/* The errors of a failed compile as NVRTC counts them: its log ends with
+ * "N error(s) detected in the compilation of ..."; 0 without that line. */
+static int log_errors(const char *log) {
+    const char *p = strstr(log, " detected in the compilation of");
+    if (!p) return 0;
+    while (p > log && p[-1] != '\n') p--;
+    int n = 0;
+    return sscanf(p, "%d error", &n) == 1 ? n : 0;
 }
 
+/* A failed compile whose every error is a template's static_assert marked
+ * KVF_NOT_ON_THIS_ARCH (kvf_common.cuh, the same text): a valid scheme this
+ * arch cannot run, not a broken source. */
+static int only_not_on_this_arch(const char *log) {
+    const int marked = log ? count_of(log, "static assertion failed with \"[KVF_ENOTIMPL] ") : 0;
+    return marked > 0 && marked == log_errors(log);
+}
+
+/* extra: one more option (NULL: none); report: when not NULL, the compile
+ * log of a successful compile (the caller frees it). */
 static int compile_program(const char *source, const char *name, const char *arch, int want_ptx, const char *extra,
                            void **image, size_t *size, char **report) {
     const kvf_nvrtc_api *a;
@@ -284,8 +294,12 @@ static int compile_program(const char *source, const char *name, const char *arc
     if (cr != NVRTC_SUCCESS) {
         char where[1400];
         dump_failed_source(name, source, log ? log : "", where, sizeof where);
-        rc = kvf_set_error(only_not_on_this_arch(log) ? KVF_ENOTIMPL : KVF_ECOMPILE, "NVRTC %d.%d could not compile %s for %s: %s%s\n%s",
-                           a->major, a->minor, name, arch, a->nvrtcGetErrorString(cr), where, log ? log : "");
+        if (only_not_on_this_arch(log))
+            rc = kvf_set_error(KVF_ENOTIMPL, "%s cannot run on %s: a template's check for the arch refused it "
+                               "(NVRTC %d.%d log below)%s\n%s", name, arch, a->major, a->minor, where, log);
+        else
+            rc = kvf_set_error(KVF_ECOMPILE, "NVRTC %d.%d could not compile %s for %s: %s%s\n%s", a->major, a->minor,
+                               name, arch, a->nvrtcGetErrorString(cr), where, log ? log : "");
         goto done;
     }
     if (want_ptx) NVRTC_CHECK(a, nvrtcGetPTXSize(prog, size));
