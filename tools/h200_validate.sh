@@ -3,9 +3,11 @@
 # (built here by `make all aot-demo carry`). Prints what docs/VALIDATION.md
 # and docs/BENCHMARKS.md record. Parts: tests, demo, jit, aot, sanitizer, bench
 # (the default set), and python (pytest and examples on the GPU) and profile
-# (ncu per-kernel times of one layer's encode + decode) and ab (out/bin
-# against every variant in out/xbench, built by tools/variant.sh), which only
-# run when named, e.g. `bash tools/h200_validate.sh tests bench python`.
+# (ncu per-kernel times of one layer's encode + decode) and source (ncu's
+# SASS source view of single kernel launches, summarized by
+# tools/ncu_source.py) and ab (out/bin against every variant in out/xbench,
+# built by tools/variant.sh), which only run when named, e.g.
+# `bash tools/h200_validate.sh tests bench python`.
 set -u
 export LD_LIBRARY_PATH=$PWD/out/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export KVF_SRC=$PWD KVFORGE_CACHE_DIR=$(mktemp -d) KVFORGE_LIB=$PWD/out/lib/libkvforge.so
@@ -80,6 +82,30 @@ for r in rows[1:]:
 for name, (t, n) in tot.items(): print(f"  {name:28s} {n:4d} launches {t:9.3f} ms total {t/n:8.3f} ms each")
 PY
   done
+fi
+if has source && command -v ncu >/dev/null; then
+  # KVF_SOURCE: "SCHEME:KERNEL_REGEX ..." (regex over the kernel's name, e.g.
+  # kvf_qvg_int2_4339cb1d_k_assign); the first matching launch of
+  # `kvf_bench --reps 1 SCHEME` is profiled with `--set full` (about 20 s
+  # each). The CSVs and logs come back as one archive (the GPU machine
+  # returns at most 8 files).
+  default_source='qvg_int2:_k_assign$ quantwm_int2:_k_assign_qsac$ quantwm_int2:_k_residual$'
+  echo "== ncu source view of single launches: ${KVF_SOURCE:-$default_source}"
+  src_dir=$(mktemp -d)
+  for spec in ${KVF_SOURCE:-$default_source}; do
+    s=${spec%%:*} k=${spec#*:}
+    tag=$(printf '%s_%s' "$s" "$k" | tr -c 'A-Za-z0-9_' '_')
+    timeout 200 ncu --set full --import-source yes -k "regex:$k" -c 1 -f -o "$src_dir/$tag" \
+      out/bin/kvf_bench --reps 1 "$s" >"$src_dir/$tag.log" 2>&1 || echo "ncu $tag: exit $?"
+    if ncu --import "$src_dir/$tag.ncu-rep" --page source --csv --print-source sass >"$src_dir/$tag.csv" \
+      2>>"$src_dir/$tag.log"; then
+      python3 tools/ncu_source.py "$src_dir/$tag.csv" --top 12
+    else
+      echo "ncu $tag: no source page (see $tag.log in the archive)"
+    fi
+    ncu --import "$src_dir/$tag.ncu-rep" --page details --csv >"$src_dir/${tag}_details.csv" 2>>"$src_dir/$tag.log"
+  done
+  tar czf "${OUT:-/tmp}/ncu_source.tgz" --exclude='*.ncu-rep' -C "$src_dir" . && echo "CSVs and logs: ncu_source.tgz"
 fi
 if has ab; then
   # Rounds of `kvf_bench --reps N SCHEMES` alternating out/bin and each
