@@ -144,14 +144,15 @@ __device__ __forceinline__ bool kvf_rint_mul_add(float x, float r, float z, floa
 }
 // rint(fl(x_i / S)) (ADD = false) or rint(fl(fl(x_i / S) + z)) for an
 // integer z, |z| <= 256 (ADD = true: the sum's rounding moves t by up to
-// 2^-24 |t|, which kvf_rint_mul_add's margin covers) of 8 values, S > 0,
-// r = fl(1 / S): every value's fast path, and where any of them misses its
-// margin, the division for all 8 (the same integers wherever the fast path
-// holds): one branch a lane, not one a value.
+// 2^-24 |t|, which kvf_rint_mul_add's margin covers) of 8 values, S > 0
+// (r = fl(1 / S) computed once): every value's fast path, and where any of
+// them misses its margin, the division for all 8 (the same integers
+// wherever the fast path holds): one branch a lane, not one a value.
 // With ADD a zero may come out with the other sign (x / S just below -z +
 // 1/2 in magnitude): the callers clamp to [0, L] and keep the code as u32.
 template <bool ADD>
-__device__ __forceinline__ void kvf_rint_div8(const float (&x)[8], float S, float r, float z, float (&n)[8]) {
+__device__ __forceinline__ void kvf_rint_div8(const float (&x)[8], float S, float z, float (&n)[8]) {
+    const float r = __frcp_rn(S);
     bool ok = true;
 #pragma unroll
     for (int i = 0; i < 8; i++) ok &= ADD ? kvf_rint_mul_add(x[i], r, z, n[i]) : kvf_rint_mul(x[i], r, n[i]);

@@ -351,10 +351,13 @@ __device__ __forceinline__ double sensitivity(const void *x, const u16 *crow, co
 
 // The CPU's exact distance of row x to centroid j (its permuted shared row
 // crow): QSAC's weighted distance (M > 1, weights w), else the nearest
-// centroid's |mu_j|^2 - 2 <x, mu_j> with |mu_j|^2 = nn (norm2).
+// centroid's |mu_j|^2 - 2 <x, mu_j> with |mu_j|^2 = nn[j] (norm2; nn exists
+// only for M = 1).
 template <int D, int M, bool BF>
-__device__ __forceinline__ double exact_dist(const void *x, const u16 *crow, const float *w, double nn) {
-    return M > 1 ? weighted_dist<D, BF>(x, crow, w) : plain_dist<D, BF>(x, crow, nn);
+__device__ __forceinline__ double exact_dist(const void *x, const u16 *crow, const float *w, const double *nn,
+                                             int j) {
+    if constexpr (M > 1) return weighted_dist<D, BF>(x, crow, w);
+    else return plain_dist<D, BF>(x, crow, nn[j]);
 }
 
 // One pass of the filter over all centroids for the warp's 16 tokens (rows g
@@ -363,10 +366,11 @@ __device__ __forceinline__ double exact_dist(const void *x, const u16 *crow, con
 // g+8: one 16-byte load), and ah/al hold -a. COLLECT = 0: keep each row's
 // K smallest keys over the thread's columns. COLLECT = 1: append every j
 // with h_j <= thr of a row marked `again` to that row's candidates.
-template <int D, int DP, int K, int M, int FNU, bool COLLECT>
+template <int D, int K, int M, int FNU, bool COLLECT>
 __device__ __forceinline__ void filter(bool lo, const u32 (&ah)[D / 16][4], const u32 (&al)[D / 16][4],
                                        const u16 *cs, const float4 *nh, int cp, int g, int q, float (&bs0)[K],
                                        float (&bs1)[K], assign_warp<M> &wa) {
+    constexpr int DP = assign_pitch<D>();
     const float neg = __int_as_float(0xff800000);
     const float thr0 = COLLECT && wa.again[g] ? wa.thr[g] : neg, thr1 = COLLECT && wa.again[g + 8] ? wa.thr[g + 8] : neg;
     for (int nt = 0; nt < cp / 8; nt += FNU) {
@@ -583,7 +587,7 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
         float bs0[K], bs1[K]; // score keys (score_key)
 #pragma unroll
         for (int i = 0; i < K; i++) bs0[i] = bs1[i] = __int_as_float(0x7f800000);
-        if (M <= 8) filter<D, DP, K, M, FNU, false>(lo, ah, al, cs, nh, cp, g, q, bs0, bs1, wa);
+        if (M <= 8) filter<D, K, M, FNU, false>(lo, ah, al, cs, nh, cp, g, q, bs0, bs1, wa);
         // Rows (bit r: token tw0 + r) left to the general path below. The
         // nearest centroid settles most rows in registers first: a row whose
         // quad's lists hold exactly one key within the threshold, and none of
@@ -646,7 +650,7 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
         }
         __syncwarp();
         if (M <= 8 && __any_sync(0xffffffffu, lane < TPW && wa.again[lane])) {
-            filter<D, DP, K, M, FNU, true>(lo, ah, al, cs, nh, cp, g, q, bs0, bs1, wa);
+            filter<D, K, M, FNU, true>(lo, ah, al, cs, nh, cp, g, q, bs0, bs1, wa);
             __syncwarp();
             if (lane < TPW && wa.nc[lane] > CAP) wa.nc[lane] = -1;
             __syncwarp();
@@ -672,7 +676,7 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
             const int k = f - wa.off[tl];
             const void *x = src_row<BF>(src, ts, hs, h, tw0 + tl);
             const int j = wa.cj[tl][k];
-            wa.cd[tl][k] = exact_dist<D, M, BF>(x, cs + j * DP, wv, M > 1 ? 0.0 : nn64[j]);
+            wa.cd[tl][k] = exact_dist<D, M, BF>(x, cs + j * DP, wv, nn64, j);
         }
         __syncwarp();
         // The CPU's rule over the candidates: the smallest (distance, j); for QSAC
@@ -765,7 +769,7 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
             const int tl = __ffs(full) - 1;
             const void *x = src_row<BF>(src, ts, hs, h, tw0 + tl);
             for (int j = lane; j < c_eff; j += 32)
-                wa.scr[j] = exact_dist<D, M, BF>(x, cs + j * DP, wv, M > 1 ? 0.0 : nn64[j]);
+                wa.scr[j] = exact_dist<D, M, BF>(x, cs + j * DP, wv, nn64, j);
             __syncwarp();
             int best = 0;
             if (M == 1) {
@@ -1003,8 +1007,10 @@ __device__ __forceinline__ void subtract(float *e, int n_tokens, int n_heads, co
 // (e_out: the f32 workspace, PSAC's input; the source itself when that is the workspace).
 // RES_RPT rows per thread, ROWS apart, every load issued before any use: the
 // centroid is a gather behind the index load, two latencies a batch. 2 rows
-// (48-70 registers, sm_90) ran faster than 4 (72-91 registers: fewer blocks
-// per SM) and than 1 on the H200 (docs/BENCHMARKS.md, session 9).
+// (56-72 registers on sm_90 since session 10's quantizer; 48-70 before) ran
+// faster than 4 (72-91 registers: fewer blocks per SM) for qvg_int2 and
+// quantwm_int2, the same for qvg_pro_int2, and faster than 1 on the H200
+// (docs/BENCHMARKS.md, session 9).
 constexpr int RES_RPT = 2;
 template <int D, int BITS, int G, int MODE, int SFMT, int NCENT, int WRITE_E, bool BF>
 __device__ __forceinline__ void residual(const void *src, i64 ts, i64 hs, float *e_out, int n_tokens, int n_heads,

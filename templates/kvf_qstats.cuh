@@ -51,10 +51,11 @@ __device__ __forceinline__ bool row_finite(const u16 *row) {
 // the same order), so an off-diagonal tile adds it to both elements, each to
 // its own old value, as the CPU adds its mirrored sums. Rows that are not
 // finite load as zeros: their products are +0 and leave the sum as it is (it
-// starts at +0 and never becomes -0), as the CPU's skipping. The staged values are f64 already
-// (converted once per element, not once per product: f32 -> f64 conversions
-// run at a quarter of the f64 fma rate), and fma(qa, qb, acc) is the CPU's
-// acc + qa * qb: the product of two bf16 values is exact in f64.
+// starts at +0 and never becomes -0), as the CPU's skipping. The staged
+// values are f64 already (converted once per element, not once per
+// product: f32 -> f64 conversions run at a quarter of the f64 fma rate),
+// and fma(qa, qb, acc) is the CPU's acc + qa * qb: the product of two bf16
+// values is exact in f64.
 constexpr int ACC_TILE = 32;
 // runtime/context.c launches (acc_grid<D>::TILES, heads) blocks of 256 threads.
 template <int D> struct acc_grid {

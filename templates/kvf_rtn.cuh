@@ -13,8 +13,9 @@ namespace kvf_rtn {
 constexpr int BLOCK = 256;
 // Blocks an SM must hold when unrotated: 32 registers, full occupancy on
 // archs of 2048 threads an SM such as sm_80 and sm_90 (rtn_int2's encode
-// 0.354 ms on the H200; 0.377 ms at 33 registers, 6 blocks); archs of 1536
-// threads hold 6 (ptxas then allows 36). The rotated encode keeps the
+// 0.354 ms on the H200; 0.377 ms at 33 registers, 6 blocks). On archs of
+// 1536 threads (sm_86, sm_89, sm_12x) ptxas ignores a minimum it cannot
+// meet (36 registers there, its own choice). The rotated encode keeps the
 // compiler's choice.
 constexpr int MIN_BLOCKS = 8;
 
