@@ -185,11 +185,15 @@ static int load_module(kvf_context *ctx, const void *image) {
              * (a PTX or cubin image), or a device below its arch's figure,
              * may need more. */
             if (f && ctx->assign_cfg[t][AC_SMEM + k] > ctx->smem_optin) {
+                const int image = ctx->origin && !strcmp(ctx->origin, "image");
                 rc = kvf_set_error(KVF_ENOTIMPL,
-                                   "the k-means assignment of scheme %s needs %d bytes of shared memory per block, "
-                                   "device %d (%s) allows %d: use an image compiled for its arch",
-                                   ctx->scheme->id, ctx->assign_cfg[t][AC_SMEM + k], ctx->device, ctx->backend,
-                                   ctx->smem_optin);
+                                   "the k-means %s assignment of scheme %s needs %d bytes of shared memory per block, "
+                                   "device %d (%s) allows %d: %s",
+                                   k ? "QSAC" : "nearest-centroid", ctx->scheme->id, ctx->assign_cfg[t][AC_SMEM + k],
+                                   ctx->device, ctx->backend, ctx->smem_optin,
+                                   image ? "use an image compiled for its arch"
+                                         : "this NVRTC compiled PTX for an older arch than the device's; use an "
+                                           "NVRTC that knows the device's arch, or an image exported for it");
                 break;
             }
             if (f && (r = cu->cuFuncSetAttribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -241,9 +245,11 @@ int kvf_context_create_from_image(const char *canonical, const void *image, size
     if (rc) return rc;
     int major, minor;
     if (device == KVF_DEVICE_CPU) rc = kvf_set_error(KVF_EINVAL, "an image needs a CUDA device, not the CPU");
-    else if (!(rc = open_device(ctx, &major, &minor))) rc = load_module(ctx, image);
+    else if (!(rc = open_device(ctx, &major, &minor))) {
+        ctx->origin = "image"; /* before load_module: its messages name the remedy by origin */
+        rc = load_module(ctx, image);
+    }
     if (rc) { kvf_context_destroy(ctx); return rc; }
-    ctx->origin = "image";
     *out = ctx;
     return KVF_OK;
 }

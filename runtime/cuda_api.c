@@ -235,12 +235,6 @@ static void dump_failed_source(const char *name, const char *source, const char 
         }                                                                                           \
     } while (0)
 
-static int count_of(const char *s, const char *needle) {
-    int n = 0;
-    for (const char *p = s; (p = strstr(p, needle)); p += strlen(needle)) n++;
-    return n;
-}
-
 /* The errors of a failed compile as NVRTC counts them: its log ends with
  * "N error(s) detected in the compilation of ..."; 0 without that line. */
 static int log_errors(const char *log) {
@@ -255,7 +249,7 @@ static int log_errors(const char *log) {
  * KVF_NOT_ON_THIS_ARCH (kvf_common.cuh, the same text): a valid scheme this
  * arch cannot run, not a broken source. */
 static int only_not_on_this_arch(const char *log) {
-    const int marked = log ? count_of(log, "static assertion failed with \"[KVF_ENOTIMPL] ") : 0;
+    const int marked = log ? kvf_count_str(log, "static assertion failed with \"[KVF_ENOTIMPL] ") : 0;
     return marked > 0 && marked == log_errors(log);
 }
 

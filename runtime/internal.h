@@ -215,6 +215,12 @@ const char *kvf_cuda_home(void);
 /* ------------------------------------------------------- little-endian fields */
 
 /* Little-endian fields of the packed planes, the cache's key and entries. */
+/* How many times needle occurs in s, without overlaps. */
+static inline int kvf_count_str(const char *s, const char *needle) {
+    int n = 0;
+    for (const char *p = s; (p = strstr(p, needle)); p += strlen(needle)) n++;
+    return n;
+}
 static inline void kvf_put_u16(uint8_t *p, uint16_t v) {
     p[0] = (uint8_t)(v & 0xffu);
     p[1] = (uint8_t)(v >> 8);

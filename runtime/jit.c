@@ -44,10 +44,10 @@ int kvf_jit_image(const struct kvf_scheme *s, const char *arch, int want_ptx, vo
                   const char **origin) {
     *image = NULL;
     /* Refused before anything is compiled or cached. */
-    if (!want_ptx && need_gpu_arch(arch, "a cubin")) return KVF_EINVAL;
-    const kvf_nvrtc_api *nv;
-    int rc = kvf_nvrtc_load(&nv);
+    int rc = want_ptx ? KVF_OK : need_gpu_arch(arch, "a cubin");
     if (rc) return rc;
+    const kvf_nvrtc_api *nv;
+    if ((rc = kvf_nvrtc_load(&nv))) return rc;
     kvf_gen_output g;
     if ((rc = kvf_gen(s, &g))) return rc;
     char cache_arch[40];
@@ -90,8 +90,7 @@ static long number_before(const char *line, const char *what) {
 }
 
 int kvf_ptxas_report_parse(const char *log, kvf_kernel_usage **out, int *n_out) {
-    int n = 0;
-    for (const char *p = log; (p = strstr(p, "Compiling entry function '")); p++) n++;
+    const int n = kvf_count_str(log, "Compiling entry function '");
     if (n == 0) return kvf_set_error(KVF_EFORMAT, "ptxas report lists no kernel");
     kvf_kernel_usage *u = calloc((size_t)n, sizeof *u);
     unsigned char *have = calloc((size_t)n, 1); /* 1: the stack/spill line, 2: the register line */
@@ -149,10 +148,10 @@ int kvf_jit_usage(const struct kvf_scheme *s, const char *arch, kvf_kernel_usage
     void *img = NULL;
     size_t bytes = 0;
     if (image) *image = NULL;
-    if (need_gpu_arch(arch, "the register report")) return KVF_EINVAL;
-    kvf_gen_output g;
-    int rc = kvf_gen(s, &g);
+    int rc = need_gpu_arch(arch, "the register report");
     if (rc) return rc;
+    kvf_gen_output g;
+    if ((rc = kvf_gen(s, &g))) return rc;
     char *report = NULL;
     rc = kvf_nvrtc_compile_report(g.cu, g.cu_name, arch, &img, &bytes, &report);
     if (rc == KVF_OK) rc = kvf_ptxas_report_parse(report, usage, n);
