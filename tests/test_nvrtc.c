@@ -47,19 +47,7 @@ static int teardown(void **state) {
     return 0;
 }
 
-/* Every shipped scheme compiles for sm_80 and sm_90 to a cubin, with
- * ptxas's report of its kernels (kvforge compile --resources): every kernel
- * listed with its registers. With NVRTC 13 (what docs/BENCHMARKS.md's report
- * and the H200 runs used), also the register allocation measured there: the
- * decode, which is bound by bandwidth, neither spills nor uses a stack frame,
- * and no kernel spills more than 64 bytes (qstats_eigen spills 8 bytes for
- * sm_90); the unrotated RTN encode (RTN, and KIVI's values) stays at 32
- * registers, 8 blocks of 256 threads an SM (kvf_rtn MIN_BLOCKS). Another
- * toolkit allocates registers its own way: there the report is printed.
- * One compile per scheme and arch serves both (the report's cubin differs
- * from the cache's only in the options recorded in it); rtn_int4 also goes
- * through kvf_jit_image, whose cubins jit_race compares its racers
- * against. */
+/* A cubin: an ELF file of some size. */
 static void check_cubin(const void *image, size_t size) {
     assert_true(size > 1000);
     assert_memory_equal(image, "\177ELF", 4); /* a cubin is an ELF file */
@@ -69,8 +57,7 @@ static void check_cubin(const void *image, size_t size) {
  * registers; with strict (NVRTC 13) no kernel spills more than 64 bytes, the
  * assignment kernels (16 warps a block cap them at 128 registers on sm_90)
  * and the group encodes none, the decode neither spills nor has a stack
- * frame. *decode, *assign:
- * how many kernels of each the report lists. */
+ * frame. *decode, *assign: how many kernels of each the report lists. */
 static void check_usage(const char *label, const char *arch, const kvf_kernel_usage *u, int k, int strict,
                         int *decode, int *assign) {
     *decode = *assign = 0;
@@ -85,15 +72,27 @@ static void check_usage(const char *label, const char *arch, const kvf_kernel_us
         if (!strict) continue;
         assert_true(u[i].spill_stores <= 64 && u[i].spill_loads <= 64);
         if (is_assign) assert_int_equal(u[i].spill_stores + u[i].spill_loads, 0);
-        /* The group encodes (RTN, QuaRot, KIVI's keys and values) do not spill; the
-         * unrotated RTN kernel (RTN, KIVI's values) is capped at 32 registers by
-         * kvf_rtn's MIN_BLOCKS. */
+        /* The group encodes (RTN, QuaRot, KIVI's keys and values) do not spill
+         * (every_scheme_compiles also caps the unrotated RTN kernel's registers). */
         if (strstr(u[i].name, "_encode_k") || strstr(u[i].name, "_encode_v"))
             assert_int_equal(u[i].spill_stores + u[i].spill_loads, 0);
         if (is_decode) assert_int_equal(u[i].spill_stores + u[i].spill_loads + u[i].stack, 0);
     }
 }
 
+/* Every shipped scheme compiles for sm_80 and sm_90 to a cubin, with
+ * ptxas's report of its kernels (kvforge compile --resources): every kernel
+ * listed with its registers. With NVRTC 13 (what docs/BENCHMARKS.md's report
+ * and the H200 runs used), also the register allocation measured there: the
+ * decode, which is bound by bandwidth, neither spills nor uses a stack frame,
+ * and no kernel spills more than 64 bytes (qstats_eigen spills 8 bytes for
+ * sm_90); the unrotated RTN encode (RTN, and KIVI's values) stays at 32
+ * registers, 8 blocks of 256 threads an SM (kvf_rtn MIN_BLOCKS). Another
+ * toolkit allocates registers its own way: there the report is printed.
+ * One compile per scheme and arch serves both (the report's cubin differs
+ * from the cache's only in the options recorded in it); rtn_int4 also goes
+ * through kvf_jit_image, whose cubins jit_race compares its racers
+ * against. */
 static void every_scheme_compiles(void **state) {
     (void)state;
     const kvf_nvrtc_api *nv;
@@ -332,8 +331,7 @@ static void jit_race(void **state) {
     for (int i = 0; i < N; i++) pthread_join(th[i], NULL);
     check_race(r, N, "sm_80");
     for (int i = 0; i < N; i++) free(r[i].image);
-    setenv("KVFORGE_CACHE_DIR", cache_dir, 1);
-    tu_rmtree(dir);
+    tu_rmtree(dir); /* the next test's fresh_env points the cache back at cache_dir */
     free(dir);
 }
 

@@ -26,10 +26,17 @@ static uint32_t f32_bits(float f) {
     return u;
 }
 
+/* The templates' margins, written once: FMA is fmaf here and __fmaf_rn in
+ * kvf_common.cuh, whose text margins_are_the_templates looks for. */
+#define DIV_MARGIN(FMA, y) FMA(fabsf(y), 0x1p-21f, 0x1p-140f)
+#define ADD_MARGIN(FMA, y, t) FMA(fabsf(y), 0x1p-21f, FMA(fabsf(t), 0x1p-22f, 0x1p-140f))
+#define TEXT(...) TEXT_(__VA_ARGS__)
+#define TEXT_(...) #__VA_ARGS__
+
 /* kvf_rint_mul, then the division: rint(fl(x / S)) for S > 0, r = fl(1 / S). */
 static float rint_div(float x, float S, float r, long *slow) {
     const float y = x * r, n = rintf(y);
-    if (fabsf(y - n) < 0.5f - fmaf(fabsf(y), 0x1p-21f, 0x1p-140f)) return n;
+    if (fabsf(y - n) < 0.5f - DIV_MARGIN(fmaf, y)) return n;
     ++*slow;
     return rintf(x / S);
 }
@@ -37,7 +44,7 @@ static float rint_div(float x, float S, float r, long *slow) {
 /* kvf_rint_mul_add, then the division: rint(fl(fl(x / S) + z)) for an integer z. */
 static float rint_div_add(float x, float S, float r, float z, long *slow) {
     const float y = x * r, t = y + z, n = rintf(t);
-    const float m = fmaf(fabsf(y), 0x1p-21f, fmaf(fabsf(t), 0x1p-22f, 0x1p-140f));
+    const float m = ADD_MARGIN(fmaf, y, t);
     if (fabsf(t - n) < 0.5f - m) return n;
     ++*slow;
     return rintf(x / S + z);
@@ -99,14 +106,15 @@ static void codes_equal_division(void **state) {
 }
 
 /* The margins above are the templates': the library's embedded
- * kvf_common.cuh states these expressions, so changing one side alone
- * fails here. */
+ * kvf_common.cuh states the same expressions (DIV_MARGIN and ADD_MARGIN,
+ * used by both functions above, spelled with __fmaf_rn), so changing one
+ * side alone fails here. */
 static void margins_are_the_templates(void **state) {
     (void)state;
     const kvf_embedded_file *t = kvf_find_embedded(kvf_embedded_templates, "kvf_common.cuh");
     assert_non_null(t);
-    assert_non_null(strstr(t->data, "__fsub_rn(0.5f, __fmaf_rn(fabsf(y), 0x1p-21f, 0x1p-140f))"));
-    assert_non_null(strstr(t->data, "__fmaf_rn(fabsf(y), 0x1p-21f, __fmaf_rn(fabsf(t), 0x1p-22f, 0x1p-140f))"));
+    assert_non_null(strstr(t->data, "__fsub_rn(0.5f, " TEXT(DIV_MARGIN(__fmaf_rn, y)) ")"));
+    assert_non_null(strstr(t->data, TEXT(ADD_MARGIN(__fmaf_rn, y, t))));
 }
 
 /* Non-finite inputs and quotients always take the division. */

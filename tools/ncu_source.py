@@ -43,8 +43,9 @@ def main():
     with open(args.csv, newline="") as f:
         first = f.readline()  # "Kernel Name","..."
         rows = list(csv.reader(f))
-    if not rows or SAMPLES not in rows[0] or EXECUTED not in rows[0]:
-        sys.exit(f"{args.csv}: not an ncu source page with '{SAMPLES}' and '{EXECUTED}' columns")
+    needed = ("Source", SAMPLES, EXECUTED)
+    if not rows or any(c not in rows[0] for c in needed):
+        sys.exit(f"{args.csv}: not an ncu source page with the columns " + ", ".join(f"'{c}'" for c in needed))
     head, code = rows[0], rows[1:]
     col = {name: i for i, name in enumerate(head)}
     stalls = [h for h in head if h.startswith("stall_") and "Not Issued" not in h]
@@ -69,16 +70,16 @@ def main():
     print("opcodes by executed: " + ", ".join(f"{k} {100 * v / total_e:.1f}%" for k, v in by_exec.most_common(16)))
     print("opcodes by samples:  " + ", ".join(f"{k} {100 * v / total_s:.1f}%" for k, v in by_samp.most_common(16)))
 
-    regions = []  # [first, last, times executed, samples, warp instructions]
+    regions = []  # [first, last, times executed, samples]: consecutive instructions run equally often
     for i, (s, e) in enumerate(zip(samples, executed)):
-        if regions and regions[-1][2] == e and regions[-1][1] == i - 1:
+        if regions and regions[-1][2] == e:
             regions[-1][1] = i
             regions[-1][3] += s
-            regions[-1][4] += e
         else:
-            regions.append([i, i, e, s, e])
+            regions.append([i, i, e, s])
     print("regions with at least 1% of the samples (index range, times run, samples, instructions):")
-    for first_i, last_i, times, s, e in regions:
+    for first_i, last_i, times, s in regions:
+        e = times * (last_i - first_i + 1)
         if s / total_s >= 0.01:
             src = code[first_i][col["Source"]].strip()[:44]
             print(f"  [{first_i}-{last_i}] x{times:.0f}: {100 * s / total_s:5.1f}% samples, "
