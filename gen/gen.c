@@ -73,7 +73,7 @@ char *kvf_buf_take(kvf_buf *b) {
 /* ---------------------------------------------------------------- naming */
 
 const char *const kvf_role_names[KVF_ROLE_COUNT] = {
-    "header", "encode_k", "encode_v", "decode_k", "decode_v",
+    "header", "encode_k", "encode_v", "decode",
     "k_prep", "k_init", "k_assign", "k_assign_qsac", "k_accumulate", "k_finalize", "k_pad", "k_subtract",
     "k_residual",
     "v_prep", "v_init", "v_assign", "v_assign_qsac", "v_accumulate", "v_finalize", "v_pad", "v_subtract",
@@ -128,7 +128,7 @@ void kvf_gen_kernel_name(const struct kvf_scheme *s, int role, char *buf, size_t
 void kvf_gen_roles(const struct kvf_scheme *s, int present[KVF_ROLE_COUNT]) {
     const kvf_tensor_cfg *sec[2] = {&s->key, &s->value};
     memset(present, 0, sizeof(int) * KVF_ROLE_COUNT);
-    present[KVF_R_HEADER] = present[KVF_R_DECODE_K] = present[KVF_R_DECODE_V] = 1;
+    present[KVF_R_HEADER] = present[KVF_R_DECODE] = 1;
     present[KVF_R_QSTATS_INIT] = present[KVF_R_QSTATS_ACCUMULATE] = present[KVF_R_QSTATS_EIGEN] = 1;
     for (int t = 0; t < 2; t++) {
         if (kvf_section_path(sec[t]) != 'B') { present[KVF_R_ENCODE_K + t] = 1; continue; }
@@ -190,14 +190,20 @@ static void gen_encode_section(kvf_buf *b, const struct kvf_scheme *s, int t) {
     }
 }
 
-static void gen_decode_section(kvf_buf *b, const struct kvf_scheme *s, int t) {
-    const kvf_tensor_cfg *c = t ? &s->value : &s->key;
+/* The decode: one kvf_decode::section typedef per tensor section, and the
+ * kernel that runs both (templates/kvf_decode.cuh). */
+static void gen_decode(kvf_buf *b, const struct kvf_scheme *s) {
     char name[160];
-    kvf_gen_kernel_name(s, KVF_R_DECODE_K + t, name, sizeof name);
-    kvf_buf_printf(b, "KVF_DECODE_KERNEL(%s, %d, %d, %d, %s, %s, %s, %d, %d, %d, %d, %s)\n", name, s->head_dim,
-                   c->bits, template_group(c), mode_macro(c->mode), sfmt_macro(c->scale_format),
-                   c->axis == KVF_AXIS_TOKEN ? "KVF_AXIS_TOKEN" : "KVF_AXIS_CHANNEL", c->centroids, c->stages,
-                   c->rotation == KVF_ROTATION_HADAMARD, c->psac_rank, rope_macro(s, t == 0));
+    kvf_gen_kernel_name(s, KVF_R_DECODE, name, sizeof name);
+    for (int t = 0; t < 2; t++) {
+        const kvf_tensor_cfg *c = t ? &s->value : &s->key;
+        kvf_buf_printf(b, "typedef kvf_decode::section<%d, %d, %d, %s, %s, %s, %d, %d, %d, %d, %s> %s_%s;\n",
+                       s->head_dim, c->bits, template_group(c), mode_macro(c->mode), sfmt_macro(c->scale_format),
+                       c->axis == KVF_AXIS_TOKEN ? "KVF_AXIS_TOKEN" : "KVF_AXIS_CHANNEL", c->centroids, c->stages,
+                       c->rotation == KVF_ROTATION_HADAMARD, c->psac_rank, rope_macro(s, t == 0), name,
+                       t ? "value" : "key");
+    }
+    kvf_buf_printf(b, "KVF_DECODE_KERNEL(%s, %s_key, %s_value)\n", name, name, name);
 }
 
 static char *gen_cuda(const struct kvf_scheme *s) {
@@ -213,7 +219,7 @@ static char *gen_cuda(const struct kvf_scheme *s) {
     kvf_buf_printf(&b, "KVF_FORMAT_VERSION_GLOBAL(%uu)\nKVF_KERNEL_ABI_GLOBAL(%uu)\nKVF_HEADER_KERNEL(%s)\n",
                    KVF_FORMAT_VERSION, KVF_KERNEL_ABI, name);
     for (int t = 0; t < 2; t++) gen_encode_section(&b, s, t);
-    for (int t = 0; t < 2; t++) gen_decode_section(&b, s, t);
+    gen_decode(&b, s);
     kvf_buf_printf(&b, "KVF_QSTATS_KERNELS(kvf_%s, %d, %d)\n", s->id, s->head_dim, s->key.psac_rank);
     if (s->key.psac_rank > 0) kvf_buf_printf(&b, "KVF_PSAC_KERNELS(kvf_%s, %d, %d)\n", s->id, s->head_dim, s->key.psac_rank);
     if (s->key.qsac_candidates > 1) kvf_buf_printf(&b, "KVF_QSAC_WEIGHTS_KERNEL(kvf_%s, %d)\n", s->id, s->head_dim);

@@ -13,7 +13,7 @@
  * "kvf_<id>_<kvf_role_names[R]>"; kvf_gen_roles says which a scheme has. */
 enum kvf_role {
     KVF_R_HEADER = 0,
-    KVF_R_ENCODE_K, KVF_R_ENCODE_V, KVF_R_DECODE_K, KVF_R_DECODE_V,
+    KVF_R_ENCODE_K, KVF_R_ENCODE_V, KVF_R_DECODE, /* one kernel decodes K and V */
     /* Workspace path (centroids, stages, PSAC): per section, K then V. */
     KVF_R_K_PREP, KVF_R_K_INIT, KVF_R_K_ASSIGN, KVF_R_K_ASSIGN_QSAC, KVF_R_K_ACCUMULATE,
     KVF_R_K_FINALIZE, KVF_R_K_PAD, KVF_R_K_SUBTRACT, KVF_R_K_RESIDUAL,

@@ -623,27 +623,28 @@ int kvf_decode(kvf_context *ctx, const void *packed, size_t packed_bytes, const 
                              ctx->scheme->name);
     if (ctx->device == KVF_DEVICE_CPU)
         return kvf_ref_decode(ctx->scheme, packed, packed_bytes, &sh, positions, k_out, v_out);
-    /* Grid (token tiles, heads): blockIdx.y is the head (templates/kvf_decode.cuh;
-     * at most 65535, check_device_args). */
+    /* Grid (token tiles of K, then of V; heads): blockIdx.y is the head
+     * (templates/kvf_decode.cuh; at most 65535, check_device_args). */
     int n_tokens = (int)sh.n_tokens, n_heads = sh.n_heads;
-    void *dst[2] = {k_out, v_out};
     const kvf_section_layout *sec[2] = {&l.key, &l.value};
-    rope_arg rope = rope_of(ctx->scheme);
-    if ((rc = push_ctx(ctx))) return rc;
-    for (int t = 0; t < 2 && rc == KVF_OK; t++) {
+    section_arg planes[2];
+    unsigned blocks[2];
+    for (int t = 0; t < 2; t++) {
         /* Tokens per block: BLOCK / (d/8) rows x 4 (kvf_decode::tiling's
          * largest rows per thread; where it takes 2 a block loops twice), and
          * 4 such tiles with PSAC (each thread then loads its head's basis codes
-         * once for all of them). The kernel loops over tiles x, x + gridDim.x,
-         * ... of its own size, so this only tunes speed; it keeps gridDim.x
-         * x tile below 2^32 for the kernel's u32 token math. */
+         * once for all of them). A section's blocks loop over tiles b, b + nb,
+         * ... of their own size, so this only tunes speed; it keeps nb x tile
+         * below 2^32 for the kernel's u32 token math. */
         int64_t tile = (int64_t)(BLOCK / (ctx->scheme->head_dim / VEC)) * 4 * (sec[t]->psac_rank > 0 ? 4 : 1);
-        unsigned gx = blocks_for(sh.n_tokens, tile);
-        section_arg planes = section_of(sec[t]);
-        void *args[] = {(void *)&packed, &planes, &n_tokens, &n_heads, &dst[t], &sh.token_stride, &sh.head_stride,
-                        (void *)&positions, &rope};
-        rc = launch3(ctx, KVF_R_DECODE_K + t, gx, (unsigned)n_heads, 1, BLOCK, 0, args, stream);
+        blocks[t] = blocks_for(sh.n_tokens, tile);
+        planes[t] = section_of(sec[t]);
     }
+    rope_arg rope = rope_of(ctx->scheme);
+    void *args[] = {(void *)&packed, &planes[0], &planes[1], &n_tokens, &n_heads, &k_out, &v_out,
+                    &sh.token_stride, &sh.head_stride, (void *)&positions, &rope, &blocks[0], &blocks[1]};
+    if ((rc = push_ctx(ctx))) return rc;
+    rc = launch3(ctx, KVF_R_DECODE, blocks[0] + blocks[1], (unsigned)n_heads, 1, BLOCK, 0, args, stream);
     return pop_ctx(ctx, rc);
 }
 

@@ -105,8 +105,10 @@ const kvf_embedded_file *kvf_find_embedded(const kvf_embedded_file *table, const
  * as kvf_kernel_abi and a context refuses an image of another value, so a
  * kernel image exported by another kvforge fails to load instead of being
  * launched wrongly. Raise it with any such change. 2: session 8's statistics
- * sums launch only the tiles on or above the diagonal (805897f). */
-#define KVF_KERNEL_ABI 2u
+ * sums launch only the tiles on or above the diagonal (805897f). 3: one decode
+ * kernel for K and V (its arguments: both sections' planes and outputs, and
+ * the blocks of each). */
+#define KVF_KERNEL_ABI 3u
 #define KVF_HEADER_BYTES 64u
 #define KVF_PLANE_ALIGN 256u
 

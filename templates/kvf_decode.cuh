@@ -6,11 +6,15 @@
 // writes BF16 for the caller's attention. Lane layout as kvf_rtn.cuh: 8
 // channels per lane, D/8 lanes per row. CPU reference: runtime/ref_encode.c.
 //
-// Launch (runtime/context.c, kvf_decode): grid (x, n_heads), BLOCK threads.
-// blockIdx.y is the head; block x takes token tiles x, x + gridDim.x, ... of
-// TILE = ROWS * RPT tokens, so any gridDim.x is correct and the host only
-// tunes it. A thread keeps one head: per-head data (plane bases, the PSAC
-// basis) is set up once, every index is 32-bit token math (no 64-bit division).
+// Launch (runtime/context.c, kvf_decode): one kernel for K and V, grid
+// (k_blocks + v_blocks, n_heads), BLOCK threads. blockIdx.y is the head;
+// blocks x < k_blocks decode the keys, the others the values (one launch: the
+// values' blocks fill the keys' last wave; K+V 1-4% faster than two launches,
+// docs/BENCHMARKS.md, session 11). A section's block
+// b of nb takes token tiles b, b + nb, ... of TILE = ROWS * RPT tokens, so any
+// nb is correct and the host only tunes it. A thread keeps one head: per-head
+// data (plane bases, the PSAC basis) is set up once, every index is 32-bit
+// token math (no 64-bit division).
 //
 // Throughput: the kernel writes ~8x the bytes it reads (INT2) and is limited
 // by instructions, not by memory, unless each lane-row (8 channels) stays
@@ -214,7 +218,7 @@ constexpr float DOT_BIAS = 12582912.0f; // 2^23 + 2^22
 template <int D, int BITS, int G, int MODE, int SFMT, int AXIS, int NCENT, int STAGES, int ROT, int PSAC_R, int ROPE>
 __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const section_planes &p, int n_tokens,
                                        u16 *__restrict__ y_out, i64 token_stride, i64 head_stride,
-                                       const int *__restrict__ positions, const rope_args &rope) {
+                                       const int *__restrict__ positions, const rope_args &rope, u32 bx, u32 nb) {
     constexpr int LPR = D / 8, ROWS = BLOCK / LPR, LPG = G / 8 > 0 ? G / 8 : 1, GROUPS = D / G > 0 ? D / G : 1;
     constexpr int RPT = tiling<NCENT, STAGES, PSAC_R>::RPT, TILE = ROWS * RPT;
     constexpr int CB = D * BITS / 8; // code bytes per row (bits 16: the bf16 row)
@@ -268,10 +272,10 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
             for (int s = 0; s < STAGES; s++) next_idx[u][s] = kvf_ldg_u8(packed + p.stage[s].index + head_row + tu);
         }
     };
-    if (AHEAD && blockIdx.x * (u32)TILE < n) load_idx(blockIdx.x * (u32)TILE);
+    if (AHEAD && bx * (u32)TILE < n) load_idx(bx * (u32)TILE);
 
-    // gridDim.x * TILE <= n + TILE - 1 (runtime/context.c): no u32 overflow.
-    for (u32 t0 = blockIdx.x * (u32)TILE; t0 < n; t0 += gridDim.x * (u32)TILE) {
+    // nb * TILE <= n + TILE - 1 (runtime/context.c): no u32 overflow.
+    for (u32 t0 = bx * (u32)TILE; t0 < n; t0 += nb * (u32)TILE) {
         // Rows past the end run on the last token (every lane of a row joins
         // the shuffles of ROT and RoPE) and store nothing.
         u32 t[RPT];
@@ -351,7 +355,7 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
 #pragma unroll
                 for (int s = 0; s < STAGES; s++)
                     mu[u][s] = kvf_ldg16(packed + p.stage[s].centroids + (((u64)h * NCENT + idx[u][s]) * D + lane * 8) * 2);
-            if (AHEAD && t0 + gridDim.x * (u32)TILE < n) load_idx(t0 + gridDim.x * (u32)TILE);
+            if (AHEAD && t0 + nb * (u32)TILE < n) load_idx(t0 + nb * (u32)TILE);
         }
 
         // ---- arithmetic and store, row by row
@@ -457,14 +461,46 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
     }
 }
 
+// One tensor section's decode configuration (the generated file names one for
+// the keys and one for the values; KVF_DECODE_KERNEL joins them).
+template <int D, int BITS, int G, int MODE, int SFMT, int AXIS, int NCENT, int STAGES_, int ROT, int PSAC_R, int ROPE>
+struct section {
+    static constexpr bool PSAC = PSAC_R > 0;
+    static constexpr int STAGES = STAGES_;
+    __device__ __forceinline__ static void run(const u8 *__restrict__ packed, const section_planes &p, int n_tokens,
+                                               u16 *__restrict__ y_out, i64 token_stride, i64 head_stride,
+                                               const int *__restrict__ positions, const rope_args &rope, u32 bx,
+                                               u32 nb) {
+        decode<D, BITS, G, MODE, SFMT, AXIS, NCENT, STAGES_, ROT, PSAC_R, ROPE>(packed, p, n_tokens, y_out, token_stride,
+                                                                                head_stride, positions, rope, bx, nb);
+    }
+};
+
+// Blocks an SM must hold: 4 (at most 64 registers a thread) where the keys
+// have PSAC over one stage (quantwm_int2's two sections took 80 registers
+// joined, 3 blocks and a 14% slower decode, where each alone took 64); 0, no
+// bound, otherwise: ptxas then allocates as for the sections alone (RTN 40
+// registers, where a bound of 1 or 4 gives 48), and a PSAC section of two
+// stages, which takes 80 alone, would spill under the bound.
+template <class KEY, class VALUE>
+struct min_blocks {
+    static constexpr int value = KEY::PSAC && KEY::STAGES == 1 ? 4 : 0;
+};
+
 } // namespace kvf_decode
 
-#define KVF_DECODE_KERNEL(NAME, D, BITS, G, MODE, SFMT, AXIS, NCENT, STAGES, ROT, PSAC_R, ROPE)          \
-    extern "C" __global__ void __launch_bounds__(kvf_decode::BLOCK)                                       \
-    NAME(const u8 *__restrict__ packed, kvf_decode::section_planes planes, int n_tokens, int n_heads,     \
-         u16 *__restrict__ y, i64 token_stride, i64 head_stride, const int *__restrict__ positions,       \
-         kvf_decode::rope_args rope) {                                                                    \
-        (void)n_heads; /* gridDim.y */                                                                    \
-        kvf_decode::decode<D, BITS, G, MODE, SFMT, AXIS, NCENT, STAGES, ROT, PSAC_R, ROPE>(               \
-            packed, planes, n_tokens, y, token_stride, head_stride, positions, rope);                     \
+// KEY, VALUE: kvf_decode::section types (typedefs in the generated file).
+#define KVF_DECODE_KERNEL(NAME, KEY, VALUE)                                                                     \
+    extern "C" __global__ void __launch_bounds__(kvf_decode::BLOCK, kvf_decode::min_blocks<KEY, VALUE>::value) \
+    NAME(const u8 *__restrict__ packed, kvf_decode::section_planes k_planes, kvf_decode::section_planes v_planes, \
+         int n_tokens, int n_heads, u16 *__restrict__ k_out, u16 *__restrict__ v_out, i64 token_stride,         \
+         i64 head_stride, const int *__restrict__ positions, kvf_decode::rope_args rope, u32 k_blocks,           \
+         u32 v_blocks) {                                                                                        \
+        (void)n_heads; /* gridDim.y */                                                                          \
+        if (blockIdx.x < k_blocks)                                                                              \
+            KEY::run(packed, k_planes, n_tokens, k_out, token_stride, head_stride, positions, rope, blockIdx.x,   \
+                     k_blocks);                                                                                 \
+        else                                                                                                    \
+            VALUE::run(packed, v_planes, n_tokens, v_out, token_stride, head_stride, positions, rope,           \
+                       blockIdx.x - k_blocks, v_blocks);                                                        \
     }

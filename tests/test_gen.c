@@ -50,7 +50,7 @@ static void names_and_headers(void **state) {
     assert_null(strstr(g.cu, "__device__"));
     assert_null(strstr(g.cu, "for ("));
     char kname[160];
-    kvf_gen_kernel_name(s, KVF_R_DECODE_V, kname, sizeof kname);
+    kvf_gen_kernel_name(s, KVF_R_DECODE, kname, sizeof kname);
     assert_non_null(strstr(g.cu, kname));
     assert_non_null(strstr(g.c, kname));
     /* A different configuration gets a different id and different files. */
