@@ -631,12 +631,18 @@ int kvf_decode(kvf_context *ctx, const void *packed, size_t packed_bytes, const 
     unsigned blocks[2];
     for (int t = 0; t < 2; t++) {
         /* Tokens per block: BLOCK / (d/8) rows x 4 (kvf_decode::tiling's
-         * largest rows per thread; where it takes 2 a block loops twice), and
-         * 4 such tiles with PSAC (each thread then loads its head's basis codes
-         * once for all of them). A section's blocks loop over tiles b, b + nb,
-         * ... of their own size, so this only tunes speed; it keeps nb x tile
-         * below 2^32 for the kernel's u32 token math. */
-        int64_t tile = (int64_t)(BLOCK / (ctx->scheme->head_dim / VEC)) * 4 * (sec[t]->psac_rank > 0 ? 4 : 1);
+         * largest rows per thread; where it takes 2 a block loops twice), x
+         * tiles per block: 4 with centroids or PSAC (a block loads its next
+         * tile's centroid indices while it decodes this one, and its head's
+         * PSAC basis once), 2 otherwise. Measured on the H200 (session 11,
+         * decode K+V): qvg_int2 0.182 ms at 1 tile, 0.167 at 2, 0.164 at 4;
+         * kivi_int2 0.156 at 1, 0.151 at 2; rtn_int2 0.149-0.150 at 1 and 2,
+         * 0.153 at 4; quantwm_int2's PSAC keys fastest at 4 (of 2, 4, 8). A
+         * section's blocks loop over tiles b, b + nb, ... of their own size,
+         * so this only tunes speed; it keeps nb x tile below 2^32 for the
+         * kernel's u32 token math. */
+        const int tiles = sec[t]->centroids > 0 || sec[t]->psac_rank > 0 ? 4 : 2;
+        int64_t tile = (int64_t)(BLOCK / (ctx->scheme->head_dim / VEC)) * 4 * tiles;
         blocks[t] = blocks_for(sh.n_tokens, tile);
         planes[t] = section_of(sec[t]);
     }

@@ -36,8 +36,8 @@ constexpr int BLOCK = 256;
 
 // Rows of one thread whose loads are in flight together (all of the same
 // head, ROWS tokens apart, so each load instruction of a warp is coalesced).
-// runtime/context.c sizes grid x for 4 (and 4 tiles per block with PSAC);
-// a different value here changes speed, not results.
+// runtime/context.c sizes the grid for 4 (and several tiles per block); a
+// different value here changes speed, not results.
 template <int NCENT, int STAGES, int PSAC_R>
 struct tiling {
     static constexpr int RPT = PSAC_R ? 2 : (NCENT && STAGES > 2) ? 2 : 4;
