@@ -94,6 +94,69 @@ static int do_decode(void *p) {
                       (void *)c->k2, (void *)c->v2, NULL);
 }
 
+/* Probe ceilings (templates/kvf_probe.cuh): an INT2 decode's bytes with no
+ * arithmetic, without and with a centroid gather. */
+typedef struct probe_arg {
+    CUfunction fn;
+    CUdeviceptr codes, sz, idx, table, out;
+    unsigned n, grid_x, grid_y;
+} probe_arg;
+
+static int do_probe(void *p) {
+    probe_arg *a = p;
+    void *args[] = {&a->codes, &a->sz, &a->idx, &a->table, &a->out, &a->n};
+    return cu->cuLaunchKernel(a->fn, a->grid_x, a->grid_y, 1, 256, 1, 1, 0, NULL, args, NULL) == CUDA_SUCCESS ? 0 : -1;
+}
+
+/* Times both probes over K and V of the layer (out: 2 x heads x tokens rows
+ * of 256 bytes, the decode's output size); *bw: GB/s counting the bytes read
+ * (each head's 64 KiB table once, as the decode's packed bytes count it) and
+ * written; *ms: times. KVF_OK, or why the probe could not run. */
+static int probe_ceilings(CUdevice dev, int64_t tokens, int heads, CUdeviceptr out, int reps, double bw[2],
+                          float ms[2]) {
+    int major, minor, ptx, rc;
+    char arch[32];
+    void *image = NULL;
+    size_t size;
+    CK(cuDeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev));
+    CK(cuDeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev));
+    if ((rc = kvf_nvrtc_pick_arch(major, minor, arch, sizeof arch, &ptx)) ||
+        (rc = kvf_nvrtc_compile("#include \"kvf_probe.cuh\"\n", "kvf_probe.cu", arch, ptx, &image, &size)))
+        return rc;
+    CUmodule mod;
+    CK(cuModuleLoadData(&mod, image));
+    free(image);
+    const size_t rows = (size_t)tokens * heads * 2;
+    probe_arg a = {.n = (unsigned)tokens, .grid_x = (unsigned)((tokens + 63) / 64), .grid_y = (unsigned)heads * 2,
+                   .out = out};
+    const size_t table_bytes = (size_t)heads * 2 * 256 * 256;
+    CK(cuMemAlloc(&a.codes, rows * 32));
+    CK(cuMemAlloc(&a.sz, rows * 8));
+    CK(cuMemAlloc(&a.idx, rows));
+    CK(cuMemAlloc(&a.table, table_bytes));
+    CK(cuMemsetD8(a.codes, 0x5a, rows * 32));
+    CK(cuMemsetD8(a.sz, 0x3c, rows * 8));
+    CK(cuMemsetD8(a.table, 0x3f, table_bytes));
+    unsigned char *idx = malloc(rows);
+    if (!idx) return kvf_set_error(KVF_ENOMEM, "kvf_bench: out of memory");
+    for (size_t r = 0; r < rows; r++) idx[r] = (unsigned char)((r * 2654435761u) >> 13); /* scattered indices */
+    CK(cuMemcpyHtoD(a.idx, idx, rows));
+    free(idx);
+    const char *names[2] = {"kvf_probe_int2", "kvf_probe_int2_gather"};
+    for (int g = 0; g < 2; g++) {
+        CK(cuModuleGetFunction(&a.fn, mod, names[g]));
+        ms[g] = time_median(do_probe, &a, reps);
+        const double bytes = rows * (32.0 + 8.0 + 256.0) + (g ? rows + (double)table_bytes : 0.0);
+        bw[g] = bytes / (ms[g] * 1e-3) / 1e9;
+    }
+    cu->cuMemFree(a.codes);
+    cu->cuMemFree(a.sz);
+    cu->cuMemFree(a.idx);
+    cu->cuMemFree(a.table);
+    cu->cuModuleUnload(mod);
+    return KVF_OK;
+}
+
 static double now_ms(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
@@ -159,13 +222,24 @@ int main(int argc, char **argv) {
     CK(cuMemAlloc(&fill.dst, fill.n));
     float fill_ms = time_median(do_fill, &fill, reps);
     double fill_bw = fill.n / (fill_ms * 1e-3) / 1e9;
+    double probe_bw[2];
+    float probe_ms[2];
+    int probe_rc = probe_ceilings(dev, tokens, heads, fill.dst, reps, probe_bw, probe_ms);
     cu->cuMemFree(fill.dst);
 
     printf("GPU: %s; layer: K and V of %d heads x %lld tokens x d=%d (BF16 %.1f MB each)\n", name, heads,
            (long long)tokens, d, n * 2 / 1e6);
     printf("copy ceiling: %.0f GB/s (2 GiB device-to-device, read + write, median of %d)\n", copy_bw, reps);
-    printf("write ceiling: %.0f GB/s (cuMemsetD32 of the decode's %.0f MB of BF16 output: %.3f ms, median of %d)\n\n",
+    printf("write ceiling: %.0f GB/s (cuMemsetD32 of the decode's %.0f MB of BF16 output: %.3f ms, median of %d)\n",
            fill_bw, fill.n / 1e6, fill_ms, reps);
+    if (probe_rc == KVF_OK)
+        printf("INT2 decode probe (templates/kvf_probe.cuh: qvg_int2's bytes a row, no arithmetic, one launch):\n"
+               "  codes and scales: %.0f GB/s = %.1f%% of copy (%.3f ms); with the centroid gather: %.0f GB/s = "
+               "%.1f%% of copy (%.3f ms)\n\n",
+               probe_bw[0], 100.0 * probe_bw[0] / copy_bw, probe_ms[0], probe_bw[1], 100.0 * probe_bw[1] / copy_bw,
+               probe_ms[1]);
+    else
+        printf("INT2 decode probe: not run (%s)\n\n", kvf_last_error());
     printf("%-16s %8s %9s %9s %9s %10s %7s %8s %9s %9s %9s\n", "scheme", "ratio", "encode", "vs QVG", "decode",
            "dec GB/s", "of copy", "of write", "vs QVG", "JIT cold", "JIT hit");
     const char *const *names = kvf_builtin_schemes();

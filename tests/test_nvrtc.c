@@ -190,6 +190,35 @@ static void ptxas_report_parsed(void **state) {
     kvf_scheme_free(s);
 }
 
+/* kvf_bench's probe (templates/kvf_probe.cuh) compiles for both archs: its
+ * two kernels, neither spilling, as the bench looks them up. */
+static void bench_probe_compiles(void **state) {
+    (void)state;
+    const char *archs[2] = {"sm_80", "sm_90"};
+    for (int a = 0; a < 2; a++) {
+        void *image = NULL;
+        size_t size = 0;
+        char *report = NULL;
+        if (kvf_nvrtc_compile_report("#include \"kvf_probe.cuh\"\n", "kvf_probe.cu", archs[a], &image, &size,
+                                     &report))
+            fail_msg("probe for %s: %s", archs[a], kvf_last_error());
+        check_cubin(image, size);
+        kvf_kernel_usage *u;
+        int n = 0;
+        assert_int_equal(kvf_ptxas_report_parse(report, &u, &n), KVF_OK);
+        assert_int_equal(n, 2);
+        int seen = 0;
+        for (int i = 0; i < n; i++) {
+            seen |= !strcmp(u[i].name, "kvf_probe_int2") ? 1 : !strcmp(u[i].name, "kvf_probe_int2_gather") ? 2 : 0;
+            assert_int_equal(u[i].spill_stores + u[i].spill_loads + u[i].stack, 0);
+        }
+        assert_int_equal(seen, 3);
+        free(u);
+        free(report);
+        free(image);
+    }
+}
+
 static void jit_uses_disk_cache(void **state) {
     (void)state;
     kvf_scheme *s = tu_scheme("rtn_int2");
@@ -424,6 +453,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup(every_scheme_compiles, fresh_env),
         cmocka_unit_test_setup(ptxas_report_parsed, fresh_env),
+        cmocka_unit_test_setup(bench_probe_compiles, fresh_env),
         cmocka_unit_test_setup(jit_uses_disk_cache, fresh_env),
         cmocka_unit_test_setup(ptx_fallback_compiles, fresh_env),
         cmocka_unit_test_setup(jit_race, fresh_env),
