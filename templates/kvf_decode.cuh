@@ -1,6 +1,6 @@
 // kvforge kernel template: the fused decode of every method (METHODS.md 1).
 //
-// One kernel per tensor section: per (head, token) row it unpacks and
+// One kernel for both tensor sections: per (head, token) row it unpacks and
 // dequantizes every stage, gathers the stage's centroid, adds the PSAC term,
 // undoes the Hadamard rotation, applies RoPE to keys cached before RoPE, and
 // writes BF16 for the caller's attention. Lane layout as kvf_rtn.cuh: 8
