@@ -2,6 +2,7 @@
  * JIT images go through the disk cache (hit, miss on a change of arch). */
 #include "testutil.h"
 #include "cuda_api.h"
+#include "gen.h"
 #include "jit.h"
 
 #include <pthread.h>
@@ -67,7 +68,8 @@ static void check_usage(const char *label, const char *arch, const kvf_kernel_us
             print_message("%s %s %s: %d registers, spills %ld/%ld bytes, stack %ld\n", label, arch, u[i].name,
                           u[i].registers, u[i].spill_stores, u[i].spill_loads, u[i].stack);
         const size_t len = strlen(u[i].name);
-        const int is_decode = len > 7 && !strcmp(u[i].name + len - 7, "_decode"), is_assign = strstr(u[i].name, "_assign") != NULL;
+        const int is_decode = len > 7 && !strcmp(u[i].name + len - 7, "_decode");
+        const int is_assign = strstr(u[i].name, "_assign") != NULL;
         *decode += is_decode;
         *assign += is_assign;
         if (!strict) continue;
@@ -114,6 +116,17 @@ static void every_scheme_compiles(void **state) {
             int decode, assign;
             check_usage(*n, archs[a], u, k, strict, &decode, &assign);
             assert_int_equal(decode, 1); /* one kernel decodes K and V */
+            /* One kernel per role the generator says the scheme has (a value
+             * section sharing the keys' k-means kernels adds none). */
+            int present[KVF_ROLE_COUNT], roles = 0, assign_roles = 0;
+            kvf_gen_roles(s, present);
+            for (int r = 0; r < KVF_ROLE_COUNT; r++) {
+                if (!present[r] || kvf_gen_role_kernel(s, r) != r) continue;
+                roles++;
+                assign_roles += strstr(kvf_role_names[r], "_assign") != NULL;
+            }
+            assert_int_equal(k, roles);
+            assert_int_equal(assign, assign_roles);
             /* The unrotated RTN encode (kvf_rtn MIN_BLOCKS): RTN's, and KIVI's values'. */
             for (int i = 0; i < k && strict; i++)
                 if ((!strncmp(*n, "rtn_", 4) && strstr(u[i].name, "_encode_")) ||
