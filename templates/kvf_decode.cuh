@@ -478,10 +478,10 @@ struct section {
 
 // Blocks an SM must hold: 4 (at most 64 registers a thread) where the keys
 // have PSAC over one stage (quantwm_int2's two sections took 80 registers
-// joined, 3 blocks and a 14% slower decode, where each alone took 64); 0, no
-// bound, otherwise: ptxas then allocates as for the sections alone (RTN 40
-// registers, where a bound of 1 or 4 gives 48), and a PSAC section of two
-// stages, which takes 80 alone, would spill under the bound.
+// joined, 3 blocks, and decoded 10% slower than as two launches, where each
+// alone took 64); 0, no bound, otherwise: ptxas then allocates as for the
+// sections alone (RTN 40 registers, where a bound of 1 or 4 gives 48), and a
+// PSAC section of two stages, which takes 80 alone, would spill under it.
 template <class KEY, class VALUE>
 struct min_blocks {
     static constexpr int value = KEY::PSAC && KEY::STAGES == 1 ? 4 : 0;
