@@ -76,7 +76,11 @@ $(O)/bin/kvforge: $(O)/obj/tools/kvforge.o $(O)/lib/libkvforge.a
 
 $(O)/bin/test_%: $(O)/obj/tests/test_%.o $(O)/obj/tests/testutil.o $(O)/lib/libkvforge.a
 	@mkdir -p $(dir $@)
-	$(CC) -o $@ $< $(O)/obj/tests/testutil.o $(O)/lib/libkvforge.a -lcmocka $(STATIC_DEPS)
+	$(CC) -o $@ $< $(TEST_EXTRA) $(O)/obj/tests/testutil.o $(O)/lib/libkvforge.a -lcmocka $(STATIC_DEPS)
+
+# test_nvrtc also compiles the bench's probe.
+$(O)/bin/test_nvrtc: TEST_EXTRA := $(O)/obj/bench_probe.o
+$(O)/bin/test_nvrtc: $(O)/obj/bench_probe.o
 
 lib: $(O)/lib/libkvforge.a $(O)/lib/libkvforge.so
 
@@ -112,10 +116,20 @@ aot-demo: $(O)/bin/kvforge
 		-o $(O)/bin/aot_demo examples/aot_demo.c $(O)/export/$${id}_aot.c $(O)/export/$${id}.c \
 		$(O)/lib/libkvforge.a $(STATIC_DEPS)
 
-# Benchmark (issue 6): built by `make all`, run on a GPU by `make bench`.
-$(O)/bin/kvf_bench: $(O)/obj/bench/bench.o $(O)/lib/libkvforge.a
+# Benchmark (issue 6): built by `make all`, run on a GPU by `make bench`. Its
+# probe kernel (bench/kvf_probe.cuh) is embedded in kvf_bench only, so it is
+# not part of the library's templates nor of the schemes' JIT cache keys.
+$(O)/gen/bench_probe.c: $(O)/bin/embed bench/kvf_probe.cuh
 	@mkdir -p $(dir $@)
-	$(CC) -o $@ $< $(O)/lib/libkvforge.a $(STATIC_DEPS)
+	$(O)/bin/embed $@ kvf_bench_probe bench/kvf_probe.cuh
+
+$(O)/obj/bench_probe.o: $(O)/gen/bench_probe.c runtime/internal.h
+	@mkdir -p $(dir $@)
+	$(CC) $(ALL_CFLAGS) -c -o $@ $<
+
+$(O)/bin/kvf_bench: $(O)/obj/bench/bench.o $(O)/obj/bench_probe.o $(O)/lib/libkvforge.a
+	@mkdir -p $(dir $@)
+	$(CC) -o $@ $< $(O)/obj/bench_probe.o $(O)/lib/libkvforge.a $(STATIC_DEPS)
 
 bench: $(O)/bin/kvf_bench
 	$(O)/bin/kvf_bench

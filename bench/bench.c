@@ -5,6 +5,8 @@
  * the JIT costs. One table: times, GB/s, fraction of the copy ceiling and of
  * the write-only ceiling (cuMemsetD32 over the bytes the decode writes), ratio
  * to QVG's figures (ANCHORS.md: encode 4.77 ms, decode 0.44 ms on an H200).
+ * Beside the ceilings it prints the INT2 decode probe (bench/kvf_probe.cuh):
+ * an INT2 decode's bytes read and written with no arithmetic to speak of.
  * bench/sdpa.py measures the BF16 SDPA ceiling and decode + SDPA.
  *   out/bin/kvf_bench [--tokens N] [--heads H] [--reps R] [SCHEME ...]
  */
@@ -94,67 +96,90 @@ static int do_decode(void *p) {
                       (void *)c->k2, (void *)c->v2, NULL);
 }
 
-/* Probe ceilings (templates/kvf_probe.cuh): an INT2 decode's bytes with no
- * arithmetic, without and with a centroid gather. */
+/* The INT2 decode probe (bench/kvf_probe.cuh, embedded by the Makefile): an
+ * INT2 decode's bytes with no arithmetic to speak of, without and with a
+ * centroid gather. */
+extern const kvf_embedded_file kvf_bench_probe[];
+
 typedef struct probe_arg {
     CUfunction fn;
     CUdeviceptr codes, sz, idx, table, out;
-    unsigned n, grid_x, grid_y;
+    unsigned n, grid_x, grid_y, block;
 } probe_arg;
 
 static int do_probe(void *p) {
     probe_arg *a = p;
     void *args[] = {&a->codes, &a->sz, &a->idx, &a->table, &a->out, &a->n};
-    return cu->cuLaunchKernel(a->fn, a->grid_x, a->grid_y, 1, 256, 1, 1, 0, NULL, args, NULL) == CUDA_SUCCESS ? 0 : -1;
+    CUresult r = cu->cuLaunchKernel(a->fn, a->grid_x, a->grid_y, 2, a->block, 1, 1, 0, NULL, args, NULL);
+    return r == CUDA_SUCCESS ? 0 : kvf_cuda_fail(r, "cuLaunchKernel(probe)", __FILE__, __LINE__, 0);
 }
 
-/* Times both probes over K and V of the layer (out: 2 x heads x tokens rows
- * of 256 bytes, the decode's output size); *bw: GB/s counting the bytes read
- * (each head's 64 KiB table once, as the decode's packed bytes count it) and
- * written; *ms: times. KVF_OK, or why the probe could not run. */
+/* A failed driver call inside probe_ceilings: recorded, then to its cleanup. */
+#define PCK(call)                                                                                     \
+    do {                                                                                              \
+        CUresult r_ = cu->call;                                                                       \
+        if (r_ != CUDA_SUCCESS) { rc = kvf_cuda_fail(r_, #call, __FILE__, __LINE__, 0); goto done; } \
+    } while (0)
+
+/* Times both probes over K and V of the layer into out (2 x heads x tokens
+ * rows of 256 bytes: the decode's output size). *bw: GB/s counting the bytes
+ * read (each head's 64 KiB table once, as the decode's packed bytes count its
+ * centroids) and written; *ms: median times. KVF_OK, or why the probe could
+ * not run (the bench then goes on without it). */
 static int probe_ceilings(CUdevice dev, int64_t tokens, int heads, CUdeviceptr out, int reps, double bw[2],
                           float ms[2]) {
     int major, minor, ptx, rc;
     char arch[32];
     void *image = NULL;
     size_t size;
-    CK(cuDeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev));
-    CK(cuDeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev));
-    if ((rc = kvf_nvrtc_pick_arch(major, minor, arch, sizeof arch, &ptx)) ||
-        (rc = kvf_nvrtc_compile("#include \"kvf_probe.cuh\"\n", "kvf_probe.cu", arch, ptx, &image, &size)))
-        return rc;
-    CUmodule mod;
-    CK(cuModuleLoadData(&mod, image));
-    free(image);
-    const size_t rows = (size_t)tokens * heads * 2;
-    probe_arg a = {.n = (unsigned)tokens, .grid_x = (unsigned)((tokens + 63) / 64), .grid_y = (unsigned)heads * 2,
-                   .out = out};
-    const size_t table_bytes = (size_t)heads * 2 * 256 * 256;
-    CK(cuMemAlloc(&a.codes, rows * 32));
-    CK(cuMemAlloc(&a.sz, rows * 8));
-    CK(cuMemAlloc(&a.idx, rows));
-    CK(cuMemAlloc(&a.table, table_bytes));
-    CK(cuMemsetD8(a.codes, 0x5a, rows * 32));
-    CK(cuMemsetD8(a.sz, 0x3c, rows * 8));
-    CK(cuMemsetD8(a.table, 0x3f, table_bytes));
+    CUmodule mod = NULL;
+    const size_t rows = (size_t)tokens * heads * 2, table_bytes = (size_t)heads * 2 * 256 * 256;
+    probe_arg a = {.n = (unsigned)tokens, .grid_y = (unsigned)heads, .out = out};
     unsigned char *idx = malloc(rows);
-    if (!idx) return kvf_set_error(KVF_ENOMEM, "kvf_bench: out of memory");
-    for (size_t r = 0; r < rows; r++) idx[r] = (unsigned char)((r * 2654435761u) >> 13); /* scattered indices */
-    CK(cuMemcpyHtoD(a.idx, idx, rows));
-    free(idx);
-    const char *names[2] = {"kvf_probe_int2", "kvf_probe_int2_gather"};
-    for (int g = 0; g < 2; g++) {
-        CK(cuModuleGetFunction(&a.fn, mod, names[g]));
-        ms[g] = time_median(do_probe, &a, reps);
-        const double bytes = rows * (32.0 + 8.0 + 256.0) + (g ? rows + (double)table_bytes : 0.0);
-        bw[g] = bytes / (ms[g] * 1e-3) / 1e9;
+    if (!idx) return kvf_set_error(KVF_ENOMEM, "kvf_bench: probe: out of memory");
+    PCK(cuDeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev));
+    PCK(cuDeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev));
+    if ((rc = kvf_nvrtc_pick_arch(major, minor, arch, sizeof arch, &ptx)) ||
+        (rc = kvf_nvrtc_compile(kvf_bench_probe[0].data, "kvf_probe.cu", arch, ptx, &image, &size)))
+        goto done;
+    PCK(cuModuleLoadData(&mod, image));
+    CUdeviceptr geometry;
+    size_t geometry_bytes;
+    unsigned g[2]; /* kvf_probe::BLOCK, TILE */
+    PCK(cuModuleGetGlobal(&geometry, &geometry_bytes, mod, "kvf_probe_geometry"));
+    if (geometry_bytes != sizeof g) {
+        rc = kvf_set_error(KVF_EFORMAT, "kvf_bench: probe: kvf_probe_geometry has %zu bytes", geometry_bytes);
+        goto done;
     }
-    cu->cuMemFree(a.codes);
-    cu->cuMemFree(a.sz);
-    cu->cuMemFree(a.idx);
-    cu->cuMemFree(a.table);
-    cu->cuModuleUnload(mod);
-    return KVF_OK;
+    PCK(cuMemcpyDtoH(g, geometry, sizeof g));
+    a.block = g[0];
+    a.grid_x = (unsigned)((tokens + g[1] - 1) / g[1]);
+    PCK(cuMemAlloc(&a.codes, rows * 32));
+    PCK(cuMemAlloc(&a.sz, rows * 8));
+    PCK(cuMemAlloc(&a.idx, rows));
+    PCK(cuMemAlloc(&a.table, table_bytes));
+    PCK(cuMemsetD8(a.codes, 0x5a, rows * 32));
+    PCK(cuMemsetD8(a.sz, 0x3c, rows * 8));
+    PCK(cuMemsetD8(a.table, 0x3f, table_bytes));
+    for (size_t r = 0; r < rows; r++) idx[r] = (unsigned char)((r * 2654435761u) >> 13); /* scattered indices */
+    PCK(cuMemcpyHtoD(a.idx, idx, rows));
+    const char *names[2] = {"kvf_probe_int2", "kvf_probe_int2_gather"};
+    for (int k = 0; k < 2; k++) {
+        PCK(cuModuleGetFunction(&a.fn, mod, names[k]));
+        if ((rc = do_probe(&a))) goto done; /* a launch error here, not in time_median (which exits) */
+        ms[k] = time_median(do_probe, &a, reps);
+        const double bytes = rows * (32.0 + 8.0 + 256.0) + (k ? rows + (double)table_bytes : 0.0);
+        bw[k] = bytes / (ms[k] * 1e-3) / 1e9;
+    }
+done:
+    free(idx);
+    free(image);
+    if (a.codes) cu->cuMemFree(a.codes);
+    if (a.sz) cu->cuMemFree(a.sz);
+    if (a.idx) cu->cuMemFree(a.idx);
+    if (a.table) cu->cuMemFree(a.table);
+    if (mod) cu->cuModuleUnload(mod);
+    return rc;
 }
 
 static double now_ms(void) {
@@ -233,7 +258,7 @@ int main(int argc, char **argv) {
     printf("write ceiling: %.0f GB/s (cuMemsetD32 of the decode's %.0f MB of BF16 output: %.3f ms, median of %d)\n",
            fill_bw, fill.n / 1e6, fill_ms, reps);
     if (probe_rc == KVF_OK)
-        printf("INT2 decode probe (templates/kvf_probe.cuh: qvg_int2's bytes a row, no arithmetic, one launch):\n"
+        printf("INT2 decode probe (bench/kvf_probe.cuh: qvg_int2's bytes a row, no arithmetic, one launch):\n"
                "  codes and scales: %.0f GB/s = %.1f%% of copy (%.3f ms); with the centroid gather: %.0f GB/s = "
                "%.1f%% of copy (%.3f ms)\n\n",
                probe_bw[0], 100.0 * probe_bw[0] / copy_bw, probe_ms[0], probe_bw[1], 100.0 * probe_bw[1] / copy_bw,

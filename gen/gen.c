@@ -73,7 +73,7 @@ char *kvf_buf_take(kvf_buf *b) {
 /* ---------------------------------------------------------------- naming */
 
 const char *const kvf_role_names[KVF_ROLE_COUNT] = {
-    "header", "encode_k", "encode_v", "decode",
+    "header", "encode_k", "encode_v", "decode_kv",
     "k_prep", "k_init", "k_assign", "k_assign_qsac", "k_accumulate", "k_finalize", "k_pad", "k_subtract",
     "k_residual",
     "v_prep", "v_init", "v_assign", "v_assign_qsac", "v_accumulate", "v_finalize", "v_pad", "v_subtract",

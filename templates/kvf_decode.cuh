@@ -10,11 +10,11 @@
 // (k_blocks + v_blocks, n_heads), BLOCK threads. blockIdx.y is the head;
 // blocks x < k_blocks decode the keys, the others the values (one launch: the
 // values' blocks fill the keys' last wave; K+V 1-4% faster than two launches,
-// docs/BENCHMARKS.md, session 11). A section's block
-// b of nb takes token tiles b, b + nb, ... of TILE = ROWS * RPT tokens, so any
-// nb is correct and the host only tunes it. A thread keeps one head: per-head
-// data (plane bases, the PSAC basis) is set up once, every index is 32-bit
-// token math (no 64-bit division).
+// docs/BENCHMARKS.md, session 11). A section's block b of nb takes token
+// tiles b, b + nb, ... of TILE = ROWS * RPT tokens, so any nb is correct and
+// the host only tunes it. A thread keeps one head: per-head data (plane
+// bases, the PSAC basis) is set up once, every index is 32-bit token math (no
+// 64-bit division).
 //
 // Throughput: the kernel writes ~8x the bytes it reads (INT2) and is limited
 // by instructions, not by memory, unless each lane-row (8 channels) stays
@@ -463,44 +463,48 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
 
 // One tensor section's decode configuration (the generated file names one for
 // the keys and one for the values; KVF_DECODE_KERNEL joins them).
-template <int D, int BITS, int G, int MODE, int SFMT, int AXIS, int NCENT, int STAGES_, int ROT, int PSAC_R, int ROPE>
+template <int D, int BITS, int G, int MODE, int SFMT, int AXIS, int NCENT, int STAGES, int ROT, int PSAC_R, int ROPE>
 struct section {
-    static constexpr bool PSAC = PSAC_R > 0;
-    static constexpr int STAGES = STAGES_;
+    // What min_blocks reads.
+    static constexpr int HEAD_DIM = D, RANK = PSAC_R, N_STAGES = STAGES, ROTATED = ROT, ROPE_MODE = ROPE;
     __device__ __forceinline__ static void run(const u8 *__restrict__ packed, const section_planes &p, int n_tokens,
                                                u16 *__restrict__ y_out, i64 token_stride, i64 head_stride,
                                                const int *__restrict__ positions, const rope_args &rope, u32 bx,
                                                u32 nb) {
-        decode<D, BITS, G, MODE, SFMT, AXIS, NCENT, STAGES_, ROT, PSAC_R, ROPE>(packed, p, n_tokens, y_out, token_stride,
+        decode<D, BITS, G, MODE, SFMT, AXIS, NCENT, STAGES, ROT, PSAC_R, ROPE>(packed, p, n_tokens, y_out, token_stride,
                                                                                 head_stride, positions, rope, bx, nb);
     }
 };
 
-// Blocks an SM must hold: 4 (at most 64 registers a thread) where the keys
-// have PSAC over one stage (quantwm_int2's two sections took 80 registers
-// joined, 3 blocks, and decoded 10% slower than as two launches, where each
-// alone took 64); 0, no bound, otherwise: ptxas then allocates as for the
-// sections alone (RTN 40 registers, where a bound of 1 or 4 gives 48), and a
-// PSAC section of two stages, which takes 80 alone, would spill under it.
+// Blocks an SM must hold: 4 (at most 64 registers a thread) for keys with
+// PSAC of rank <= 8 over one stage at head_dim <= 128, without rotation or
+// RoPE: joined, quantwm_int2's two sections took 80 registers (3 blocks) and
+// decoded 10% slower than as two launches, where each alone took 64. 0, no
+// bound, otherwise: a bound of 1 or 4 raises RTN's 40 registers to 48, and
+// larger PSAC shapes (rank 16-64, head_dim 256, two stages, RoPE, Hadamard)
+// spill under it (test_nvrtc compiles them).
 template <class KEY, class VALUE>
 struct min_blocks {
-    static constexpr int value = KEY::PSAC && KEY::STAGES == 1 ? 4 : 0;
+    static constexpr int value = KEY::RANK > 0 && KEY::RANK <= 8 && KEY::N_STAGES == 1 && KEY::HEAD_DIM <= 128 &&
+                                         !KEY::ROTATED && KEY::ROPE_MODE == KVF_ROPE_NONE
+                                     ? 4
+                                     : 0;
 };
 
 } // namespace kvf_decode
 
 // KEY, VALUE: kvf_decode::section types (typedefs in the generated file).
-#define KVF_DECODE_KERNEL(NAME, KEY, VALUE)                                                                     \
-    extern "C" __global__ void __launch_bounds__(kvf_decode::BLOCK, kvf_decode::min_blocks<KEY, VALUE>::value) \
+#define KVF_DECODE_KERNEL(NAME, KEY, VALUE)                                                                       \
+    extern "C" __global__ void __launch_bounds__(kvf_decode::BLOCK, kvf_decode::min_blocks<KEY, VALUE>::value)    \
     NAME(const u8 *__restrict__ packed, kvf_decode::section_planes k_planes, kvf_decode::section_planes v_planes, \
-         int n_tokens, int n_heads, u16 *__restrict__ k_out, u16 *__restrict__ v_out, i64 token_stride,         \
-         i64 head_stride, const int *__restrict__ positions, kvf_decode::rope_args rope, u32 k_blocks,           \
-         u32 v_blocks) {                                                                                        \
-        (void)n_heads; /* gridDim.y */                                                                          \
-        if (blockIdx.x < k_blocks)                                                                              \
+         int n_tokens, int n_heads, u16 *__restrict__ k_out, u16 *__restrict__ v_out, i64 token_stride,           \
+         i64 head_stride, const int *__restrict__ positions, kvf_decode::rope_args rope, u32 k_blocks,            \
+         u32 v_blocks) {                                                                                          \
+        (void)n_heads; /* gridDim.y */                                                                            \
+        if (blockIdx.x < k_blocks)                                                                                \
             KEY::run(packed, k_planes, n_tokens, k_out, token_stride, head_stride, positions, rope, blockIdx.x,   \
-                     k_blocks);                                                                                 \
-        else                                                                                                    \
-            VALUE::run(packed, v_planes, n_tokens, v_out, token_stride, head_stride, positions, rope,           \
-                       blockIdx.x - k_blocks, v_blocks);                                                        \
+                     k_blocks);                                                                                   \
+        else                                                                                                      \
+            VALUE::run(packed, v_planes, n_tokens, v_out, token_stride, head_stride, positions, rope,             \
+                       blockIdx.x - k_blocks, v_blocks);                                                          \
     }

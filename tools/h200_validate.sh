@@ -77,6 +77,7 @@ hdr = rows[0]; k = hdr.index("Kernel Name"); v = hdr.index("Metric Value"); u = 
 scale = {"nsecond": 1e-6, "ns": 1e-6, "usecond": 1e-3, "us": 1e-3, "msecond": 1.0, "ms": 1.0, "second": 1e3, "s": 1e3}
 tot = collections.OrderedDict()
 for r in rows[1:]:
+    if r[k].startswith("kvf_probe_"): continue  # kvf_bench's probe, not a scheme's kernel
     name = r[k].split("_", 3)[-1] if r[k].startswith("kvf_") else r[k]
     t, n = tot.get(name, (0.0, 0)); tot[name] = (t + float(r[v].replace(",", "")) * scale.get(r[u], float("nan")), n + 1)
 for name, (t, n) in tot.items(): print(f"  {name:28s} {n:4d} launches {t:9.3f} ms total {t/n:8.3f} ms each")

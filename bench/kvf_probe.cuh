@@ -1,6 +1,8 @@
 // kvforge benchmark probe (bench/bench.c), not a scheme's kernel: an INT2
-// decode's bytes with no arithmetic, the ceiling a decode is measured against
-// beside the copy and write ceilings (docs/BENCHMARKS.md).
+// decode's bytes with no arithmetic to speak of, a reference a decode is
+// measured against beside the copy and write ceilings (docs/BENCHMARKS.md).
+// Embedded in kvf_bench only (Makefile), compiled by NVRTC with the
+// library's templates as include files.
 //
 // Per row (token, head) at head_dim 128 it reads what qvg_int2's decode
 // reads: 32 bytes of codes and 8 of group scales and zeros (2 groups of 64,
@@ -8,9 +10,9 @@
 // centroid's 256-byte BF16 row from the head's 64 KiB table. It writes the
 // row's 256 bytes. Lanes, rows a thread and load order as kvf_decode.cuh (16
 // lanes a row, 16-byte stores, every load of a thread's rows issued first);
-// one tile a block; K and V in one launch (blockIdx.y over 2 x heads). The
-// values written mean nothing.
-#pragma once
+// one tile a block; K and V in one launch (blockIdx.z). The only arithmetic,
+// a shift, a multiply and an xor a word, uses what was loaded; the values
+// written mean nothing.
 #include "kvf_common.cuh"
 
 namespace kvf_probe {
@@ -23,7 +25,7 @@ __device__ __forceinline__ void mix(const u8 *__restrict__ codes, const u8 *__re
                                     const u8 *__restrict__ idx, const u8 *__restrict__ table, u8 *__restrict__ out,
                                     u32 n) {
     const int lane = threadIdx.x % LPR, sub = threadIdx.x / LPR;
-    const u64 head = blockIdx.y, base = head * n;
+    const u64 head = (u64)blockIdx.z * gridDim.y + blockIdx.y, base = head * n; // over K's heads, then V's
     const u32 t0 = blockIdx.x * (u32)TILE;
     u32 c[RPT], s[RPT], ix[RPT];
     uint4 m[RPT];
@@ -52,9 +54,12 @@ __device__ __forceinline__ void mix(const u8 *__restrict__ codes, const u8 *__re
 
 } // namespace kvf_probe
 
-// Grid (ceil(n / TILE), 2 x heads), BLOCK threads. n: tokens; the planes are
-// [2 x heads][n] rows of CODE_BYTES, SZ_BYTES, 1 (idx) and ROW_BYTES (out);
-// table [2 x heads][TABLE_ROWS][ROW_BYTES].
+// The launch geometry, read by the bench from the module: BLOCK, TILE.
+extern "C" __device__ const unsigned kvf_probe_geometry[2] = {kvf_probe::BLOCK, kvf_probe::TILE};
+
+// Grid (ceil(n / TILE), heads, 2), BLOCK threads. n: tokens; the planes are
+// [2][heads][n] rows of CODE_BYTES, SZ_BYTES, 1 (idx) and ROW_BYTES (out);
+// table [2][heads][TABLE_ROWS][ROW_BYTES].
 extern "C" __global__ void __launch_bounds__(kvf_probe::BLOCK)
 kvf_probe_int2(const u8 *codes, const u8 *sz, const u8 *idx, const u8 *table, u8 *out, u32 n) {
     kvf_probe::mix<false>(codes, sz, idx, table, out, n);
