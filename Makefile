@@ -47,8 +47,9 @@ $(O)/bin/embed: gen/embed.c
 	$(CC) -std=c11 $(WARN) -O2 -o $@ $<
 
 # Shipped schemes and kernel templates are compiled into the library: JIT and
-# `base = "..."` work wherever the library goes.
-$(O)/gen/embedded.c: $(O)/bin/embed $(TEMPLATES) $(SCHEMES)
+# `base = "..."` work wherever the library goes. The folders are prerequisites
+# too, so removing a file (which changes the folder's time) rebuilds it.
+$(O)/gen/embedded.c: $(O)/bin/embed $(TEMPLATES) $(SCHEMES) templates schemes
 	@mkdir -p $(dir $@)
 	$(O)/bin/embed $@ kvf_embedded_schemes $(SCHEMES) -- kvf_embedded_templates $(TEMPLATES)
 
@@ -79,8 +80,12 @@ $(O)/bin/test_%: $(O)/obj/tests/test_%.o $(O)/obj/tests/testutil.o $(O)/lib/libk
 	$(CC) -o $@ $< $(TEST_EXTRA) $(O)/obj/tests/testutil.o $(O)/lib/libkvforge.a -lcmocka $(STATIC_DEPS)
 
 # test_nvrtc also compiles the bench's probe.
-$(O)/bin/test_nvrtc: TEST_EXTRA := $(O)/obj/bench_probe.o
+$(O)/bin/test_nvrtc: private TEST_EXTRA := $(O)/obj/bench_probe.o
 $(O)/bin/test_nvrtc: $(O)/obj/bench_probe.o
+
+# Test objects are kept (as intermediates make would delete them, and a
+# rebuilt testutil.o would relink every test).
+.SECONDARY: $(patsubst tests/%.c,$(O)/obj/tests/%.o,$(TEST_SRC) tests/testutil.c)
 
 lib: $(O)/lib/libkvforge.a $(O)/lib/libkvforge.so
 

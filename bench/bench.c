@@ -166,12 +166,15 @@ static int probe_ceilings(CUdevice dev, int64_t tokens, int heads, CUdeviceptr o
     const char *names[2] = {"kvf_probe_int2", "kvf_probe_int2_gather"};
     for (int k = 0; k < 2; k++) {
         PCK(cuModuleGetFunction(&a.fn, mod, names[k]));
-        if ((rc = do_probe(&a))) goto done; /* a launch error here, not in time_median (which exits) */
+        /* A launch or run error here, not in time_median (which exits). */
+        if ((rc = do_probe(&a))) goto done;
+        PCK(cuCtxSynchronize());
         ms[k] = time_median(do_probe, &a, reps);
         const double bytes = rows * (32.0 + 8.0 + 256.0) + (k ? rows + (double)table_bytes : 0.0);
         bw[k] = bytes / (ms[k] * 1e-3) / 1e9;
     }
 done:
+#undef PCK
     free(idx);
     free(image);
     if (a.codes) cu->cuMemFree(a.codes);

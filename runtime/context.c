@@ -633,9 +633,9 @@ int kvf_decode(kvf_context *ctx, const void *packed, size_t packed_bytes, const 
         /* Tokens per block: BLOCK / (d/8) rows x 4 (kvf_decode::tiling's
          * largest rows per thread; where it takes 2 a block loops twice), x
          * tiles per block: 4 with centroids or PSAC (a block loads its next
-         * tile's centroid indices while it decodes this one where they fit 4
-         * registers, and its head's PSAC basis once; qvg_pro_int2's 4 stages,
-         * which do not fit, gained too), 2 otherwise. Measured on the H200 (session 11,
+         * tile's centroid indices while it decodes this one where they fit
+         * 4 registers, and its head's PSAC basis once; qvg_pro_int2's 4
+         * stages, which do not fit, gained too), 2 otherwise. Measured on the H200 (session 11,
          * decode K+V): qvg_int2 0.182 ms at 1 tile, 0.167 at 2, 0.164 at 4;
          * kivi_int2 0.156 at 1, 0.151 at 2; rtn_int2 0.149-0.150 at 1 and 2,
          * 0.153 at 4; quantwm_int2's PSAC keys fastest at 4 (of 2, 4, 8). A

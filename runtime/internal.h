@@ -107,8 +107,8 @@ const kvf_embedded_file *kvf_find_embedded(const kvf_embedded_file *table, const
  * launched wrongly. Raise it with any such change. 2: session 8's statistics
  * sums launch only the tiles on or above the diagonal (805897f). 3: one decode
  * kernel for K and V (its arguments: both sections' planes and outputs, and
- * the blocks of each). */
-#define KVF_KERNEL_ABI 3u
+ * the blocks of each). 4: that kernel's name, decode_kv. */
+#define KVF_KERNEL_ABI 4u
 #define KVF_HEADER_BYTES 64u
 #define KVF_PLANE_ALIGN 256u
 
