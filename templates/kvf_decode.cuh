@@ -463,10 +463,19 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
 
 // One tensor section's decode configuration (the generated file names one for
 // the keys and one for the values; KVF_DECODE_KERNEL joins them).
+//
+// MIN_BLOCKS_AS_KEY: the blocks an SM must hold when the section is the
+// keys: 4 (at most 64 registers a thread) for PSAC of rank <= 8 over one
+// stage at head_dim <= 128, without rotation or RoPE: joined, quantwm_int2's
+// two sections took 80 registers (3 blocks) and decoded 10% slower than as
+// two launches, where each alone took 64. 0, no bound, otherwise: a bound of
+// 1 or 4 raises RTN's 40 registers to 48, and larger PSAC shapes (rank 16-32,
+// head_dim 256, two stages, RoPE, Hadamard) spill under it (test_nvrtc
+// compiles them).
 template <int D, int BITS, int G, int MODE, int SFMT, int AXIS, int NCENT, int STAGES, int ROT, int PSAC_R, int ROPE>
 struct section {
-    // What min_blocks reads.
-    static constexpr int HEAD_DIM = D, RANK = PSAC_R, N_STAGES = STAGES, ROTATED = ROT, ROPE_MODE = ROPE;
+    static constexpr int MIN_BLOCKS_AS_KEY =
+        PSAC_R > 0 && PSAC_R <= 8 && STAGES == 1 && D <= 128 && !ROT && ROPE == KVF_ROPE_NONE ? 4 : 0;
     __device__ __forceinline__ static void run(const u8 *__restrict__ packed, const section_planes &p, int n_tokens,
                                                u16 *__restrict__ y_out, i64 token_stride, i64 head_stride,
                                                const int *__restrict__ positions, const rope_args &rope, u32 bx,
@@ -476,26 +485,11 @@ struct section {
     }
 };
 
-// Blocks an SM must hold: 4 (at most 64 registers a thread) for keys with
-// PSAC of rank <= 8 over one stage at head_dim <= 128, without rotation or
-// RoPE: joined, quantwm_int2's two sections took 80 registers (3 blocks) and
-// decoded 10% slower than as two launches, where each alone took 64. 0, no
-// bound, otherwise: a bound of 1 or 4 raises RTN's 40 registers to 48, and
-// larger PSAC shapes (rank 16-64, head_dim 256, two stages, RoPE, Hadamard)
-// spill under it (test_nvrtc compiles them).
-template <class KEY, class VALUE>
-struct min_blocks {
-    static constexpr int value = KEY::RANK > 0 && KEY::RANK <= 8 && KEY::N_STAGES == 1 && KEY::HEAD_DIM <= 128 &&
-                                         !KEY::ROTATED && KEY::ROPE_MODE == KVF_ROPE_NONE
-                                     ? 4
-                                     : 0;
-};
-
 } // namespace kvf_decode
 
 // KEY, VALUE: kvf_decode::section types (typedefs in the generated file).
 #define KVF_DECODE_KERNEL(NAME, KEY, VALUE)                                                                       \
-    extern "C" __global__ void __launch_bounds__(kvf_decode::BLOCK, kvf_decode::min_blocks<KEY, VALUE>::value)    \
+    extern "C" __global__ void __launch_bounds__(kvf_decode::BLOCK, KEY::MIN_BLOCKS_AS_KEY)                       \
     NAME(const u8 *__restrict__ packed, kvf_decode::section_planes k_planes, kvf_decode::section_planes v_planes, \
          int n_tokens, int n_heads, u16 *__restrict__ k_out, u16 *__restrict__ v_out, i64 token_stride,           \
          i64 head_stride, const int *__restrict__ positions, kvf_decode::rope_args rope, u32 k_blocks,            \

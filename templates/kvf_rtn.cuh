@@ -15,8 +15,9 @@ constexpr int BLOCK = 256;
 // archs of 2048 threads an SM such as sm_80 and sm_90 (rtn_int2's encode
 // 0.354 ms on the H200; 0.377 ms at 33 registers, 6 blocks). On archs of
 // 1536 threads (sm_86, sm_89, sm_12x) ptxas ignores a minimum it cannot
-// meet (36 registers there, its own choice). The rotated encode keeps the
-// compiler's choice.
+// meet (its own choice, e.g. 36 registers on sm_86/89). The rotated encode
+// takes a minimum of 1 block (quarot_int2: 32 registers on sm_80/90; with
+// no bound, as before session 10, 30; occupancy is full either way).
 constexpr int MIN_BLOCKS = 8;
 
 template <int D, int BITS, int G, int MODE, int SFMT, int ROT>
