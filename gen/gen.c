@@ -140,6 +140,14 @@ void kvf_gen_roles(const struct kvf_scheme *s, int present[KVF_ROLE_COUNT]) {
     if (s->key.qsac_candidates > 1) present[KVF_R_QSAC_WEIGHTS] = 1;
 }
 
+int kvf_gen_kernels(const struct kvf_scheme *s, int roles[KVF_ROLE_COUNT]) {
+    int present[KVF_ROLE_COUNT], n = 0;
+    kvf_gen_roles(s, present);
+    for (int r = 0; r < KVF_ROLE_COUNT; r++)
+        if (present[r] && kvf_gen_role_kernel(s, r) == r) roles[n++] = r;
+    return n;
+}
+
 static void upper_id(const struct kvf_scheme *s, char *buf, size_t len) {
     snprintf(buf, len, "KVF_%s", s->id);
     for (char *p = buf; *p; p++) *p = (char)toupper((unsigned char)*p);
@@ -249,10 +257,8 @@ static char *gen_h(const struct kvf_scheme *s, const kvf_layout *l) {
     kvf_buf_printf(&b, "#define %s_HEADER_BYTES %u\n", up, KVF_HEADER_BYTES);
     section_defines(&b, up, "KEY", &l->key);
     section_defines(&b, up, "VALUE", &l->value);
-    int present[KVF_ROLE_COUNT], n = 0;
-    kvf_gen_roles(s, present);
-    for (int r = 0; r < KVF_ROLE_COUNT; r++) n += present[r] && kvf_gen_role_kernel(s, r) == r;
-    kvf_buf_printf(&b, "#define %s_KERNEL_COUNT %d\n\n", up, n);
+    int roles[KVF_ROLE_COUNT];
+    kvf_buf_printf(&b, "#define %s_KERNEL_COUNT %d\n\n", up, kvf_gen_kernels(s, roles));
     kvf_buf_printf(&b, "extern const char kvf_%s_scheme[];       /* canonical configuration */\n", s->id);
     kvf_buf_printf(&b, "extern const char kvf_%s_cuda_source[];  /* %s.cu, for JIT */\n", s->id, s->id);
     kvf_buf_printf(&b, "extern const char *const kvf_%s_kernel_names[%s_KERNEL_COUNT];\n\n", s->id, up);
@@ -282,11 +288,9 @@ static char *gen_c(const struct kvf_scheme *s, const char *cuda) {
     kvf_buf_printf(&b, ";\n\nconst char kvf_%s_cuda_source[] =\n    ", s->id);
     kvf_buf_c_string(&b, cuda, strlen(cuda));
     kvf_buf_printf(&b, ";\n\nconst char *const kvf_%s_kernel_names[%s_KERNEL_COUNT] = {\n", s->id, up);
-    int present[KVF_ROLE_COUNT];
-    kvf_gen_roles(s, present);
-    for (int k = 0; k < KVF_ROLE_COUNT; k++) {
-        if (!present[k] || kvf_gen_role_kernel(s, k) != k) continue; /* each kernel once */
-        kvf_gen_kernel_name(s, k, name, sizeof name);
+    int roles[KVF_ROLE_COUNT];
+    for (int i = 0, n = kvf_gen_kernels(s, roles); i < n; i++) {
+        kvf_gen_kernel_name(s, roles[i], name, sizeof name);
         kvf_buf_printf(&b, "    \"%s\",\n", name);
     }
     kvf_buf_printf(&b, "};\n\n");

@@ -47,6 +47,10 @@ int kvf_gen_write(const kvf_gen_output *out, const char *dir);
 /* Kernel entry name of a role, e.g. "kvf_rtn_int2_1a2b3c4d_encode_k": that
  * of the role whose kernel serves it (kvf_gen_role_kernel). */
 void kvf_gen_kernel_name(const struct kvf_scheme *s, int role, char *buf, size_t len);
+/* The roles whose kernels the generated source defines, each kernel once
+ * (present and served by itself, kvf_gen_role_kernel), in role order, into
+ * roles; returns how many. */
+int kvf_gen_kernels(const struct kvf_scheme *s, int roles[KVF_ROLE_COUNT]);
 /* The role whose kernel serves `role`: itself, or the key section's k-means
  * role where the value section runs the key's kernels (kvf_gen_kmeans_owner). */
 int kvf_gen_role_kernel(const struct kvf_scheme *s, int role);

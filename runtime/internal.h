@@ -94,6 +94,8 @@ typedef struct kvf_embedded_file {
 
 extern const kvf_embedded_file kvf_embedded_schemes[];  /* terminated by name == NULL */
 extern const kvf_embedded_file kvf_embedded_templates[];
+/* bench/kvf_probe.cuh, linked into kvf_bench and test_nvrtc only (Makefile). */
+extern const kvf_embedded_file kvf_bench_probe[];
 const kvf_embedded_file *kvf_find_embedded(const kvf_embedded_file *table, const char *name);
 
 /* -------------------------------------------------------------- layout (layout.c) */
@@ -214,15 +216,18 @@ void kvf_synth_kv(uint16_t *x, int64_t n_tokens, int n_heads, int head_dim, uint
 /* The CUDA toolkit (NVRTC, fatbinary): $CUDA_HOME, else the build's default. */
 const char *kvf_cuda_home(void);
 
-/* ------------------------------------------------------- little-endian fields */
+/* ------------------------------------------------------------------ strings */
 
-/* Little-endian fields of the packed planes, the cache's key and entries. */
 /* How many times needle occurs in s, without overlaps. */
 static inline int kvf_count_str(const char *s, const char *needle) {
     int n = 0;
     for (const char *p = s; (p = strstr(p, needle)); p += strlen(needle)) n++;
     return n;
 }
+
+/* ------------------------------------------------------- little-endian fields */
+
+/* Little-endian fields of the packed planes, the cache's key and entries. */
 static inline void kvf_put_u16(uint8_t *p, uint16_t v) {
     p[0] = (uint8_t)(v & 0xffu);
     p[1] = (uint8_t)(v >> 8);

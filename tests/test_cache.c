@@ -148,12 +148,6 @@ static char *list_text(size_t *len) {
     return text;
 }
 
-static int count_substr(const char *s, const char *part) {
-    int n = 0;
-    for (const char *p = s; (p = strstr(p, part)); p += strlen(part)) n++;
-    return n;
-}
-
 /* --------------------------------------------------------------- tests */
 
 static void test_put_get_hit(void **state) {
@@ -330,7 +324,7 @@ static void test_uncreatable_dir(void **state) {
     assert_int_equal(kvf_cache_put(ARCH, &k, META, payload, sizeof payload), KVF_OK);
     assert_int_equal(kvf_cache_lock(ARCH, &k), -1);
     char *err = capture_end(&cap);
-    assert_int_equal(count_substr(err, "warning"), 1);
+    assert_int_equal(kvf_count_str(err, "warning"), 1);
     assert_non_null(strstr(err, dir));
     assert_non_null(strstr(err, strerror(ENOTDIR)));
     free(err);
@@ -355,7 +349,7 @@ static void test_foreign_owner_refused(void **state) {
     assert_miss(ARCH, &k);
     assert_int_equal(kvf_cache_lock(ARCH, &k), -1);
     char *err = capture_end(&cap);
-    assert_int_equal(count_substr(err, "warning"), 1);
+    assert_int_equal(kvf_count_str(err, "warning"), 1);
     assert_non_null(strstr(err, owned_by));
     assert_non_null(strstr(err, fx->cache));
     free(err);
@@ -377,7 +371,7 @@ static void test_world_writable_refused(void **state) {
     assert_int_equal(kvf_cache_put(ARCH, &k, META, payload, sizeof payload), KVF_OK);
     assert_miss(ARCH, &k);
     char *err = capture_end(&cap);
-    assert_int_equal(count_substr(err, "warning"), 1);
+    assert_int_equal(kvf_count_str(err, "warning"), 1);
     assert_non_null(strstr(err, "writable by group or others"));
     free(err);
     assert_int_equal(count_names(fx->cache, ""), 0);
@@ -391,7 +385,7 @@ static void test_world_writable_refused(void **state) {
     assert_int_equal(kvf_cache_put(ARCH, &k, META, payload, sizeof payload), KVF_OK);
     assert_miss(ARCH, &k);
     err = capture_end(&cap);
-    assert_int_equal(count_substr(err, "warning"), 1);
+    assert_int_equal(kvf_count_str(err, "warning"), 1);
     assert_non_null(strstr(err, arch_dir));
     free(err);
     assert_int_equal(count_names(arch_dir, ""), 0);
@@ -508,7 +502,7 @@ static void test_symlinks_not_followed(void **state) {
     assert_int_equal(kvf_cache_put("sm_86", &k, META, payload, sizeof payload), KVF_OK);
     assert_miss("sm_86", &k);
     char *err = capture_end(&cap);
-    assert_int_equal(count_substr(err, "warning"), 1);
+    assert_int_equal(kvf_count_str(err, "warning"), 1);
     assert_non_null(strstr(err, "symlink"));
     free(err);
     assert_int_equal(count_names(other_dir, ""), 0);
@@ -784,7 +778,7 @@ static void test_killed_writer(void **state) {
     assert_hit(ARCH, &k, want, 1000);
     size_t len;
     char *text = list_text(&len);
-    assert_int_equal(count_substr(text, "\n"), 1);
+    assert_int_equal(kvf_count_str(text, "\n"), 1);
     free(text);
     assert_int_equal(kvf_cache_clear(), KVF_OK);
     assert_int_equal(count_names(arch_dir, ".tmp."), 0);
@@ -810,7 +804,7 @@ static void test_list(void **state) {
 
     text = list_text(&len);
     fputs(text, stderr);
-    assert_int_equal(count_substr(text, "\n"), 3);
+    assert_int_equal(kvf_count_str(text, "\n"), 3);
     /* sorted by arch: sm_80 first */
     assert_true(strncmp(text, "sm_80 ", 6) == 0);
     char line[512];
