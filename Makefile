@@ -53,7 +53,8 @@ $(O)/gen/embedded.c: $(O)/bin/embed $(TEMPLATES) $(SCHEMES) templates schemes
 	@mkdir -p $(dir $@)
 	$(O)/bin/embed $@ kvf_embedded_schemes $(SCHEMES) -- kvf_embedded_templates $(TEMPLATES)
 
-$(O)/obj/embedded.o: $(O)/gen/embedded.c runtime/internal.h
+# Embedded files' objects (the library's; the bench's probe, below).
+$(O)/obj/embedded.o $(O)/obj/bench_probe.o: $(O)/obj/%.o: $(O)/gen/%.c runtime/internal.h
 	@mkdir -p $(dir $@)
 	$(CC) $(ALL_CFLAGS) -c -o $@ $<
 
@@ -77,10 +78,9 @@ $(O)/bin/kvforge: $(O)/obj/tools/kvforge.o $(O)/lib/libkvforge.a
 
 $(O)/bin/test_%: $(O)/obj/tests/test_%.o $(O)/obj/tests/testutil.o $(O)/lib/libkvforge.a
 	@mkdir -p $(dir $@)
-	$(CC) -o $@ $< $(TEST_EXTRA) $(O)/obj/tests/testutil.o $(O)/lib/libkvforge.a -lcmocka $(STATIC_DEPS)
+	$(CC) -o $@ $(filter %.o,$^) $(O)/lib/libkvforge.a -lcmocka $(STATIC_DEPS)
 
 # test_nvrtc also compiles the bench's probe.
-$(O)/bin/test_nvrtc: private TEST_EXTRA := $(O)/obj/bench_probe.o
 $(O)/bin/test_nvrtc: $(O)/obj/bench_probe.o
 
 # Test objects are kept (as intermediates make would delete them, and a
@@ -128,13 +128,9 @@ $(O)/gen/bench_probe.c: $(O)/bin/embed bench/kvf_probe.cuh
 	@mkdir -p $(dir $@)
 	$(O)/bin/embed $@ kvf_bench_probe bench/kvf_probe.cuh
 
-$(O)/obj/bench_probe.o: $(O)/gen/bench_probe.c runtime/internal.h
-	@mkdir -p $(dir $@)
-	$(CC) $(ALL_CFLAGS) -c -o $@ $<
-
 $(O)/bin/kvf_bench: $(O)/obj/bench/bench.o $(O)/obj/bench_probe.o $(O)/lib/libkvforge.a
 	@mkdir -p $(dir $@)
-	$(CC) -o $@ $< $(O)/obj/bench_probe.o $(O)/lib/libkvforge.a $(STATIC_DEPS)
+	$(CC) -o $@ $(filter %.o,$^) $(O)/lib/libkvforge.a $(STATIC_DEPS)
 
 bench: $(O)/bin/kvf_bench
 	$(O)/bin/kvf_bench

@@ -37,38 +37,61 @@ static int cmp_float(const void *a, const void *b) {
 
 typedef int (*bench_fn)(void *arg);
 
-/* Median of reps timings (ms) with events, after two warm-up calls. */
-static float time_median(bench_fn fn, void *arg, int reps) {
-    CUevent a, b;
-    CK(cuEventCreate(&a, 0));
-    CK(cuEventCreate(&b, 0));
+/* Two warm-up calls, then reps timed ones between events a and b into t. */
+static int timed_calls(bench_fn fn, void *arg, int reps, CUevent a, CUevent b, float *t) {
+    int rc;
+    for (int i = 0; i < 2; i++)
+        if ((rc = fn(arg))) return rc;
+    for (int i = 0; i < reps; i++) {
+        KVF_CU(cu, 0, cuEventRecord(a, NULL));
+        if ((rc = fn(arg))) return rc;
+        KVF_CU(cu, 0, cuEventRecord(b, NULL));
+        KVF_CU(cu, 0, cuEventSynchronize(b));
+        KVF_CU(cu, 0, cuEventElapsedTime(&t[i], a, b));
+    }
+    return KVF_OK;
+}
+
+/* Median of reps timings (ms) into *ms: KVF_OK, or the first failure (fn's
+ * status, or the driver call's, a fault in fn's kernels included). */
+static int time_try(bench_fn fn, void *arg, int reps, float *ms) {
+    CUevent a = NULL, b = NULL;
     float t[256];
     if (reps > 256) reps = 256;
-    for (int i = 0; i < 2; i++)
-        if (fn(arg)) { fprintf(stderr, "kvf_bench: %s\n", kvf_last_error()); exit(1); }
-    for (int i = 0; i < reps; i++) {
-        CK(cuEventRecord(a, NULL));
-        if (fn(arg)) { fprintf(stderr, "kvf_bench: %s\n", kvf_last_error()); exit(1); }
-        CK(cuEventRecord(b, NULL));
-        CK(cuEventSynchronize(b));
-        CK(cuEventElapsedTime(&t[i], a, b));
-    }
-    cu->cuEventDestroy(a);
-    cu->cuEventDestroy(b);
+    CUresult r = cu->cuEventCreate(&a, 0);
+    if (r == CUDA_SUCCESS) r = cu->cuEventCreate(&b, 0);
+    int rc = r == CUDA_SUCCESS ? timed_calls(fn, arg, reps, a, b, t)
+                               : kvf_cuda_fail(r, "cuEventCreate", __FILE__, __LINE__, 0);
+    if (a) cu->cuEventDestroy(a);
+    if (b) cu->cuEventDestroy(b);
+    if (rc) return rc;
     qsort(t, (size_t)reps, sizeof *t, cmp_float);
-    return t[reps / 2];
+    *ms = t[reps / 2];
+    return KVF_OK;
+}
+
+/* time_try, and the bench ends on a failure. */
+static float time_median(bench_fn fn, void *arg, int reps) {
+    float ms;
+    if (time_try(fn, arg, reps, &ms)) {
+        fprintf(stderr, "kvf_bench: %s\n", kvf_last_error());
+        exit(1);
+    }
+    return ms;
 }
 
 typedef struct copy_arg { CUdeviceptr dst, src; size_t n; } copy_arg;
 static int do_copy(void *p) {
     copy_arg *c = p;
-    return cu->cuMemcpyDtoDAsync(c->dst, c->src, c->n, NULL) == CUDA_SUCCESS ? 0 : -1;
+    KVF_CU(cu, 0, cuMemcpyDtoDAsync(c->dst, c->src, c->n, NULL));
+    return KVF_OK;
 }
 
 /* Write-only ceiling: a memset of n bytes (n a multiple of 4). */
 static int do_fill(void *p) {
     copy_arg *c = p;
-    return cu->cuMemsetD32Async(c->dst, 0x3f803f80u, c->n / 4, NULL) == CUDA_SUCCESS ? 0 : -1;
+    KVF_CU(cu, 0, cuMemsetD32Async(c->dst, 0x3f803f80u, c->n / 4, NULL));
+    return KVF_OK;
 }
 
 typedef struct codec_arg {
@@ -99,8 +122,6 @@ static int do_decode(void *p) {
 /* The INT2 decode probe (bench/kvf_probe.cuh, embedded by the Makefile): an
  * INT2 decode's bytes with no arithmetic to speak of, without and with a
  * centroid gather. */
-extern const kvf_embedded_file kvf_bench_probe[];
-
 typedef struct probe_arg {
     CUfunction fn;
     CUdeviceptr codes, sz, idx, table, out;
@@ -110,16 +131,70 @@ typedef struct probe_arg {
 static int do_probe(void *p) {
     probe_arg *a = p;
     void *args[] = {&a->codes, &a->sz, &a->idx, &a->table, &a->out, &a->n};
-    CUresult r = cu->cuLaunchKernel(a->fn, a->grid_x, a->grid_y, 2, a->block, 1, 1, 0, NULL, args, NULL);
-    return r == CUDA_SUCCESS ? 0 : kvf_cuda_fail(r, "cuLaunchKernel(probe)", __FILE__, __LINE__, 0);
+    KVF_CU(cu, 0, cuLaunchKernel(a->fn, a->grid_x, a->grid_y, 2, a->block, 1, 1, 0, NULL, args, NULL));
+    return KVF_OK;
 }
 
-/* A failed driver call inside probe_ceilings: recorded, then to its cleanup. */
-#define PCK(call)                                                                                     \
-    do {                                                                                              \
-        CUresult r_ = cu->call;                                                                       \
-        if (r_ != CUDA_SUCCESS) { rc = kvf_cuda_fail(r_, #call, __FILE__, __LINE__, 0); goto done; } \
-    } while (0)
+/* What probe_ceilings holds, freed by probe_free whatever happened. */
+typedef struct probe_state {
+    probe_arg a;
+    CUmodule mod;
+    void *image;
+    unsigned char *idx;
+} probe_state;
+
+static void probe_free(probe_state *st) {
+    free(st->idx);
+    free(st->image);
+    CUdeviceptr bufs[4] = {st->a.codes, st->a.sz, st->a.idx, st->a.table};
+    for (int i = 0; i < 4; i++)
+        if (bufs[i]) cu->cuMemFree(bufs[i]);
+    if (st->mod) cu->cuModuleUnload(st->mod);
+}
+
+/* probe_ceilings' work: compile and load the probe, fill its inputs, time
+ * both kernels. */
+static int probe_run(probe_state *st, CUdevice dev, int64_t tokens, int heads, int reps, double bw[2],
+                     float ms[2]) {
+    int major, minor, ptx, rc;
+    char arch[32];
+    size_t size;
+    probe_arg *a = &st->a;
+    const size_t rows = (size_t)tokens * heads * 2, table_bytes = (size_t)heads * 2 * 256 * 256;
+    if (!(st->idx = malloc(rows))) return kvf_set_error(KVF_ENOMEM, "kvf_bench: probe: out of memory");
+    KVF_CU(cu, 0, cuDeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev));
+    KVF_CU(cu, 0, cuDeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev));
+    if ((rc = kvf_nvrtc_pick_arch(major, minor, arch, sizeof arch, &ptx)) ||
+        (rc = kvf_nvrtc_compile(kvf_bench_probe[0].data, "kvf_probe.cu", arch, ptx, &st->image, &size)))
+        return rc;
+    KVF_CU(cu, 0, cuModuleLoadData(&st->mod, st->image));
+    CUdeviceptr geometry;
+    size_t geometry_bytes;
+    unsigned g[2]; /* kvf_probe::BLOCK, TILE */
+    KVF_CU(cu, 0, cuModuleGetGlobal(&geometry, &geometry_bytes, st->mod, "kvf_probe_geometry"));
+    if (geometry_bytes != sizeof g)
+        return kvf_set_error(KVF_EFORMAT, "kvf_bench: probe: kvf_probe_geometry has %zu bytes", geometry_bytes);
+    KVF_CU(cu, 0, cuMemcpyDtoH(g, geometry, sizeof g));
+    a->block = g[0];
+    a->grid_x = (unsigned)((tokens + g[1] - 1) / g[1]);
+    KVF_CU(cu, 0, cuMemAlloc(&a->codes, rows * 32));
+    KVF_CU(cu, 0, cuMemAlloc(&a->sz, rows * 8));
+    KVF_CU(cu, 0, cuMemAlloc(&a->idx, rows));
+    KVF_CU(cu, 0, cuMemAlloc(&a->table, table_bytes));
+    KVF_CU(cu, 0, cuMemsetD8(a->codes, 0x5a, rows * 32));
+    KVF_CU(cu, 0, cuMemsetD8(a->sz, 0x3c, rows * 8));
+    KVF_CU(cu, 0, cuMemsetD8(a->table, 0x3f, table_bytes));
+    for (size_t r = 0; r < rows; r++) st->idx[r] = (unsigned char)((r * 2654435761u) >> 13); /* scattered */
+    KVF_CU(cu, 0, cuMemcpyHtoD(a->idx, st->idx, rows));
+    const char *names[2] = {"kvf_probe_int2", "kvf_probe_int2_gather"};
+    for (int k = 0; k < 2; k++) {
+        KVF_CU(cu, 0, cuModuleGetFunction(&a->fn, st->mod, names[k]));
+        if ((rc = time_try(do_probe, a, reps, &ms[k]))) return rc;
+        const double bytes = rows * (32.0 + 8.0 + 256.0) + (k ? rows + (double)table_bytes : 0.0);
+        bw[k] = bytes / (ms[k] * 1e-3) / 1e9;
+    }
+    return KVF_OK;
+}
 
 /* Times both probes over K and V of the layer into out (2 x heads x tokens
  * rows of 256 bytes: the decode's output size). *bw: GB/s counting the bytes
@@ -128,60 +203,9 @@ static int do_probe(void *p) {
  * not run (the bench then goes on without it). */
 static int probe_ceilings(CUdevice dev, int64_t tokens, int heads, CUdeviceptr out, int reps, double bw[2],
                           float ms[2]) {
-    int major, minor, ptx, rc;
-    char arch[32];
-    void *image = NULL;
-    size_t size;
-    CUmodule mod = NULL;
-    const size_t rows = (size_t)tokens * heads * 2, table_bytes = (size_t)heads * 2 * 256 * 256;
-    probe_arg a = {.n = (unsigned)tokens, .grid_y = (unsigned)heads, .out = out};
-    unsigned char *idx = malloc(rows);
-    if (!idx) return kvf_set_error(KVF_ENOMEM, "kvf_bench: probe: out of memory");
-    PCK(cuDeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev));
-    PCK(cuDeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev));
-    if ((rc = kvf_nvrtc_pick_arch(major, minor, arch, sizeof arch, &ptx)) ||
-        (rc = kvf_nvrtc_compile(kvf_bench_probe[0].data, "kvf_probe.cu", arch, ptx, &image, &size)))
-        goto done;
-    PCK(cuModuleLoadData(&mod, image));
-    CUdeviceptr geometry;
-    size_t geometry_bytes;
-    unsigned g[2]; /* kvf_probe::BLOCK, TILE */
-    PCK(cuModuleGetGlobal(&geometry, &geometry_bytes, mod, "kvf_probe_geometry"));
-    if (geometry_bytes != sizeof g) {
-        rc = kvf_set_error(KVF_EFORMAT, "kvf_bench: probe: kvf_probe_geometry has %zu bytes", geometry_bytes);
-        goto done;
-    }
-    PCK(cuMemcpyDtoH(g, geometry, sizeof g));
-    a.block = g[0];
-    a.grid_x = (unsigned)((tokens + g[1] - 1) / g[1]);
-    PCK(cuMemAlloc(&a.codes, rows * 32));
-    PCK(cuMemAlloc(&a.sz, rows * 8));
-    PCK(cuMemAlloc(&a.idx, rows));
-    PCK(cuMemAlloc(&a.table, table_bytes));
-    PCK(cuMemsetD8(a.codes, 0x5a, rows * 32));
-    PCK(cuMemsetD8(a.sz, 0x3c, rows * 8));
-    PCK(cuMemsetD8(a.table, 0x3f, table_bytes));
-    for (size_t r = 0; r < rows; r++) idx[r] = (unsigned char)((r * 2654435761u) >> 13); /* scattered indices */
-    PCK(cuMemcpyHtoD(a.idx, idx, rows));
-    const char *names[2] = {"kvf_probe_int2", "kvf_probe_int2_gather"};
-    for (int k = 0; k < 2; k++) {
-        PCK(cuModuleGetFunction(&a.fn, mod, names[k]));
-        /* A launch or run error here, not in time_median (which exits). */
-        if ((rc = do_probe(&a))) goto done;
-        PCK(cuCtxSynchronize());
-        ms[k] = time_median(do_probe, &a, reps);
-        const double bytes = rows * (32.0 + 8.0 + 256.0) + (k ? rows + (double)table_bytes : 0.0);
-        bw[k] = bytes / (ms[k] * 1e-3) / 1e9;
-    }
-done:
-#undef PCK
-    free(idx);
-    free(image);
-    if (a.codes) cu->cuMemFree(a.codes);
-    if (a.sz) cu->cuMemFree(a.sz);
-    if (a.idx) cu->cuMemFree(a.idx);
-    if (a.table) cu->cuMemFree(a.table);
-    if (mod) cu->cuModuleUnload(mod);
+    probe_state st = {.a = {.n = (unsigned)tokens, .grid_y = (unsigned)heads, .out = out}};
+    int rc = probe_run(&st, dev, tokens, heads, reps, bw, ms);
+    probe_free(&st);
     return rc;
 }
 
