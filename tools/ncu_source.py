@@ -48,18 +48,19 @@ def main():
         sys.exit(f"{args.csv}: not an ncu source page with the columns " + ", ".join(f"'{c}'" for c in needed))
     head, code = rows[0], rows[1:]
     col = {name: i for i, name in enumerate(head)}
-    stalls = [h for h in head if h.startswith("stall_") and "Not Issued" not in h]
+    stalls = [(col[h], h[len("stall_"):]) for h in head if h.startswith("stall_") and "Not Issued" not in h]
     samples = [number(r, col[SAMPLES]) for r in code]
     executed = [number(r, col[EXECUTED]) for r in code]
-    total_s, total_e = sum(samples) or 1.0, sum(executed) or 1.0
+    sum_s, sum_e = sum(samples), sum(executed)
+    total_s, total_e = sum_s or 1.0, sum_e or 1.0  # divisors
     kernel = next(csv.reader([first]))
-    print(f"{kernel[1] if len(kernel) > 1 else '?'}: {len(code)} instructions, {sum(samples):.0f} samples, "
-          f"{sum(executed):.0f} warp instructions executed")
+    print(f"{kernel[1] if len(kernel) > 1 else '?'}: {len(code)} instructions, {sum_s:.0f} samples, "
+          f"{sum_e:.0f} warp instructions executed")
 
     reasons = collections.Counter()
     for r in code:
-        for s in stalls:
-            reasons[s[len("stall_"):]] += number(r, col[s])
+        for c, name in stalls:
+            reasons[name] += number(r, c)
     print("stalls: " + ", ".join(f"{k} {100 * v / total_s:.1f}%" for k, v in reasons.most_common(10)))
 
     by_exec, by_samp = collections.Counter(), collections.Counter()
@@ -88,7 +89,7 @@ def main():
     print(f"top {args.top} instructions by samples (index, samples, times run, source, main stalls):")
     order = sorted(range(len(code)), key=lambda i: -samples[i])[:args.top]
     for i in order:
-        top = sorted(((number(code[i], col[s]), s[len("stall_"):]) for s in stalls), reverse=True)[:3]
+        top = sorted(((number(code[i], c), name) for c, name in stalls), reverse=True)[:3]
         reasons_txt = " ".join(f"{n}:{v:.0f}" for v, n in top if v > 0)
         print(f"  {i:5d} {samples[i]:7.0f} x{executed[i]:<9.0f} {code[i][col['Source']].strip()[:56]:56s} {reasons_txt}")
 
