@@ -821,9 +821,15 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
 // cluster's run into units of at most SUM_SEG tokens; each warp takes units
 // and adds their rows in registers, a row per step (lane i: channels
 // i * D/32 ..), then adds the unit's sums to the part's with 64-bit integer
-// atomics. The value added is ref_kmeans.c's fixed_point(e), an integer of
-// at most 2^36 (fixed_point below), summed in f64: sums of up to SUM_SEG of
-// them are exact in any order, and so are the integer additions.
+// atomics, or, where the unit is its cluster's only one in the part's first
+// round, stores them. So the part's rows need zeros first only where their
+// cluster has no unit or several in that round (zeroed after the sort; the
+// bench's parts hold about 30 tokens a cluster: one unit). Storing instead
+// of zeroing 256 KiB a part and adding to it took the sums from 0.116 to
+// about 0.094 ms a launch on the H200 (docs/BENCHMARKS.md, session 12).
+// The value added is ref_kmeans.c's fixed_point(e), an integer of at most
+// 2^36 (fixed_point below), summed in f64: sums of up to SUM_SEG of them are
+// exact in any order, and so are the integer additions.
 constexpr int SUM_THREADS = 1024, SUM_SUB = 8192, SUM_SEG = 64;
 constexpr int SUM_UNITS = 256 + SUM_SUB / SUM_SEG; // units of a round at most
 static_assert(SUM_SUB <= 65536 && (double)SUM_SEG * 68719476736.0 < 9007199254740992.0,
@@ -867,6 +873,7 @@ __device__ __forceinline__ void accumulate(const void *__restrict__ src, i64 ts,
     constexpr int PER = SUM_SUB / SUM_THREADS;  // tokens a thread sorts
     static_assert(D % 64 == 0 && SUM_SUB % SUM_THREADS == 0, "head_dim is 64, 128 or 256");
     __shared__ int cursor[256], total[256], next, units;
+    __shared__ unsigned char direct[256];       // 1: the cluster's only unit of the first round stores its sums
     __shared__ u32 unit[SUM_UNITS];             // cluster << 16 | first position of the unit
     __shared__ unsigned short order[SUM_SUB];   // sub-chunk offsets of its tokens, by cluster
     if (blockDim.x != SUM_THREADS) __trap();    // the launch's size disagrees with this file
@@ -874,7 +881,8 @@ __device__ __forceinline__ void accumulate(const void *__restrict__ src, i64 ts,
     const int t_begin = min(n_tokens, part * chunk), t_end = min(n_tokens, t_begin + chunk);
     const int *ih = idx + (i64)h * n_tokens;
     long long *ap = acc + ((i64)part * nh + h) * c_eff * D;
-    for (int i = threadIdx.x; i < c_eff * D / 2; i += SUM_THREADS) ((longlong2 *)ap)[i] = make_longlong2(0, 0);
+    if (t_begin >= t_end) // a part without tokens: zero sums
+        for (int i = threadIdx.x; i < c_eff * D / 2; i += SUM_THREADS) ((longlong2 *)ap)[i] = make_longlong2(0, 0);
     for (int j = threadIdx.x; j < 256; j += SUM_THREADS) total[j] = 0;
     for (int s0 = t_begin; s0 < t_end; s0 += SUM_SUB) {
         const int ns = min(SUM_SUB, t_end - s0);
@@ -908,6 +916,7 @@ __device__ __forceinline__ void accumulate(const void *__restrict__ src, i64 ts,
                 const int j = lane * 8 + i;
                 cursor[j] = run;
                 total[j] += c[i];
+                direct[j] = s0 == t_begin && c[i] > 0 && c[i] <= SUM_SEG;
                 for (int p = run; p < run + c[i]; p += SUM_SEG) unit[urun++] = (u32)j << 16 | (u32)p;
                 run += c[i];
             }
@@ -917,7 +926,10 @@ __device__ __forceinline__ void accumulate(const void *__restrict__ src, i64 ts,
 #pragma unroll
         for (int k = 0; k < PER; k++)
             if (z[k] >= 0) order[atomicAdd(&cursor[z[k]], 1)] = (unsigned short)(threadIdx.x + k * SUM_THREADS);
-        __syncthreads(); // cluster j's tokens end at order[cursor[j]]
+        if (s0 == t_begin) // the rows the first round does not store: zeros for the atomics
+            for (int i = threadIdx.x; i < c_eff * D / 2; i += SUM_THREADS)
+                if (!direct[i / (D / 2)]) ((longlong2 *)ap)[i] = make_longlong2(0, 0);
+        __syncthreads(); // cluster j's tokens end at order[cursor[j]]; the zeros are written
         for (;;) {
             int ui = 0;
             if (lane == 0) ui = atomicAdd(&next, 1);
@@ -954,8 +966,14 @@ __device__ __forceinline__ void accumulate(const void *__restrict__ src, i64 ts,
                     }
             }
             unsigned long long *o = (unsigned long long *)(ap + (i64)j * D + lane * CPL);
+            if (direct[j]) {
 #pragma unroll
-            for (int c = 0; c < CPL; c++) atomicAdd(o + c, (unsigned long long)(long long)sum[c]);
+                for (int c = 0; c < CPL; c += 2)
+                    *(longlong2 *)(o + c) = make_longlong2((long long)sum[c], (long long)sum[c + 1]);
+            } else {
+#pragma unroll
+                for (int c = 0; c < CPL; c++) atomicAdd(o + c, (unsigned long long)(long long)sum[c]);
+            }
         }
         __syncthreads(); // the next round reuses the sort
     }
