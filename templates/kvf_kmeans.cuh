@@ -825,8 +825,8 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
 // round, stores them. So the part's rows need zeros first only where their
 // cluster has no unit or several in that round (zeroed after the sort; the
 // bench's parts hold about 30 tokens a cluster: one unit). Storing instead
-// of zeroing 256 KiB a part and adding to it took the sums from 0.116 to
-// about 0.094 ms a launch on the H200 (docs/BENCHMARKS.md, session 12).
+// of zeroing 256 KiB a part and adding to it took about 0.022 ms off each
+// launch (0.116 ms before) on the H200 (docs/BENCHMARKS.md, session 12).
 // The value added is ref_kmeans.c's fixed_point(e), an integer of at most
 // 2^36 (fixed_point below), summed in f64: sums of up to SUM_SEG of them are
 // exact in any order, and so are the integer additions.
