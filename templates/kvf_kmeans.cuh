@@ -825,8 +825,10 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
 // round, stores them. So the part's rows need zeros first only where their
 // cluster has no unit or several in that round (zeroed after the sort; the
 // bench's parts hold about 30 tokens a cluster: one unit). Storing instead
-// of zeroing 256 KiB a part and adding to it took about 0.022 ms off each
-// launch (0.116 ms before) on the H200 (docs/BENCHMARKS.md, session 12).
+// of zeroing the part's rows (256 KiB at 256 centroids and head_dim 128)
+// and adding to them took about 0.022 ms off each launch (0.116 ms before;
+// the encodes' difference over their 4 launches) on the H200
+// (docs/BENCHMARKS.md, session 12).
 // The value added is ref_kmeans.c's fixed_point(e), an integer of at most
 // 2^36 (fixed_point below), summed in f64: sums of up to SUM_SEG of them are
 // exact in any order, and so are the integer additions.
@@ -888,7 +890,7 @@ __device__ __forceinline__ void accumulate(const void *__restrict__ src, i64 ts,
         const int ns = min(SUM_SUB, t_end - s0);
         for (int j = threadIdx.x; j < 256; j += SUM_THREADS) cursor[j] = 0;
         if (threadIdx.x == 0) next = 0;
-        __syncthreads(); // (the first round: also the zeros above before any atomic)
+        __syncthreads(); // (the first round: also total[] zeroed before the scan adds to it)
         int z[PER];
 #pragma unroll
         for (int k = 0; k < PER; k++) {
@@ -975,7 +977,7 @@ __device__ __forceinline__ void accumulate(const void *__restrict__ src, i64 ts,
                 for (int c = 0; c < CPL; c++) atomicAdd(o + c, (unsigned long long)(long long)sum[c]);
             }
         }
-        __syncthreads(); // the next round reuses the sort
+        __syncthreads(); // the next round reuses the sort, and adds after this round's stores
     }
     if (threadIdx.x < c_eff) cnt[((i64)part * nh + h) * c_eff + threadIdx.x] = total[threadIdx.x];
 }

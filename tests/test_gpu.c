@@ -546,7 +546,10 @@ static void gpu_psac_shapes(void **state) {
  * with more heads than half the multiprocessors each head's tokens are one
  * part, so 8300 tokens take two sorting rounds (kvf_kmeans SUM_SUB = 8192);
  * with 2 centroids one cluster holds at least half of a part's tokens (100
- * or more here), so its run is cut into several 64-token units;
+ * or more here), so its run is cut into several 64-token units; with 128
+ * centroids the first round's clusters hold about 64 tokens each, so some
+ * store their sums as one unit and others take several, and the second
+ * round's 108 tokens add to both kinds of row;
  * head_dim 64 and 256 (2 and 8 channels a lane); keys read the BF16 input,
  * the two-stage values the f32 workspace. */
 static void gpu_kmeans_sum_shapes(void **state) {
@@ -557,6 +560,8 @@ static void gpu_kmeans_sum_shapes(void **state) {
     const struct { const char *text; run_case c; } shapes[] = {
         {"return { base = 'qvg_int2', name = 'sum_d64', head_dim = 64, key = { centroids = 2 }, "
          "value = { centroids = 2 } }", {small ? 40 : 8300, small ? 2 : sms / 2 + 1, 0, 0}},
+        {"return { base = 'qvg_int2', name = 'sum_d64_c128', head_dim = 64, key = { centroids = 128 }, "
+         "value = { centroids = 128 } }", {small ? 40 : 8300, small ? 2 : sms / 2 + 1, 0, 0}},
         {"return { base = 'qvg_int2', name = 'sum_d256', head_dim = 256, key = { centroids = 2 }, "
          "value = { centroids = 2, stages = 2 } }", {small ? 40 : 600, 2, 1, 0}},
     };
