@@ -183,12 +183,23 @@ template <int M> __host__ __device__ constexpr int assign_warp_bytes() {
     return (int)((sizeof(assign_warp<M>) + 15) / 16 * 16);
 }
 
-// A block's shared bytes with W warps: centroid rows, N_j, weights, QSAC's
-// group weight sums, the exact norms (nearest centroid only), limits, then
-// each warp's scratch.
+// The assignment's block shared memory, byte offsets: MAX_C centroid rows
+// (permuted, pitch assign_pitch), N_j / 2 (f32 pairs of columns, twice: a
+// float4 per 2 columns), the weights, QSAC's group weight sums, the exact
+// norms (nearest centroid only), the bound's limits, then each warp's
+// scratch. assign carves its block up by these, and assign_smem_for sizes it.
+constexpr int MAX_C = 256; // centroids a section may have (the u8 index plane)
+template <int D, int M> struct assign_layout {
+    static constexpr int CENT = 0;
+    static constexpr int NH = CENT + MAX_C * assign_pitch<D>() * 2;
+    static constexpr int WV = NH + MAX_C * 8;
+    static constexpr int GW = WV + D * 4;
+    static constexpr int NN = GW + 32 * 8;
+    static constexpr int LIM = NN + (M == 1 ? MAX_C * 8 : 0);
+    static constexpr int WARPS = LIM + 16;
+};
 template <int D, int M> __host__ __device__ constexpr int assign_smem_for(int warps) {
-    return 256 * assign_pitch<D>() * 2 + 256 * 8 + D * 4 + 32 * 8 + (M == 1 ? 256 * 8 : 0) + 16 +
-           warps * assign_warp_bytes<M>();
+    return assign_layout<D, M>::WARPS + warps * assign_warp_bytes<M>();
 }
 
 // Warps per block: 16 up to D = 128 (the registers stay within the launch
@@ -467,14 +478,16 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
     u32 have;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(have));
     if (have < (u32)SMEM) __trap(); // the launch's size disagrees with this file
-    u16 *cs = (u16 *)smem;                      // [256][DP]
-    float4 *nh = (float4 *)(cs + 256 * DP);     // [128] N_j / 2 in f32 (N_j: |mu|^2, or sum w mu^2 for QSAC), 2^126
-                                                // past c_eff; pairs of columns, twice (filter)
-    float *wv = (float *)(nh + 128);            // [D]
-    double *gw = (double *)(wv + D);            // [32] QSAC: weight sum of each group
-    double *nn64 = gw + 32;                     // [256] M = 1: |mu_j|^2 (norm2), for the exact distances
-    u32 *lim = (u32 *)(nn64 + (M == 1 ? 256 : 0)); // [0] max |mu|, [1] max |N| (f32 bits)
+    using L = assign_layout<D, M>;
+    u16 *cs = (u16 *)(smem + L::CENT);          // [MAX_C][DP]
+    float4 *nh = (float4 *)(smem + L::NH);      // [MAX_C / 2] N_j / 2 in f32 (N_j: |mu|^2, or sum w mu^2 for QSAC),
+                                                // 2^126 past c_eff; pairs of columns, twice (filter)
+    float *wv = (float *)(smem + L::WV);        // [D]
+    double *gw = (double *)(smem + L::GW);      // [32] QSAC: weight sum of each group
+    double *nn64 = (double *)(smem + L::NN);    // [MAX_C] M = 1: |mu_j|^2 (norm2), for the exact distances
+    u32 *lim = (u32 *)(smem + L::LIM);          // [0] max |mu|, [1] max |N| (f32 bits)
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, q = lane & 3;
+    // At L::WARPS + warp * WB; written from the end, the form whose SASS ran on the H200.
     assign_warp<M> &wa = *(assign_warp<M> *)(smem + (SMEM - (W - warp) * WB));
     constexpr int FNU = filter_tiles<M, BF>(), CB = 8 * FNU; // n8 tiles and columns a filter step
     const int h = blockIdx.y, cp = (c_eff + CB - 1) & ~(CB - 1);
