@@ -121,6 +121,7 @@ __device__ __forceinline__ void init(const void *src, i64 ts, i64 hs, int n_toke
 // Tokens whose bound is not finite (NaN/Inf inputs or centroids, or |a|
 // max|mu| + max|N| / 2 >= 2^125) or with more than CAP candidates take a
 // full f64 scan with the CPU's sequential rule (NaN handling included).
+constexpr int MAX_C = 256;      // centroids a section may have (the u8 index plane)
 constexpr int TPW = 16;         // tokens per warp (one m16 tile)
 constexpr int CAP = 32;         // candidates per token before the full scan
 constexpr float KAPPA = 2.44140625e-4f; // 2^-12
@@ -144,7 +145,7 @@ template <int M> struct assign_lists {
 template <int M> struct assign_warp {
     union {
         double cd[TPW][CAP];    // candidates' exact distances
-        double scr[256];        // full scan (after the candidates are done): every centroid's exact distance
+        double scr[MAX_C];      // full scan (after the candidates are done): every centroid's exact distance
     };
     double fd[M], fs[M];        // full scan: the M nearest, their sensitivity scores
     double sv[TPW][M > 1 ? 8 : 1]; // sensitivity scores of the M nearest (filtered path)
@@ -188,7 +189,6 @@ template <int M> __host__ __device__ constexpr int assign_warp_bytes() {
 // float4 per 2 columns), the weights, QSAC's group weight sums, the exact
 // norms (nearest centroid only), the bound's limits, then each warp's
 // scratch. assign carves its block up by these, and assign_smem_for sizes it.
-constexpr int MAX_C = 256; // centroids a section may have (the u8 index plane)
 template <int D, int M> struct assign_layout {
     static constexpr int CENT = 0;
     static constexpr int NH = CENT + MAX_C * assign_pitch<D>() * 2;
@@ -846,7 +846,7 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
 // 2^36 (fixed_point below), summed in f64: sums of up to SUM_SEG of them are
 // exact in any order, and so are the integer additions.
 constexpr int SUM_THREADS = 1024, SUM_SUB = 8192, SUM_SEG = 64;
-constexpr int SUM_UNITS = 256 + SUM_SUB / SUM_SEG; // units of a round at most
+constexpr int SUM_UNITS = MAX_C + SUM_SUB / SUM_SEG; // units of a round at most
 static_assert(SUM_SUB <= 65536 && (double)SUM_SEG * 68719476736.0 < 9007199254740992.0,
               "u16 offsets; SUM_SEG sums of 2^36 are exact in f64");
 
@@ -887,8 +887,9 @@ __device__ __forceinline__ void accumulate(const void *__restrict__ src, i64 ts,
     constexpr int U = 16 / W > 0 ? 16 / W : 1;  // rows in flight a lane
     constexpr int PER = SUM_SUB / SUM_THREADS;  // tokens a thread sorts
     static_assert(D % 64 == 0 && SUM_SUB % SUM_THREADS == 0, "head_dim is 64, 128 or 256");
-    __shared__ int cursor[256], total[256], next, units;
-    __shared__ unsigned char direct[256];       // 1: the cluster's only unit of the first round stores its sums
+    constexpr int CPW = MAX_C / 32;             // clusters a lane of the scan
+    __shared__ int cursor[MAX_C], total[MAX_C], next, units;
+    __shared__ unsigned char direct[MAX_C];     // 1: the cluster's only unit of the first round stores its sums
     __shared__ u32 unit[SUM_UNITS];             // cluster << 16 | first position of the unit
     __shared__ unsigned short order[SUM_SUB];   // sub-chunk offsets of its tokens, by cluster
     if (blockDim.x != SUM_THREADS) __trap();    // the launch's size disagrees with this file
@@ -898,10 +899,10 @@ __device__ __forceinline__ void accumulate(const void *__restrict__ src, i64 ts,
     long long *ap = acc + ((i64)part * nh + h) * c_eff * D;
     if (t_begin >= t_end) // a part without tokens: zero sums
         for (int i = threadIdx.x; i < c_eff * D / 2; i += SUM_THREADS) ((longlong2 *)ap)[i] = make_longlong2(0, 0);
-    for (int j = threadIdx.x; j < 256; j += SUM_THREADS) total[j] = 0;
+    for (int j = threadIdx.x; j < MAX_C; j += SUM_THREADS) total[j] = 0;
     for (int s0 = t_begin; s0 < t_end; s0 += SUM_SUB) {
         const int ns = min(SUM_SUB, t_end - s0);
-        for (int j = threadIdx.x; j < 256; j += SUM_THREADS) cursor[j] = 0;
+        for (int j = threadIdx.x; j < MAX_C; j += SUM_THREADS) cursor[j] = 0;
         if (threadIdx.x == 0) next = 0;
         __syncthreads(); // (the first round: also total[] zeroed before the scan adds to it)
         int z[PER];
@@ -912,11 +913,11 @@ __device__ __forceinline__ void accumulate(const void *__restrict__ src, i64 ts,
             if (z[k] >= 0) atomicAdd(&cursor[z[k]], 1);
         }
         __syncthreads();
-        if (threadIdx.x < 32) { // exclusive scans of the counts and units, 8 clusters a lane
-            int c[8], sum = 0, nu = 0;
+        if (threadIdx.x < 32) { // exclusive scans of the counts and units, CPW clusters a lane
+            int c[CPW], sum = 0, nu = 0;
 #pragma unroll
-            for (int i = 0; i < 8; i++) {
-                c[i] = cursor[lane * 8 + i];
+            for (int i = 0; i < CPW; i++) {
+                c[i] = cursor[lane * CPW + i];
                 sum += c[i];
                 nu += (c[i] + SUM_SEG - 1) / SUM_SEG;
             }
@@ -927,8 +928,8 @@ __device__ __forceinline__ void accumulate(const void *__restrict__ src, i64 ts,
                 if (lane >= o) incl += y, uincl += yu;
             }
             int run = incl - sum, urun = uincl - nu;
-            for (int i = 0; i < 8; i++) {
-                const int j = lane * 8 + i;
+            for (int i = 0; i < CPW; i++) {
+                const int j = lane * CPW + i;
                 cursor[j] = run;
                 total[j] += c[i];
                 direct[j] = s0 == t_begin && c[i] > 0 && c[i] <= SUM_SEG;
