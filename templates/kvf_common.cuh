@@ -142,7 +142,7 @@ __device__ __forceinline__ bool kvf_rint_mul_add(float x, float r, float z, floa
     const float m = __fmaf_rn(fabsf(y), 0x1p-21f, __fmaf_rn(fabsf(t), 0x1p-22f, 0x1p-140f));
     return fabsf(__fsub_rn(t, n)) < __fsub_rn(0.5f, m);
 }
-// rint(fl(x_i / S)) (ADD = false) or rint(fl(fl(x_i / S) + z)) for an
+// rint(fl(x_i / S)) (ADD = false; z is not read) or rint(fl(fl(x_i / S) + z)) for an
 // integer z, |z| <= 256 (ADD = true: the sum's rounding moves t by up to
 // 2^-24 |t|, which kvf_rint_mul_add's margin covers) of 8 values, S > 0
 // (r = fl(1 / S) computed once): every value's fast path, and where any of
@@ -151,7 +151,7 @@ __device__ __forceinline__ bool kvf_rint_mul_add(float x, float r, float z, floa
 // With ADD a zero may come out with the other sign (x / S just below -z +
 // 1/2 in magnitude): the callers clamp to [0, L] and keep the code as u32.
 template <bool ADD>
-__device__ __forceinline__ void kvf_rint_div8(const float (&x)[8], float S, float z, float (&n)[8]) {
+__device__ __forceinline__ void kvf_rint_div8(const float (&x)[8], float S, float (&n)[8], float z = 0.0f) {
     const float r = __frcp_rn(S);
     bool ok = true;
 #pragma unroll

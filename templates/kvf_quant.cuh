@@ -27,7 +27,7 @@ template <int BITS>
 __device__ __forceinline__ void codes_symmetric(const float (&v)[8], float S, u32 (&q)[8]) {
     constexpr int QMAX = (1 << (BITS - 1)) - 1;
     float n[8];
-    if (S > 0.0f) kvf_rint_div8<false>(v, S, 0.0f, n);
+    if (S > 0.0f) kvf_rint_div8<false>(v, S, n);
 #pragma unroll
     for (int i = 0; i < 8; i++) q[i] = (u32)((S > 0.0f ? (int)kvf_clamp(n[i], (float)-QMAX, (float)QMAX) : 0) + QMAX);
 }
@@ -56,7 +56,7 @@ __device__ __forceinline__ void encode8(const float (&v)[8], lane_out &o) {
             float d[8], n[8];
 #pragma unroll
             for (int i = 0; i < 8; i++) d[i] = __fsub_rn(v[i], M);
-            if (S > 0.0f) kvf_rint_div8<false>(d, S, 0.0f, n);
+            if (S > 0.0f) kvf_rint_div8<false>(d, S, n);
 #pragma unroll
             for (int i = 0; i < 8; i++) o.q[i] = S > 0.0f ? (u32)kvf_clamp(n[i], 0.0f, (float)L) : 0u;
         } else {
@@ -77,7 +77,7 @@ __device__ __forceinline__ void encode8(const float (&v)[8], lane_out &o) {
         const float z = S > 0.0f ? kvf_clamp(kvf_rint(__fdiv_rn(-mn, S)), -128.0f, 127.0f) : 0.0f;
         o.zero = (u16)(u8)(signed char)(int)z;
         float n[8];
-        if (S > 0.0f) kvf_rint_div8<true>(v, S, z, n);
+        if (S > 0.0f) kvf_rint_div8<true>(v, S, n, z);
 #pragma unroll
         for (int i = 0; i < 8; i++) o.q[i] = S > 0.0f ? (u32)kvf_clamp(n[i], 0.0f, (float)L) : 0u;
     } else {
