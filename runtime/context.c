@@ -142,7 +142,9 @@ static int check_image_format(kvf_context *ctx) {
     return rc ? rc : check_image_u32(ctx, "kvf_kernel_abi", KVF_KERNEL_ABI, "kernel interface", "launches");
 }
 
-static int load_module(kvf_context *ctx, const void *image) {
+/* remedy: what to do when the image's k-means assignment needs more shared
+ * memory than the device allows (it depends on where the image came from). */
+static int load_module(kvf_context *ctx, const void *image, const char *remedy) {
     const kvf_cuda_api *cu = ctx->cu;
     int rc = push_ctx(ctx);
     if (rc) return rc;
@@ -185,15 +187,11 @@ static int load_module(kvf_context *ctx, const void *image) {
              * (a PTX or cubin image), or a device below its arch's figure,
              * may need more. */
             if (f && ctx->assign_cfg[t][AC_SMEM + k] > ctx->smem_optin) {
-                const int image = ctx->origin && !strcmp(ctx->origin, "image");
                 rc = kvf_set_error(KVF_ENOTIMPL,
                                    "the k-means %s assignment of scheme %s needs %d bytes of shared memory per block, "
                                    "device %d (%s) allows %d: %s",
                                    k ? "QSAC" : "nearest-centroid", ctx->scheme->id, ctx->assign_cfg[t][AC_SMEM + k],
-                                   ctx->device, ctx->backend, ctx->smem_optin,
-                                   image ? "use an image compiled for its arch"
-                                         : "this NVRTC compiled PTX for an older arch than the device's; use an "
-                                           "NVRTC that knows the device's arch, or an image exported for it");
+                                   ctx->device, ctx->backend, ctx->smem_optin, remedy);
                 break;
             }
             if (f && (r = cu->cuFuncSetAttribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -224,7 +222,11 @@ int kvf_context_create(const kvf_scheme *s, int device, kvf_context **out) {
     size_t size = 0;
     if (!(rc = open_device(ctx, &major, &minor)) && !(rc = kvf_nvrtc_pick_arch(major, minor, arch, sizeof arch, &ptx)) &&
         !(rc = kvf_jit_image(ctx->scheme, arch, ptx, &image, &size, &ctx->origin)))
-        rc = load_module(ctx, image);
+        rc = load_module(ctx, image,
+                         ptx ? "this NVRTC compiled PTX for an older arch than the device's; use an NVRTC that "
+                               "knows the device's arch, or an image exported for it"
+                             : "the device allows less than templates/kvf_kmeans.cuh's smem_optin_bytes assumes "
+                               "for its arch");
     free(image);
     if (rc) { kvf_context_destroy(ctx); return rc; }
     *out = ctx;
@@ -246,8 +248,8 @@ int kvf_context_create_from_image(const char *canonical, const void *image, size
     int major, minor;
     if (device == KVF_DEVICE_CPU) rc = kvf_set_error(KVF_EINVAL, "an image needs a CUDA device, not the CPU");
     else if (!(rc = open_device(ctx, &major, &minor))) {
-        ctx->origin = "image"; /* before load_module: its messages name the remedy by origin */
-        rc = load_module(ctx, image);
+        ctx->origin = "image";
+        rc = load_module(ctx, image, "use an image compiled for its arch");
     }
     if (rc) { kvf_context_destroy(ctx); return rc; }
     *out = ctx;
