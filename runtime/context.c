@@ -440,7 +440,9 @@ static int workspace(kvf_context *ctx, const kvf_shape *sh, int need_e, int part
 /* Rows of a stage's working vectors: the BF16 input, or the f32 workspace. */
 typedef struct { CUdeviceptr p; int64_t ts, hs; } src_arg;
 
-/* k-means of one stage (METHODS.md 3): init, Lloyd steps, final assignment. */
+/* k-means of one stage (METHODS.md 3): init, Lloyd steps, final assignment;
+ * with kmeans_labels = "last_step" the last step's assignment writes the
+ * index plane too, and there is no final assignment. */
 static int kmeans_stage(kvf_context *ctx, int t, int stage, const kvf_shape *sh, const src_arg *src,
                         const ws_parts *ws, int parts, CUdeviceptr packed, const kvf_stage_layout *sl,
                         CUdeviceptr weights, void *stream) {
@@ -462,10 +464,12 @@ static int kmeans_stage(kvf_context *ctx, int t, int stage, const kvf_shape *sh,
     int chunk = (int)((n + parts - 1) / parts);
     void *a_init[] = {(void *)&src->p, (void *)&src->ts, (void *)&src->hs, &n, &nh, &c_eff, &seed, &stage, &cent,
                       &c_alloc};
+    const bool last_step = c->kmeans_labels == KVF_LABELS_LAST_STEP && c->kmeans_iters > 0;
     if ((rc = launch(ctx, KVF_R_K_INIT + base, g_cd, a_init, stream))) return rc;
     for (int it = 0; it < c->kmeans_iters; it++) {
+        CUdeviceptr *plane = last_step && it == c->kmeans_iters - 1 ? &idx_plane : &nul;
         void *a_as[] = {(void *)&src->p, (void *)&src->ts, (void *)&src->hs, &n, &c_eff, &cent, &c_alloc,
-                        (void *)&ws->idx, &nul};
+                        (void *)&ws->idx, plane};
         void *a_ac[] = {(void *)&src->p, (void *)&src->ts, (void *)&src->hs, (void *)&ws->idx, &n, &c_eff, &chunk,
                         (void *)&ws->acc, (void *)&ws->cnt};
         void *a_fi[] = {&nh, &c_eff, &parts, (void *)&ws->acc, (void *)&ws->cnt, &cent, &c_alloc};
@@ -477,7 +481,9 @@ static int kmeans_stage(kvf_context *ctx, int t, int stage, const kvf_shape *sh,
             (rc = launch(ctx, KVF_R_K_FINALIZE + base, g_cd, a_fi, stream)))
             return rc;
     }
-    if (t == 0 && stage == 0 && c->qsac_candidates > 1) {
+    if (last_step) {
+        /* the last step's assignment wrote the index plane */
+    } else if (t == 0 && stage == 0 && c->qsac_candidates > 1) {
         void *a_q[] = {(void *)&src->p, (void *)&src->ts, (void *)&src->hs, &n, &c_eff, &cent, &c_alloc, &idx_plane,
                        &weights};
         rc = launch3(ctx, KVF_R_K_ASSIGN_QSAC, g_tok[1], (unsigned)nh, 1, (unsigned)ac[AC_THREADS_QSAC], (unsigned)ac[AC_SMEM_QSAC], a_q,

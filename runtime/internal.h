@@ -25,6 +25,8 @@ enum kvf_scale_format { KVF_SCALE_FP16 = 0, KVF_SCALE_INT8_FP16 = 1 };
 enum kvf_rope_placement { KVF_ROPE_NONE = 0, KVF_ROPE_PRE = 1, KVF_ROPE_POST = 2 };
 enum kvf_rope_layout { KVF_ROPE_HALF = 0, KVF_ROPE_INTERLEAVED = 1 };
 enum kvf_rotation { KVF_ROTATION_NONE = 0, KVF_ROTATION_HADAMARD = 1 };
+/* Where a k-means section's stored labels come from (METHODS.md 3). */
+enum kvf_kmeans_labels { KVF_LABELS_FINAL = 0, KVF_LABELS_LAST_STEP = 1 };
 #define KVF_MAX_STAGES 8
 #define KVF_MAX_ROPE_SECTIONS 4
 #define KVF_MAX_PSAC_RANK 64 /* psac_rank's bound (scheme.c); PSAC's exactness argument (METHODS.md 4) needs r <= 64 */
@@ -38,6 +40,7 @@ typedef struct kvf_tensor_cfg {
     int scale_format;    /* enum kvf_scale_format */
     int centroids;       /* 0 = no k-means smoothing, else 1..256 */
     int kmeans_iters;    /* Lloyd iterations */
+    int kmeans_labels;   /* enum kvf_kmeans_labels */
     int64_t seed;        /* k-means seed */
     int qsac_candidates; /* QSAC M (1 = plain nearest centroid) */
     int psac_rank;       /* PSAC r (0 = off; keys only) */

@@ -22,10 +22,13 @@ void kvf_ref_rope_apply(float *x, int d, int layout, const float *inv, const int
 void kvf_ref_rope(float *x, int d, const kvf_rope_cfg *rope, const int32_t *pos);
 
 /* ref_kmeans.c: seeded strided init + Lloyd iterations over n vectors
- * e[n][d] (f32); writes the final bf16 centroids cent[C][d] (C = min(c, n));
- * (METHODS.md 3). KVF_OK, or KVF_ENOMEM for its work space. */
+ * e[n][d] (f32); writes the final bf16 centroids cent[C][d] (C = min(c, n))
+ * and, where last_z is not NULL and iters > 0, the last Lloyd step's
+ * assignment last_z[n] (the clusters whose means the centroids are;
+ * kmeans_labels = "last_step") (METHODS.md 3). KVF_OK, or KVF_ENOMEM for its
+ * work space. */
 int kvf_ref_kmeans(const float *e, int64_t n, int d, int c, int iters, int64_t seed, int stage,
-                   int head, uint16_t *cent);
+                   int head, uint16_t *cent, int *last_z);
 /* Nearest centroid (f64 distance, ties to the lowest index). The norms
  * ||mu_j||^2 (f64, channel order) depend on the table only: compute them once
  * with kvf_ref_centroid_norms and assign every token with

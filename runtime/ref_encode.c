@@ -25,21 +25,24 @@ typedef struct head_buf {
     float *rhat;     /* what decode gets back for it */
     uint16_t *cent;  /* bf16 [C][d] */
     float *w;        /* [d] QSAC weights */
+    int *z;          /* [n] the last Lloyd step's labels (kmeans_labels = "last_step") */
 } head_buf;
 
 static void head_buf_free(head_buf *b) {
     free(b->x0), free(b->e), free(b->y), free(b->r), free(b->rhat);
-    free(b->cent), free(b->w);
+    free(b->cent), free(b->w), free(b->z);
     memset(b, 0, sizeof *b);
 }
 
 enum { HB_ENCODE = 1, HB_DECODE_SUM = 2 }; /* head_buf_alloc's parts */
 enum { HB_ENCODE_PLANES = 3, HB_DECODE_PLANES = 2 }; /* their [n][d] f32 planes: x0, e, r; y, rhat */
 
-/* Bytes of the f32 planes head_buf_alloc allocates for parts. */
+/* Bytes of the per-token buffers head_buf_alloc allocates for parts: the f32
+ * planes and the encode's labels. */
 static int64_t head_buf_bytes(int64_t n, int d, int parts) {
     return n * d * (int64_t)sizeof(float) *
-           ((parts & HB_ENCODE ? HB_ENCODE_PLANES : 0) + (parts & HB_DECODE_SUM ? HB_DECODE_PLANES : 0));
+               ((parts & HB_ENCODE ? HB_ENCODE_PLANES : 0) + (parts & HB_DECODE_SUM ? HB_DECODE_PLANES : 0)) +
+           (parts & HB_ENCODE ? n * (int64_t)sizeof(int) : 0);
 }
 
 static int head_buf_alloc(head_buf *b, int64_t n, int d, int centroids, int parts) {
@@ -50,7 +53,8 @@ static int head_buf_alloc(head_buf *b, int64_t n, int d, int centroids, int part
         b->x0 = malloc(nd), b->e = malloc(nd), b->r = malloc(nd);
         b->cent = malloc((size_t)(centroids > 0 ? centroids : 1) * (size_t)d * 2);
         b->w = malloc((size_t)d * sizeof(float));
-        ok = b->x0 && b->e && b->r && b->cent && b->w;
+        b->z = malloc((size_t)n * sizeof(int));
+        ok = b->x0 && b->e && b->r && b->cent && b->w && b->z;
     }
     if (parts & HB_DECODE_SUM) {
         b->y = malloc(nd), b->rhat = malloc(nd);
@@ -202,7 +206,10 @@ static int smooth_stage(const section_job *j, int stage, int32_t h, const void *
     const kvf_stage_layout *st = &j->l->stage[stage];
     int64_t n = j->L->n_tokens;
     int d = j->L->head_dim, C = j->l->centroids, Ceff = n < C ? (int)n : C;
-    int rc = kvf_ref_kmeans(b->e, n, d, C, j->cfg->kmeans_iters, j->cfg->seed, stage, h, b->cent);
+    /* "last_step": the labels are the last Lloyd step's (scheme.c allows it
+     * only with kmeans_iters > 0 and no QSAC); "final": a final assignment. */
+    bool last = j->cfg->kmeans_labels == KVF_LABELS_LAST_STEP;
+    int rc = kvf_ref_kmeans(b->e, n, d, C, j->cfg->kmeans_iters, j->cfg->seed, stage, h, b->cent, last ? b->z : NULL);
     if (rc) return rc;
     bool qsac = stage == 0 && j->cfg->qsac_candidates > 1;
     if (qsac && (rc = qsac_weights(qstats, h, d, b->w))) return rc;
@@ -210,11 +217,12 @@ static int smooth_stage(const section_job *j, int stage, int32_t h, const void *
     for (int k = 0; k < C; k++) /* rows past the n tokens repeat row 0 */
         for (int c = 0; c < d; c++) kvf_put_u16(table + ((size_t)k * d + c) * 2, b->cent[(size_t)(k < Ceff ? k : 0) * d + c]);
     double norms[KVF_REF_MAX_CENTROIDS]; /* of the final table, once for every token */
-    if (!qsac) kvf_ref_centroid_norms(b->cent, Ceff, d, norms);
+    if (!qsac && !last) kvf_ref_centroid_norms(b->cent, Ceff, d, norms);
     for (int64_t t = 0; t < n; t++) {
         const float *et = b->e + t * d;
-        int z = qsac ? kvf_ref_qsac(et, b->cent, Ceff, d, b->w, j->cfg->qsac_candidates, j->l->group_size)
-                     : kvf_ref_nearest_normed(et, b->cent, norms, Ceff, d);
+        int z = last   ? b->z[t]
+                : qsac ? kvf_ref_qsac(et, b->cent, Ceff, d, b->w, j->cfg->qsac_candidates, j->l->group_size)
+                       : kvf_ref_nearest_normed(et, b->cent, norms, Ceff, d);
         packed[st->index_off + row_of(j->L, h, t)] = (uint8_t)z;
         const uint16_t *mu = b->cent + (size_t)z * d;
         for (int c = 0; c < d; c++) b->r[t * d + c] = et[c] - kvf_bf16_to_f32(mu[c]);

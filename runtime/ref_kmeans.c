@@ -111,7 +111,7 @@ static void lloyd_step(const float *e, int64_t n, int d, int c, uint16_t *cent, 
 }
 
 int kvf_ref_kmeans(const float *e, int64_t n, int d, int c, int iters, int64_t seed, int stage,
-                   int head, uint16_t *cent) {
+                   int head, uint16_t *cent, int *last_z) {
     if (c > n) c = (int)n;
     strided_init(e, n, d, c, seed, stage, head, cent);
     if (iters <= 0) return KVF_OK;
@@ -120,6 +120,7 @@ int kvf_ref_kmeans(const float *e, int64_t n, int d, int c, int iters, int64_t s
     int rc = (w.z && w.norms && w.acc && w.count) ? KVF_OK
                                                   : kvf_set_error(KVF_ENOMEM, "k-means: out of memory");
     for (int it = 0; !rc && it < iters; it++) lloyd_step(e, n, d, c, cent, &w);
+    if (!rc && last_z) memcpy(last_z, w.z, (size_t)n * sizeof *last_z);
     free(w.z), free(w.norms), free(w.acc), free(w.count);
     return rc;
 }

@@ -56,11 +56,12 @@ static const char *const scale_names[] = {"fp16", "int8_fp16", NULL};
 static const char *const placement_names[] = {"none", "pre", "post", NULL};
 static const char *const layout_names[] = {"half", "interleaved", NULL};
 static const char *const rotation_names[] = {"none", "hadamard", NULL};
+static const char *const labels_names[] = {"final", "last_step", NULL};
 
 enum { S_TOP, S_KEY, S_VALUE, S_ROPE, S_CHUNK, N_SECTIONS };
 enum { TOP_NAME, TOP_BASE, TOP_HEAD_DIM, TOP_KEY, TOP_VALUE, TOP_ROPE, TOP_CHUNK, N_TOP = 11 };
-enum { T_AXIS, T_BITS, T_CENTROIDS, T_GROUP, T_ITERS, T_MODE, T_PSAC, T_QSAC, T_ROTATION,
-       T_SCALE, T_SEED, T_STAGES, N_TENSOR };
+enum { T_AXIS, T_BITS, T_CENTROIDS, T_GROUP, T_ITERS, T_LABELS, T_MODE, T_PSAC, T_QSAC,
+       T_ROTATION, T_SCALE, T_SEED, T_STAGES, N_TENSOR };
 enum { R_LAYOUT, R_PLACEMENT, R_SECTIONS, R_THETA, N_ROPE };
 enum { C_RECENT, C_SINK, C_SPAN, C_TOKENS, N_CHUNK };
 
@@ -87,6 +88,7 @@ static const fdesc tensor_fields[N_TENSOR] = {
     {"centroids", F_INT, TO(centroids), 0, 256, NULL, NULL},
     {"group_size", F_INT, TO(group_size), 16, 256, group_set, NULL},
     {"kmeans_iters", F_INT, TO(kmeans_iters), 0, 100, NULL, NULL},
+    {"kmeans_labels", F_ENUM, TO(kmeans_labels), 0, 0, NULL, labels_names},
     {"mode", F_ENUM, TO(mode), 0, 0, NULL, mode_names},
     {"psac_rank", F_INT, TO(psac_rank), 0, KVF_MAX_PSAC_RANK, NULL, NULL},
     {"qsac_candidates", F_INT, TO(qsac_candidates), 1, 256, NULL, NULL},
@@ -1276,6 +1278,15 @@ static int bad(const loader *ld, const struct kvf_scheme *s, int fid, const char
     return kvf_set_error(KVF_ESCHEME, "%s: %s: %s", where, path, what);
 }
 
+/* Of two fields in conflict, the one set nearest the top file (the file that
+ * brought the conflict in, e.g. over a base that set the other); a default
+ * counts as farthest. */
+static int nearest_set(const loader *ld, int a, int b) {
+    if (!ld || ld->org[b].file < 0) return a;
+    if (ld->org[a].file < 0) return b;
+    return ld->org[b].file < ld->org[a].file ? b : a;
+}
+
 /* Every field in its range (for schemes filled in by code). */
 static int check_ranges(const struct kvf_scheme *s, const loader *ld) {
     char what[160];
@@ -1346,6 +1357,20 @@ static int check_methods(const struct kvf_scheme *s, const loader *ld, int sec) 
     if (t->qsac_candidates > t->centroids && t->centroids > 0)
         return bad(ld, s, FID(sec, T_QSAC), "must be <= centroids (%d) (got %d)", t->centroids,
                    t->qsac_candidates);
+    if (t->kmeans_labels == KVF_LABELS_LAST_STEP && t->centroids > 0 && t->kmeans_iters == 0)
+        return bad(ld, s, FID(sec, T_LABELS),
+                   "must be \"final\" when kmeans_iters = 0 (\"last_step\" takes the labels "
+                   "of the last Lloyd step) (got \"last_step\")");
+    if (t->kmeans_labels == KVF_LABELS_LAST_STEP && t->qsac_candidates > 1) {
+        if (nearest_set(ld, FID(sec, T_LABELS), FID(sec, T_QSAC)) == FID(sec, T_QSAC))
+            return bad(ld, s, FID(sec, T_QSAC),
+                       "must be 1 when kmeans_labels = \"last_step\" (QSAC is a final assignment: "
+                       "set kmeans_labels = \"final\") (got %d)",
+                       t->qsac_candidates);
+        return bad(ld, s, FID(sec, T_LABELS),
+                   "must be \"final\" when qsac_candidates > 1 (QSAC is the final assignment) "
+                   "(got \"last_step\")");
+    }
     if (t->stages > 1 && t->centroids == 0)
         return bad(ld, s, FID(sec, T_STAGES),
                    "must be 1 when centroids = 0 (progressive stages smooth each residual "
@@ -1486,7 +1511,7 @@ static int build_canonical(struct kvf_scheme *s) {
 void kvf_scheme_defaults(struct kvf_scheme *s) {
     static const kvf_tensor_cfg tensor = {
         .bits = 2, .group_size = 64, .axis = KVF_AXIS_CHANNEL, .mode = KVF_MODE_AFFINE,
-        .scale_format = KVF_SCALE_FP16, .centroids = 0, .kmeans_iters = 2, .seed = 0,
+        .scale_format = KVF_SCALE_FP16, .centroids = 0, .kmeans_iters = 2, .kmeans_labels = KVF_LABELS_FINAL, .seed = 0,
         .qsac_candidates = 1, .psac_rank = 0, .stages = 1, .rotation = KVF_ROTATION_NONE};
     memset(s, 0, sizeof *s);
     s->head_dim = 128;

@@ -111,7 +111,7 @@ static void unimplemented_method_refused(void **state) {
  * plain nearest centroid; refused rather than decoded differently. */
 static void value_qsac_refused(void **state) {
     (void)state;
-    expect_gen_refused("return { base = 'qvg_int2', name = 'vq', value = { qsac_candidates = 4 } }",
+    expect_gen_refused("return { base = 'qvg_int2', name = 'vq', value = { qsac_candidates = 4, kmeans_labels = 'final' } }",
                        "value.qsac_candidates = 4");
 }
 

@@ -552,12 +552,31 @@ static void gpu_psac_shapes(void **state) {
  * round's 108 tokens add to both kinds of row;
  * head_dim 64 and 256 (2 and 8 channels a lane); keys read the BF16 input,
  * the two-stage values the f32 workspace. */
+typedef struct { const char *text; run_case c; } text_case;
+
+/* Each scheme (Lua text) encoded on the GPU and the CPU at its shape: the
+ * same bytes (compare_case on synthetic data). */
+static void text_cases_agree(const text_case *cs, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        kvf_scheme *s = tu_scheme_text(cs[i].text);
+        kvf_context *gpu, *cpu;
+        if (kvf_context_create(s, 0, &gpu)) fail_msg("%s: %s", kvf_scheme_id(s), kvf_last_error());
+        assert_int_equal(kvf_context_create(s, KVF_DEVICE_CPU, &cpu), KVF_OK);
+        compare_case(gpu, cpu, &cs[i].c, 1, 1);
+        printf("  %s: %lld tokens x %d heads agree with the CPU reference\n", kvf_scheme_id(s),
+               (long long)cs[i].c.tokens, cs[i].c.heads);
+        kvf_context_destroy(gpu);
+        kvf_context_destroy(cpu);
+        kvf_scheme_free(s);
+    }
+}
+
 static void gpu_kmeans_sum_shapes(void **state) {
     (void)state;
     SKIP_WITHOUT_GPU();
     int sms = 0;
     CK(cuDeviceGetAttribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev));
-    const struct { const char *text; run_case c; } shapes[] = {
+    const text_case shapes[] = {
         {"return { base = 'qvg_int2', name = 'sum_d64', head_dim = 64, key = { centroids = 2 }, "
          "value = { centroids = 2 } }", {small ? 40 : 8300, small ? 2 : sms / 2 + 1, 0, 0}},
         {"return { base = 'qvg_int2', name = 'sum_d64_c128', head_dim = 64, key = { centroids = 128 }, "
@@ -565,18 +584,25 @@ static void gpu_kmeans_sum_shapes(void **state) {
         {"return { base = 'qvg_int2', name = 'sum_d256', head_dim = 256, key = { centroids = 2 }, "
          "value = { centroids = 2, stages = 2 } }", {small ? 40 : 600, 2, 1, 0}},
     };
-    for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
-        kvf_scheme *s = tu_scheme_text(shapes[i].text);
-        kvf_context *gpu, *cpu;
-        if (kvf_context_create(s, 0, &gpu)) fail_msg("%s: %s", kvf_scheme_id(s), kvf_last_error());
-        assert_int_equal(kvf_context_create(s, KVF_DEVICE_CPU, &cpu), KVF_OK);
-        compare_case(gpu, cpu, &shapes[i].c, 1, 1);
-        printf("  %s: %lld tokens x %d heads agree with the CPU reference\n", kvf_scheme_id(s),
-               (long long)shapes[i].c.tokens, shapes[i].c.heads);
-        kvf_context_destroy(gpu);
-        kvf_context_destroy(cpu);
-        kvf_scheme_free(s);
-    }
+    text_cases_agree(shapes, sizeof shapes / sizeof shapes[0]);
+}
+
+/* kmeans_labels = "final" with the plain nearest centroid (the shipped schemes
+ * take the last Lloyd step's labels, or QSAC for quantwm's keys): the final
+ * assignment over the BF16 input (keys) and, with two stages, over the f32
+ * workspace (values); and one Lloyd step, whose assignment is then the
+ * labels' ("last_step"), beside a final one on the other tensor. */
+static void gpu_kmeans_labels(void **state) {
+    (void)state;
+    SKIP_WITHOUT_GPU();
+    const text_case cases[] = {
+        {"return { base = 'qvg_int2', name = 'final', key = { kmeans_labels = 'final' }, "
+         "value = { kmeans_labels = 'final', stages = 2 } }", {small ? 40 : 3000, small ? 2 : 5, 1, 0}},
+        {"return { base = 'qvg_int2', name = 'one_step', key = { kmeans_iters = 1 }, "
+         "value = { kmeans_iters = 1, kmeans_labels = 'final' } }", {small ? 40 : 3000, small ? 2 : 5, 1, 0}},
+    };
+    if (!selected("kmeans_labels")) return;
+    text_cases_agree(cases, sizeof cases / sizeof cases[0]);
 }
 
 /* An sm_80 image (PTX for compute_80, which the driver compiles for this
@@ -1095,6 +1121,7 @@ int main(void) {
         cmocka_unit_test(gpu_rope_pre),
         cmocka_unit_test(gpu_psac_shapes),
         cmocka_unit_test(gpu_kmeans_sum_shapes),
+        cmocka_unit_test(gpu_kmeans_labels),
         cmocka_unit_test(gpu_sm80_geometry),
         cmocka_unit_test(oversized_assignment_refused),
         cmocka_unit_test(gpu_qstats_nonfinite),

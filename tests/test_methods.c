@@ -80,7 +80,7 @@ static void test_kmeans_separable(void **state) {
             mean[k][c] += e[i * D + c] / PER;
         }
     uint16_t cent[K * D];
-    assert_int_equal(kvf_ref_kmeans(e, N, D, K, 3, 0, 0, 0, cent), KVF_OK);
+    assert_int_equal(kvf_ref_kmeans(e, N, D, K, 3, 0, 0, 0, cent, NULL), KVF_OK);
     int idx[K];
     for (int i = 0; i < N; i++) {
         int z = kvf_ref_nearest(e + i * D, cent, K, D);
@@ -111,19 +111,19 @@ static void test_kmeans_seeded(void **state) {
     kvf_synth_kv(x, N, 1, D, 3);
     for (int i = 0; i < N * D; i++) e[i] = kvf_bf16_to_f32(x[i]);
     uint16_t a[C * D], b[C * D], c[C * D];
-    assert_int_equal(kvf_ref_kmeans(e, N, D, C, 2, 7, 0, 0, a), KVF_OK);
-    assert_int_equal(kvf_ref_kmeans(e, N, D, C, 2, 7, 0, 0, b), KVF_OK);
+    assert_int_equal(kvf_ref_kmeans(e, N, D, C, 2, 7, 0, 0, a, NULL), KVF_OK);
+    assert_int_equal(kvf_ref_kmeans(e, N, D, C, 2, 7, 0, 0, b, NULL), KVF_OK);
     assert_memory_equal(a, b, sizeof a);
-    assert_int_equal(kvf_ref_kmeans(e, N, D, C, 2, 8, 0, 0, c), KVF_OK);
+    assert_int_equal(kvf_ref_kmeans(e, N, D, C, 2, 8, 0, 0, c, NULL), KVF_OK);
     assert_memory_not_equal(a, c, sizeof a);
-    assert_int_equal(kvf_ref_kmeans(e, N, D, C, 2, 7, 1, 0, c), KVF_OK);
+    assert_int_equal(kvf_ref_kmeans(e, N, D, C, 2, 7, 1, 0, c, NULL), KVF_OK);
     assert_memory_not_equal(a, c, sizeof a);
-    assert_int_equal(kvf_ref_kmeans(e, N, D, C, 2, 7, 0, 1, c), KVF_OK);
+    assert_int_equal(kvf_ref_kmeans(e, N, D, C, 2, 7, 0, 1, c, NULL), KVF_OK);
     assert_memory_not_equal(a, c, sizeof a);
     /* The initialisation: token (o + floor(j N / C)) % N, o = splitmix64(seed ^ stage<<32 ^ head<<40) % N. */
     int64_t seed = 12345;
     int stage = 2, head = 3;
-    assert_int_equal(kvf_ref_kmeans(e, N, D, C, 0, seed, stage, head, a), KVF_OK);
+    assert_int_equal(kvf_ref_kmeans(e, N, D, C, 0, seed, stage, head, a, NULL), KVF_OK);
     uint64_t o = tu_splitmix((uint64_t)seed ^ ((uint64_t)stage << 32) ^ ((uint64_t)head << 40)) % N;
     for (int j = 0; j < C; j++) {
         uint64_t t = (o + (uint64_t)j * N / C) % N;
@@ -131,13 +131,13 @@ static void test_kmeans_seeded(void **state) {
     }
     /* More centroids than tokens: C = n, every token is its own centroid. */
     uint16_t *big = bf16_alloc(256 * D);
-    assert_int_equal(kvf_ref_kmeans(e, 5, D, 256, 0, 0, 0, 0, big), KVF_OK);
+    assert_int_equal(kvf_ref_kmeans(e, 5, D, 256, 0, 0, 0, 0, big, NULL), KVF_OK);
     for (int i = 0; i < 5; i++) assert_memory_equal(big + kvf_ref_nearest(e + i * D, big, 5, D) * D, x + i * D, D * 2);
     free(big);
     /* Lloyd iterations lower the k-means objective. */
     double obj[3];
     for (int it = 0; it < 3; it++) {
-        assert_int_equal(kvf_ref_kmeans(e, N, D, C, it * 2, 1, 0, 0, a), KVF_OK);
+        assert_int_equal(kvf_ref_kmeans(e, N, D, C, it * 2, 1, 0, 0, a, NULL), KVF_OK);
         obj[it] = 0;
         for (int i = 0; i < N; i++) {
             const uint16_t *mu = a + kvf_ref_nearest(e + i * D, a, C, D) * D;
@@ -146,6 +146,63 @@ static void test_kmeans_seeded(void **state) {
     }
     print_message("k-means objective after 0, 2, 4 iterations: %.1f %.1f %.1f\n", obj[0], obj[1], obj[2]);
     assert_true(obj[1] < obj[0] && obj[2] <= obj[1]);
+}
+
+/* kmeans_labels (METHODS.md 3). kvf_ref_kmeans's last_z is the last Lloyd
+ * step's assignment: the nearest of the centroids one step earlier, and each
+ * final centroid is the bf16 mean (2^-20 fixed point) of its cluster under it
+ * (an empty cluster keeps its centroid). An encode with "last_step" stores
+ * those labels beside the final centroids; with "final", the nearest of the
+ * final centroids, which differ from them for some tokens of this data (else
+ * the option would change nothing here). */
+static void test_kmeans_labels(void **state) {
+    (void)state;
+    enum { D = 128, N = 600, C = 32 };
+    uint16_t *k = bf16_alloc(N * D), *v = bf16_alloc(N * D), c1[C * D], c2[C * D];
+    float *e = malloc(sizeof(float) * N * D);
+    int *z = malloc(sizeof(int) * N);
+    assert_non_null(e), assert_non_null(z);
+    kvf_synth_kv(k, N, 1, D, 21);
+    kvf_synth_kv(v, N, 1, D, 22);
+    for (int i = 0; i < N * D; i++) e[i] = kvf_bf16_to_f32(k[i]);
+    assert_int_equal(kvf_ref_kmeans(e, N, D, C, 1, 0, 0, 0, c1, NULL), KVF_OK);
+    assert_int_equal(kvf_ref_kmeans(e, N, D, C, 2, 0, 0, 0, c2, z), KVF_OK);
+    int moved = 0;
+    for (int i = 0; i < N; i++) {
+        assert_int_equal(z[i], kvf_ref_nearest(e + i * D, c1, C, D));
+        moved += z[i] != kvf_ref_nearest(e + i * D, c2, C, D);
+    }
+    for (int j = 0; j < C; j++) {
+        int64_t n = 0, acc[D] = {0};
+        for (int i = 0; i < N; i++)
+            if (z[i] == j) {
+                n++;
+                for (int c = 0; c < D; c++) acc[c] += llrint((double)e[i * D + c] * 0x1.0p20);
+            }
+        for (int c = 0; c < D; c++)
+            assert_int_equal(c2[j * D + c], n ? kvf_f32_to_bf16((float)((double)acc[c] / 0x1.0p20 / (double)n))
+                                              : c1[j * D + c]);
+    }
+    print_message("kmeans_labels: %d of %d tokens have another nearest final centroid than their last label\n",
+                  moved, N);
+    assert_true(moved > 0);
+    const char *texts[2] = {
+        "return { base = 'qvg_int2', name = 'ls', key = { centroids = 32, kmeans_labels = 'last_step' } }",
+        "return { base = 'qvg_int2', name = 'fin', key = { centroids = 32, kmeans_labels = 'final' } }"};
+    for (int f = 0; f < 2; f++) {
+        kvf_scheme *s = tu_scheme_text(texts[f]);
+        kvf_layout L;
+        size_t bytes;
+        assert_int_equal(kvf_layout_compute(s, N, 1, &L), KVF_OK);
+        uint8_t *p = encode_with(s, k, v, N, 1, NULL, &bytes);
+        const kvf_stage_layout *st = &L.key.stage[0];
+        for (int j = 0; j < C * D; j++) assert_int_equal(kvf_get_u16(p + st->centroids_off + 2 * (size_t)j), c2[j]);
+        for (int i = 0; i < N; i++)
+            assert_int_equal(p[st->index_off + i], f ? kvf_ref_nearest(e + i * D, c2, C, D) : z[i]);
+        free(p);
+        kvf_scheme_free(s);
+    }
+    free(k), free(v), free(e), free(z);
 }
 
 /* ------------------------------------------------------------ QSAC */
@@ -200,7 +257,7 @@ static void test_qsac_choice(void **state) {
     kvf_synth_kv(data, N, 1, D, 9);
     for (int i = 0; i < N * D; i++) e[i] = kvf_bf16_to_f32(data[i]);
     for (int c = 0; c < D; c++) w[c] = 1.0f;
-    assert_int_equal(kvf_ref_kmeans(e, N, D, C, 1, 0, 0, 0, cc), KVF_OK);
+    assert_int_equal(kvf_ref_kmeans(e, N, D, C, 1, 0, 0, 0, cc, NULL), KVF_OK);
     for (int i = 0; i < N; i++)
         assert_int_equal(kvf_ref_qsac(e + i * D, cc, C, D, w, 1, G), kvf_ref_nearest(e + i * D, cc, C, D));
     free(data), free(e);
@@ -722,6 +779,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_kmeans_separable),
         cmocka_unit_test(test_kmeans_seeded),
+        cmocka_unit_test(test_kmeans_labels),
         cmocka_unit_test(test_qsac_choice),
         cmocka_unit_test(test_kivi_token_groups),
         cmocka_unit_test(test_hadamard),

@@ -65,10 +65,10 @@ static const char rtn_int2_canonical[] =
     "  name = \"rtn_int2\",\n"
     "  head_dim = 128,\n"
     "  key = { axis = \"channel\", bits = 2, centroids = 0, group_size = 64, kmeans_iters = 2, "
-    "mode = \"affine\", psac_rank = 0, qsac_candidates = 1, rotation = \"none\", "
+    "kmeans_labels = \"final\", mode = \"affine\", psac_rank = 0, qsac_candidates = 1, rotation = \"none\", "
     "scale_format = \"fp16\", seed = 0, stages = 1 },\n"
     "  value = { axis = \"channel\", bits = 2, centroids = 0, group_size = 64, kmeans_iters = 2, "
-    "mode = \"affine\", psac_rank = 0, qsac_candidates = 1, rotation = \"none\", "
+    "kmeans_labels = \"final\", mode = \"affine\", psac_rank = 0, qsac_candidates = 1, rotation = \"none\", "
     "scale_format = \"fp16\", seed = 0, stages = 1 },\n"
     "  rope = { layout = \"half\", placement = \"none\", sections = { 64 }, theta = 10000.0 },\n"
     "  chunk = { recent = 0, sink = 0, span = 1, tokens = 4680 },\n"
@@ -176,6 +176,7 @@ static void test_defaults(void **state) {
     for (int i = 0; i < 3; i++) {
         check_rtn_tensor(t[i], 2);
         assert_int_equal(t[i]->kmeans_iters, 2);
+        assert_int_equal(t[i]->kmeans_labels, KVF_LABELS_FINAL);
         assert_true(t[i]->seed == 0);
         assert_int_equal(t[i]->rotation, KVF_ROTATION_NONE);
     }
@@ -390,6 +391,7 @@ static const char *const variants[] = {
     "return { name = 'v', key = { scale_format = 'int8_fp16' } }",
     "return { name = 'v', key = { centroids = 256 } }",
     "return { name = 'v', key = { kmeans_iters = 3 } }",
+    "return { name = 'v', key = { centroids = 256, kmeans_labels = 'last_step' } }",
     "return { name = 'v', key = { seed = 1 } }",
     "return { name = 'v', key = { centroids = 256, qsac_candidates = 4 } }",
     "return { name = 'v', key = { psac_rank = 8 } }",
@@ -510,6 +512,14 @@ static const bad_case bad_cases[] = {
     {"qsac_without_centroids.lua", 4, "key.qsac_candidates: must be 1 when centroids = 0", NULL},
     {"qsac_over_centroids.lua", 5, "key.qsac_candidates: must be <= centroids (2) (got 4)", NULL},
     {"stages_without_centroids.lua", 4, "value.stages: must be 1 when centroids = 0", NULL},
+    {"labels_without_iters.lua", 6,
+     "key.kmeans_labels: must be \"final\" when kmeans_iters = 0 (\"last_step\" takes the labels of "
+     "the last Lloyd step) (got \"last_step\")", NULL},
+    {"labels_with_qsac.lua", 6,
+     "key.qsac_candidates: must be 1 when kmeans_labels = \"last_step\" (QSAC is a final assignment: "
+     "set kmeans_labels = \"final\") (got 4)", NULL},
+    {"bad_labels.lua", 5, "value.kmeans_labels: must be one of \"final\", \"last_step\" (got \"nearest\")",
+     NULL},
     {"centroids_bf16.lua", 5, "key.centroids: must be 0 when bits = 16", NULL},
     {"syntax_error.lua", 4, "'}' expected (to close '{' at line 2) near 'key'", NULL},
     {"runtime_error.lua", 4, "attempt to index a nil value (local 'cfg')", NULL},

@@ -1,0 +1,7 @@
+-- an unknown label source
+return {
+  value = {
+    centroids = 16,
+    kmeans_labels = "nearest",
+  },
+}
