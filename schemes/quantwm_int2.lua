@@ -10,6 +10,8 @@
 --                          e^T M e; values get none;
 --   scale_format = "int8_fp16"  QuantWM's storage: INT8 group scales under an FP16 scale per
 --                          token ("a group costs one byte of scale"), for keys and values;
+--   key.kmeans_labels = "final"  QSAC is the keys' final assignment, against the final
+--                          centroids (values keep QVG's labels of the last Lloyd step);
 --   centroids 256, group 64, 2 k-means iterations: QuantWM's reproduction of QVG (SPEC.md).
 -- QSAC and PSAC read the layer's query statistics (kvf_qstats_*); without them (the first
 -- chunk) QSAC uses w = 1 and PSAC stores nothing (docs/METHODS.md section 4).
@@ -20,6 +22,7 @@ return {
     qsac_candidates = 4,
     psac_rank = 8,
     scale_format = "int8_fp16",
+    kmeans_labels = "final",
   },
   value = {
     scale_format = "int8_fp16",

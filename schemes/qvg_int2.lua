@@ -7,6 +7,10 @@
 --                          QVG's kernels (ANCHORS.md); a uint8 index per token, BF16
 --                          centroids per head and span;
 --   kmeans_iters = 2       QVG's Lloyd iterations "for most models" (ANCHORS.md);
+--   kmeans_labels = "last_step"  as QVG's k-means returns them: each token keeps the label
+--                          of the last Lloyd step and the centroids are the means of those
+--                          clusters, so there is no final assignment (2 assignments, not 3;
+--                          docs/METHODS.md section 3, measured in docs/QUALITY.md);
 --   group_size = 64        "the residual is quantized per token in groups of 64";
 --   bits = 2, affine, FP16 scales: INT2 residual with scale and zero point (ANCHORS.md's
 --                          "asymmetric" option uses all four levels; QVG's default symmetric
@@ -24,6 +28,7 @@ return {
     scale_format = "fp16",
     centroids = 256,
     kmeans_iters = 2,
+    kmeans_labels = "last_step",
     seed = 0,
   },
   value = {
@@ -33,6 +38,7 @@ return {
     scale_format = "fp16",
     centroids = 256,
     kmeans_iters = 2,
+    kmeans_labels = "last_step",
     seed = 0,
   },
 }
