@@ -453,12 +453,14 @@ static int kmeans_stage(kvf_context *ctx, int t, int stage, const kvf_shape *sh,
     long long seed = (long long)c->seed;
     CUdeviceptr cent = packed + sl->centroids_off, idx_plane = packed + sl->index_off, nul = 0;
     const int *ac = ctx->assign_cfg[t]; /* kvf_kmeans assign_cfg */
-    /* The assignment's blocks loop over token tiles: about one block (its
-     * shared memory allows one) per multiprocessor in all. */
-    unsigned per_head = ctx->sms > nh ? (unsigned)(ctx->sms / nh) : 1u, g_tok[2];
+    /* The assignment's blocks share the (head, token tile) pairs of all heads
+     * in equal contiguous ranges: one block (its shared memory allows one) a
+     * multiprocessor, or one for each block's worth of tokens of each head
+     * where that is fewer. */
+    unsigned g_tok[2];
     for (int k = 0; k < 2; k++) {
-        g_tok[k] = blocks_for(n, ac[AC_TOKENS + k]);
-        if (g_tok[k] > per_head) g_tok[k] = per_head;
+        int64_t g = (int64_t)nh * blocks_for(n, ac[AC_TOKENS + k]);
+        g_tok[k] = (unsigned)(g < ctx->sms ? g : ctx->sms);
     }
     unsigned g_cd = blocks_for((int64_t)nh * c_eff * d, BLOCK);
     int chunk = (int)((n + parts - 1) / parts);
@@ -468,13 +470,13 @@ static int kmeans_stage(kvf_context *ctx, int t, int stage, const kvf_shape *sh,
     if ((rc = launch(ctx, KVF_R_K_INIT + base, g_cd, a_init, stream))) return rc;
     for (int it = 0; it < c->kmeans_iters; it++) {
         CUdeviceptr *plane = last_step && it == c->kmeans_iters - 1 ? &idx_plane : &nul;
-        void *a_as[] = {(void *)&src->p, (void *)&src->ts, (void *)&src->hs, &n, &c_eff, &cent, &c_alloc,
+        void *a_as[] = {(void *)&src->p, (void *)&src->ts, (void *)&src->hs, &n, &nh, &c_eff, &cent, &c_alloc,
                         (void *)&ws->idx, plane};
         void *a_ac[] = {(void *)&src->p, (void *)&src->ts, (void *)&src->hs, (void *)&ws->idx, &n, &c_eff, &chunk,
                         (void *)&ws->acc, (void *)&ws->cnt};
         void *a_fi[] = {&nh, &c_eff, &parts, (void *)&ws->acc, (void *)&ws->cnt, &cent, &c_alloc};
         /* accumulate: one block per (part, head). */
-        if ((rc = launch3(ctx, KVF_R_K_ASSIGN + base, g_tok[0], (unsigned)nh, 1, (unsigned)ac[AC_THREADS], (unsigned)ac[AC_SMEM],
+        if ((rc = launch3(ctx, KVF_R_K_ASSIGN + base, g_tok[0], 1, 1, (unsigned)ac[AC_THREADS], (unsigned)ac[AC_SMEM],
                           a_as, stream)) ||
             (rc = launch3(ctx, KVF_R_K_ACCUMULATE + base, (unsigned)parts, (unsigned)nh, 1, (unsigned)ac[AC_SUM_THREADS],
                           0, a_ac, stream)) ||
@@ -484,14 +486,14 @@ static int kmeans_stage(kvf_context *ctx, int t, int stage, const kvf_shape *sh,
     if (last_step) {
         /* the last step's assignment wrote the index plane */
     } else if (t == 0 && stage == 0 && c->qsac_candidates > 1) {
-        void *a_q[] = {(void *)&src->p, (void *)&src->ts, (void *)&src->hs, &n, &c_eff, &cent, &c_alloc, &idx_plane,
-                       &weights};
-        rc = launch3(ctx, KVF_R_K_ASSIGN_QSAC, g_tok[1], (unsigned)nh, 1, (unsigned)ac[AC_THREADS_QSAC], (unsigned)ac[AC_SMEM_QSAC], a_q,
+        void *a_q[] = {(void *)&src->p, (void *)&src->ts, (void *)&src->hs, &n, &nh, &c_eff, &cent, &c_alloc,
+                       &idx_plane, &weights};
+        rc = launch3(ctx, KVF_R_K_ASSIGN_QSAC, g_tok[1], 1, 1, (unsigned)ac[AC_THREADS_QSAC], (unsigned)ac[AC_SMEM_QSAC], a_q,
                      stream);
     } else {
-        void *a_as[] = {(void *)&src->p, (void *)&src->ts, (void *)&src->hs, &n, &c_eff, &cent, &c_alloc, &nul,
+        void *a_as[] = {(void *)&src->p, (void *)&src->ts, (void *)&src->hs, &n, &nh, &c_eff, &cent, &c_alloc, &nul,
                         &idx_plane};
-        rc = launch3(ctx, KVF_R_K_ASSIGN + base, g_tok[0], (unsigned)nh, 1, (unsigned)ac[AC_THREADS], (unsigned)ac[AC_SMEM], a_as,
+        rc = launch3(ctx, KVF_R_K_ASSIGN + base, g_tok[0], 1, 1, (unsigned)ac[AC_THREADS], (unsigned)ac[AC_SMEM], a_as,
                      stream);
     }
     if (rc || c_eff == c_alloc) return rc;
@@ -656,7 +658,7 @@ int kvf_decode(kvf_context *ctx, const void *packed, size_t packed_bytes, const 
         planes[t] = section_of(sec[t]);
     }
     rope_arg rope = rope_of(ctx->scheme);
-    void *args[] = {(void *)&packed, &planes[0], &planes[1], &n_tokens, &n_heads, &k_out, &v_out,
+    void *args[] = {(void *)&packed, &planes[0], &planes[1], &n_tokens, &k_out, &v_out,
                     &sh.token_stride, &sh.head_stride, (void *)&positions, &rope, &blocks[0], &blocks[1]};
     if ((rc = push_ctx(ctx))) return rc;
     rc = launch3(ctx, KVF_R_DECODE, blocks[0] + blocks[1], (unsigned)n_heads, 1, BLOCK, 0, args, stream);

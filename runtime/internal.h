@@ -112,8 +112,10 @@ const kvf_embedded_file *kvf_find_embedded(const kvf_embedded_file *table, const
  * launched wrongly. Raise it with any such change. 2: session 8's statistics
  * sums launch only the tiles on or above the diagonal (805897f). 3: one decode
  * kernel for K and V (its arguments: both sections' planes and outputs, and
- * the blocks of each). 4: that kernel's name, decode_kv. */
-#define KVF_KERNEL_ABI 4u
+ * the blocks of each). 4: that kernel's name, decode_kv. 5: the k-means
+ * assignments take the head count and a 1D grid over all heads' token
+ * tiles; the decode no longer takes the head count (its grid's y). */
+#define KVF_KERNEL_ABI 5u
 #define KVF_HEADER_BYTES 64u
 #define KVF_PLANE_ALIGN 256u
 

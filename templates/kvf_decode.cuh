@@ -488,13 +488,13 @@ struct section {
 } // namespace kvf_decode
 
 // KEY, VALUE: kvf_decode::section types (typedefs in the generated file).
+// v_blocks is gridDim.x - k_blocks, passed all the same: derived in the
+// kernel it cost quantwm_int2's decode a 4-byte spill (NVRTC 13.0, sm_90).
 #define KVF_DECODE_KERNEL(NAME, KEY, VALUE)                                                                       \
     extern "C" __global__ void __launch_bounds__(kvf_decode::BLOCK, KEY::MIN_BLOCKS_AS_KEY)                       \
     NAME(const u8 *__restrict__ packed, kvf_decode::section_planes k_planes, kvf_decode::section_planes v_planes, \
-         int n_tokens, int n_heads, u16 *__restrict__ k_out, u16 *__restrict__ v_out, i64 token_stride,           \
-         i64 head_stride, const int *__restrict__ positions, kvf_decode::rope_args rope, u32 k_blocks,            \
-         u32 v_blocks) {                                                                                          \
-        (void)n_heads; /* gridDim.y */                                                                            \
+         int n_tokens, u16 *__restrict__ k_out, u16 *__restrict__ v_out, i64 token_stride, i64 head_stride,       \
+         const int *__restrict__ positions, kvf_decode::rope_args rope, u32 k_blocks, u32 v_blocks) {             \
         if (blockIdx.x < k_blocks)                                                                                \
             KEY::run(packed, k_planes, n_tokens, k_out, token_stride, head_stride, positions, rope, blockIdx.x,   \
                      k_blocks);                                                                                   \

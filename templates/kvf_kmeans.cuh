@@ -196,16 +196,17 @@ template <int D, int M> struct assign_layout {
     static constexpr int GW = WV + D * 4;
     static constexpr int NN = GW + 32 * 8;
     static constexpr int LIM = NN + (M == 1 ? MAX_C * 8 : 0);
-    static constexpr int WARPS = LIM + 16;
+    static constexpr int WARPS = LIM + 32;
 };
 template <int D, int M> __host__ __device__ constexpr int assign_smem_for(int warps) {
     return assign_layout<D, M>::WARPS + warps * assign_warp_bytes<M>();
 }
 
 // Warps per block: 16 up to D = 128 (the registers stay within the launch
-// bounds of 512 threads without a spill on sm_90: 119 for the nearest
-// centroid over a BF16 source (8 filter tiles), 120 over f32 with the low
-// halves, 124 for QSAC, whose 9,360 bytes of scratch a warp make it 221 of
+// bounds of 512 threads without a spill on sm_90: 120 for the nearest
+// centroid over a BF16 source (8 filter tiles), 122 over f32 with the low
+// halves, 121 for QSAC (NVRTC 13.0, session 13's head ranges; 119, 120 and
+// 124 before), whose 9,360 bytes of scratch a warp make it 221 of
 // 227 KiB; against 8 warps, quantwm_int2's encode 4.06 -> 3.85 ms and
 // qvg_pro_int2's 44.3 -> 37.4-37.5 ms on the H200), 4 at D = 256 (chosen
 // when its centroid rows filled shared memory; sm_90 would now hold 8, not
@@ -459,13 +460,25 @@ __device__ __forceinline__ u32 quad_rows(u32 b) {
     return (b | b >> 12) & 0xffu;
 }
 
-// One block per (head, WARPS x 16 tokens). M = 1: nearest centroid; M > 1:
+// Block blockIdx.x + E's first pair of the (head, tile) pairs (assign: E = 1
+// gives this block's end), from the special registers each time it is needed
+// (asm volatile: not held in registers across the tile loop, as blockIdx.y,
+// the head before session 13, was not; the assignment is at its register
+// cap, and QSAC at M = 8 spilled otherwise).
+template <int E> __device__ __forceinline__ i64 range_at(int n_heads, int tiles) {
+    u32 b, n;
+    asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(b));
+    asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(n));
+    return (i64)n_heads * tiles * (b + E) / n;
+}
+
+// Blocks over ranges of the (head, 16-token tile) pairs. M = 1: nearest centroid; M > 1:
 // QSAC over the M nearest by the weighted distance (weights[h][D], or ones).
 // stats (optional, [4]): tokens, candidates, full scans, second filters.
 template <int D, int G, int M, bool BF>
-__device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64 hs, int n_tokens, int c_eff,
-                                       const u16 *__restrict__ cent, int c_alloc, int *idx_ws, u8 *idx_plane,
-                                       const float *__restrict__ weights, unsigned long long *stats) {
+__device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64 hs, int n_tokens, int n_heads,
+                                       int c_eff, const u16 *__restrict__ cent, int c_alloc, int *idx_ws,
+                                       u8 *idx_plane, const float *__restrict__ weights, unsigned long long *stats) {
     constexpr int W = assign_warps<D, M>(), DP = assign_pitch<D>(), KS = D / 16;
     constexpr int MF = assign_lists<M>::MF, K = assign_lists<M>::K;
     constexpr int WB = assign_warp_bytes<M>(), SMEM = assign_smem_bytes<D, M>();
@@ -486,345 +499,368 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
     double *gw = (double *)(smem + L::GW);      // [32] QSAC: weight sum of each group
     double *nn64 = (double *)(smem + L::NN);    // [MAX_C] M = 1: |mu_j|^2 (norm2), for the exact distances
     u32 *lim = (u32 *)(smem + L::LIM);          // [0] max |mu|, [1] max |N| (f32 bits)
+    volatile int *cur = (volatile int *)(lim + 2); // [0] the head being assigned, [1] the end of its tiles here,
+                                                   // [2] the tiles of a head
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, q = lane & 3;
     // At L::WARPS + warp * WB; written from the end, the form whose SASS ran on the H200.
     assign_warp<M> &wa = *(assign_warp<M> *)(smem + (SMEM - (W - warp) * WB));
     constexpr int FNU = filter_tiles<M, BF>(), CB = 8 * FNU; // n8 tiles and columns a filter step
-    const int h = blockIdx.y, cp = (c_eff + CB - 1) & ~(CB - 1);
-    const u16 *ch = cent + (i64)h * c_alloc * D;
-    for (int i = threadIdx.x; i < cp * (D / 16); i += W * 32) { // one 16-channel k-block, permuted
-        const int j = i / (D / 16), c16 = (i % (D / 16)) * 16;
-        uint4 a = make_uint4(0u, 0u, 0u, 0u), b = a;
-        if (j < c_eff) { a = *(const uint4 *)(ch + (i64)j * D + c16); b = *(const uint4 *)(ch + (i64)j * D + c16 + 8); }
-        *(uint4 *)(cs + j * DP + c16) = make_uint4(a.x, b.x, a.y, b.y);
-        *(uint4 *)(cs + j * DP + c16 + 8) = make_uint4(a.z, b.z, a.w, b.w);
-    }
-    for (int c = threadIdx.x; c < D; c += W * 32) wv[c] = (M > 1 && weights) ? weights[(i64)h * D + c] : 1.0f;
-    if (threadIdx.x < 2) lim[threadIdx.x] = 0u;
-    __syncthreads();
-    if (M > 1 && threadIdx.x < D / G) { // ref_kmeans.c sensitivity_score's wg: channel order from 0
-        double s = 0.0;
-        for (int c = threadIdx.x * G; c < (threadIdx.x + 1) * G; c++) s = __dadd_rn(s, (double)wv[c]);
-        gw[threadIdx.x] = s;
-    }
-    if (M == 1)
-        for (int j = threadIdx.x; j < c_eff; j += W * 32) nn64[j] = norm2<D>(cs + j * DP);
-    // The filter's N_j and the bound's limits: 8 threads per centroid, f64
-    // partial sums (any order: only the exact distances below need the CPU's).
-    for (int i = threadIdx.x; i < cp * 8; i += W * 32) {
-        const int j = i / 8, c0 = (i % 8) * (D / 8);
-        double nn = 0.0, nw = 0.0;
-        if (j < c_eff)
-            for (int c8 = c0; c8 < c0 + D / 8; c8 += 8) {
-                u16 m8[8];
-                kvf_load8(cs + j * DP + c8, m8);
+    // This block's share of the (head, 16-token tile) pairs of all heads: a
+    // contiguous range, so each block (runtime/context.c launches about one an
+    // SM) has about the same number of tiles whatever the head count. It
+    // stages each head of its range once, for that head's tiles. The head and
+    // its end are read from cur[] where used (volatile: no register holds
+    // them across the tile loop).
+    const int tiles = (n_tokens + TPW - 1) / TPW, cp = (c_eff + CB - 1) & ~(CB - 1);
+    if (tiles == 0) return;
+    for (int h = (int)(range_at<0>(n_heads, tiles) / tiles);;) {
+        __syncthreads(); // no warp reads the previous head's rows, or cur[], any more
+        // The head's staging below from a thread index read here (asm volatile):
+        // its addresses are not hoisted out of the head loop into registers
+        // held across the tile loop (that spilled at the register cap).
+        int tx;
+        asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tx));
+        const u16 *ch = cent + (i64)h * c_alloc * D;
+        for (int i = tx; i < cp * (D / 16); i += W * 32) { // one 16-channel k-block, permuted
+            const int j = i / (D / 16), c16 = (i % (D / 16)) * 16;
+            uint4 a = make_uint4(0u, 0u, 0u, 0u), b = a;
+            if (j < c_eff) { a = *(const uint4 *)(ch + (i64)j * D + c16); b = *(const uint4 *)(ch + (i64)j * D + c16 + 8); }
+            *(uint4 *)(cs + j * DP + c16) = make_uint4(a.x, b.x, a.y, b.y);
+            *(uint4 *)(cs + j * DP + c16 + 8) = make_uint4(a.z, b.z, a.w, b.w);
+        }
+        for (int c = tx; c < D; c += W * 32) wv[c] = (M > 1 && weights) ? weights[(i64)h * D + c] : 1.0f;
+        if (tx < 2) lim[tx] = 0u;
+        if (tx == 0) {
+            cur[0] = h;
+            cur[2] = tiles;
+            cur[1] = (int)min(range_at<1>(n_heads, tiles) - (i64)h * tiles, (i64)tiles);
+        }
+        __syncthreads();
+        if (M > 1 && tx < D / G) { // ref_kmeans.c sensitivity_score's wg: channel order from 0
+            double s = 0.0;
+            for (int c = tx * G; c < (tx + 1) * G; c++) s = __dadd_rn(s, (double)wv[c]);
+            gw[tx] = s;
+        }
+        if (M == 1)
+            for (int j = tx; j < c_eff; j += W * 32) nn64[j] = norm2<D>(cs + j * DP);
+        // The filter's N_j and the bound's limits: 8 threads per centroid, f64
+        // partial sums (any order: only the exact distances below need the CPU's).
+        for (int i = tx; i < cp * 8; i += W * 32) {
+            const int j = i / 8, c0 = (i % 8) * (D / 8);
+            double nn = 0.0, nw = 0.0;
+            if (j < c_eff)
+                for (int c8 = c0; c8 < c0 + D / 8; c8 += 8) {
+                    u16 m8[8];
+                    kvf_load8(cs + j * DP + c8, m8);
 #pragma unroll
-                for (int k = 0; k < 8; k++) {
-                    const double m = (double)kvf_bf16_to_f32(m8[k]);
-                    nn = __fma_rn(m, m, nn);
-                    if (M > 1) nw = __fma_rn((double)wv[kblock_channel(c8 + k)], __dmul_rn(m, m), nw);
+                    for (int k = 0; k < 8; k++) {
+                        const double m = (double)kvf_bf16_to_f32(m8[k]);
+                        nn = __fma_rn(m, m, nn);
+                        if (M > 1) nw = __fma_rn((double)wv[kblock_channel(c8 + k)], __dmul_rn(m, m), nw);
+                    }
+                }
+#pragma unroll
+            for (int o = 1; o < 8; o <<= 1) {
+                nn = __dadd_rn(nn, __shfl_xor_sync(0xffffffffu, nn, o));
+                nw = __dadd_rn(nw, __shfl_xor_sync(0xffffffffu, nw, o));
+            }
+            const double nj = M > 1 ? nw : nn;
+            if (i % 8 == 0) {
+                float *np = (float *)&nh[j / 2] + (j & 1);
+                np[0] = np[2] = j < c_eff ? __fmul_rn((float)nj, 0.5f) : 0x1p126f;
+                if (j < c_eff) {
+                    atomicMax(&lim[0], __float_as_uint(fabsf((float)sqrt(nn))));
+                    atomicMax(&lim[1], __float_as_uint(fabsf((float)nj)));
                 }
             }
-#pragma unroll
-        for (int o = 1; o < 8; o <<= 1) {
-            nn = __dadd_rn(nn, __shfl_xor_sync(0xffffffffu, nn, o));
-            nw = __dadd_rn(nw, __shfl_xor_sync(0xffffffffu, nw, o));
         }
-        const double nj = M > 1 ? nw : nn;
-        if (i % 8 == 0) {
-            float *np = (float *)&nh[j / 2] + (j & 1);
-            np[0] = np[2] = j < c_eff ? __fmul_rn((float)nj, 0.5f) : 0x1p126f;
-            if (j < c_eff) {
-                atomicMax(&lim[0], __float_as_uint(fabsf((float)sqrt(nn))));
-                atomicMax(&lim[1], __float_as_uint(fabsf((float)nj)));
-            }
-        }
-    }
-    __syncthreads();
-    // Round the limits up a little: the bound must not be below the truth.
-    const float cmax = __fmul_rn(__uint_as_float(lim[0]), 1.0001f), nmax = __fmul_rn(__uint_as_float(lim[1]), 1.0001f);
+        __syncthreads();
+        // Round the limits up a little: the bound must not be below the truth.
+        const float cmax = __fmul_rn(__uint_as_float(lim[0]), 1.0001f), nmax = __fmul_rn(__uint_as_float(lim[1]), 1.0001f);
 
-    // Each warp takes 16-token tiles gridDim.x * W apart: the centroids above
-    // are staged once per block for many tiles (runtime/context.c sizes the
-    // grid to about one block per SM). No __syncthreads below.
-    const int tiles = (n_tokens + TPW - 1) / TPW;
-    for (int tile = blockIdx.x * W + warp; tile < tiles; tile += gridDim.x * W) {
-        const int tw0 = tile * TPW;
-        // A fragments (m16n8k16, row-major): rows g and g+8, columns 2q.. of each half of each k-step.
-        u32 ah[KS][4], al[KS][4];
-        float ss0 = 0.0f, ss1 = 0.0f;
-        bool any_lo = false;
-        {
-            const void *r0 = src_row<BF>(src, ts, hs, h, min(tw0 + g, n_tokens - 1));
-            const void *r1 = src_row<BF>(src, ts, hs, h, min(tw0 + g + 8, n_tokens - 1));
+        // Each warp takes the head's tiles of the range W apart. No __syncthreads
+        // below (the next head's, above, is reached by every warp).
+        for (int tile = (int)max(range_at<0>(n_heads, cur[2]) - (i64)cur[0] * cur[2], (i64)0) + warp; tile < cur[1];
+             tile += W) {
+            const int tw0 = tile * TPW;
+            // A fragments (m16n8k16, row-major): rows g and g+8, columns 2q.. of each half of each k-step.
+            u32 ah[KS][4], al[KS][4];
+            float ss0 = 0.0f, ss1 = 0.0f;
+            bool any_lo = false;
+            {
+                const void *r0 = src_row<BF>(src, ts, hs, cur[0], min(tw0 + g, n_tokens - 1));
+                const void *r1 = src_row<BF>(src, ts, hs, cur[0], min(tw0 + g + 8, n_tokens - 1));
 #pragma unroll
-            for (int ks = 0; ks < KS; ks++)
+                for (int ks = 0; ks < KS; ks++)
 #pragma unroll
-                for (int half = 0; half < 2; half++) {
-                    const int c = ks * 16 + half * 8 + q * 2;
-                    if (NO_LO) { // the pairs are the A registers as they are
-                        const u32 w0 = *(const u32 *)((const u16 *)r0 + c), w1 = *(const u32 *)((const u16 *)r1 + c);
-                        ah[ks][half * 2] = w0;
-                        ah[ks][half * 2 + 1] = w1;
-                        const float a0 = kvf_bf16_lo(w0), b0 = kvf_bf16_hi(w0);
-                        const float a1 = kvf_bf16_lo(w1), b1 = kvf_bf16_hi(w1);
-                        ss0 = __fmaf_rn(a0, a0, __fmaf_rn(b0, b0, ss0));
-                        ss1 = __fmaf_rn(a1, a1, __fmaf_rn(b1, b1, ss1));
-                        continue;
-                    }
-                    float2 x0 = ld2<BF>(r0, c), x1 = ld2<BF>(r1, c);
-                    if (M > 1) {
-                        x0.x = __fmul_rn(x0.x, wv[c]); x0.y = __fmul_rn(x0.y, wv[c + 1]);
-                        x1.x = __fmul_rn(x1.x, wv[c]); x1.y = __fmul_rn(x1.y, wv[c + 1]);
-                    }
-                    ss0 = __fmaf_rn(x0.x, x0.x, __fmaf_rn(x0.y, x0.y, ss0));
-                    ss1 = __fmaf_rn(x1.x, x1.x, __fmaf_rn(x1.y, x1.y, ss1));
-                    split_pair(x0.x, x0.y, ah[ks][half * 2], al[ks][half * 2]);
-                    split_pair(x1.x, x1.y, ah[ks][half * 2 + 1], al[ks][half * 2 + 1]);
-                    any_lo |= (al[ks][half * 2] | al[ks][half * 2 + 1]) != 0u;
-                }
-        }
-        const bool lo = NO_LO ? false : __any_sync(0xffffffffu, any_lo);
-#pragma unroll
-        for (int ks = 0; ks < KS; ks++) // the filter takes -a (its sums start from N_j / 2)
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                ah[ks][i] ^= 0x80008000u;
-                if (!NO_LO) al[ks][i] ^= 0x80008000u;
-            }
-        ss0 = __fadd_rn(ss0, __shfl_xor_sync(0xffffffffu, ss0, 1));
-        ss0 = __fadd_rn(ss0, __shfl_xor_sync(0xffffffffu, ss0, 2));
-        ss1 = __fadd_rn(ss1, __shfl_xor_sync(0xffffffffu, ss1, 1));
-        ss1 = __fadd_rn(ss1, __shfl_xor_sync(0xffffffffu, ss1, 2));
-        const float an0 = sqrtf(ss0), an1 = sqrtf(ss1);
-        float bs0[K], bs1[K]; // score keys (score_key)
-#pragma unroll
-        for (int i = 0; i < K; i++) bs0[i] = bs1[i] = __int_as_float(0x7f800000);
-        if (M <= 8) filter<D, K, M, FNU, false>(lo, ah, al, cs, nh, cp, g, q, bs0, bs1, wa);
-        // Rows (bit r: token tw0 + r) left to the general path below. The
-        // nearest centroid settles most rows in registers first: a row whose
-        // quad's lists hold exactly one key within the threshold, and none of
-        // which may have dropped one, has that key's centroid as its only
-        // candidate: the general path's answer for it, without shared memory.
-        u32 slow = 0xffffu;
-        if (M == 1) {
-            int j0, j1;
-            const bool done0 = quick_pick<K>(bs0, an0, cmax, nmax, tw0 + g < n_tokens, j0);
-            const bool done1 = quick_pick<K>(bs1, an1, cmax, nmax, tw0 + g + 8 < n_tokens, j1);
-            slow = quad_rows(__ballot_sync(0xffffffffu, !done0)) | quad_rows(__ballot_sync(0xffffffffu, !done1)) << 8;
-            // Token `lane` (< TPW) of the tile: its row's pick, from the row's quad.
-            const int r0 = __shfl_sync(0xffffffffu, j0, 4 * (lane & 7)), r1 = __shfl_sync(0xffffffffu, j1, 4 * (lane & 7));
-            if (lane < TPW && !(slow >> lane & 1) && tw0 + lane < n_tokens) {
-                const i64 o = (i64)h * n_tokens + tw0 + lane;
-                const int j = lane < 8 ? r0 : r1;
-                if (idx_ws) idx_ws[o] = j;
-                if (idx_plane) idx_plane[o] = (u8)j;
-                if (stats) {
-                    atomicAdd(&stats[0], 1ull);
-                    atomicAdd(&stats[1], 1ull);
-                }
-            }
-            if (!slow) continue; // warp-uniform; nothing of the warp's scratch was touched
-        }
-        if (q == 0) { wa.an[g] = an0; wa.an[g + 8] = an1; }
-        if (M <= 8) {
-#pragma unroll
-            for (int i = 0; i < K; i++) {
-                wa.ls[g][q][i] = bs0[i];
-                wa.ls[g + 8][q][i] = bs1[i];
-            }
-        }
-        __syncwarp();
-        // Candidates of token `lane`: within B of the M-th smallest key (2B in squared distance).
-        if (lane < TPW) {
-            const int t = tw0 + lane;
-            int n = slow >> lane & 1 ? -1 : 0; // 0: settled above
-            wa.again[lane] = 0;
-            if (M <= 8 && n < 0) {
-                float top[MF];
-#pragma unroll
-                for (int i = 0; i < MF; i++) top[i] = __int_as_float(0x7f800000);
-                for (int qq = 0; qq < 4; qq++)
-                    for (int i = 0; i < K; i++) keep_k<MF>(top, wa.ls[lane][qq][i]);
-                const float b = filter_bound(wa.an[lane], cmax, nmax);
-                const float thr = __fadd_rn(top[MF - 1], b); // 2B in squared distance
-                wa.thr[lane] = thr;
-                if (thr - thr == 0.0f && b - b == 0.0f && c_eff >= MF) { // finite
-                    n = 0;
-                    for (int qq = 0; qq < 4 && n >= 0; qq++) {
-                        if (wa.ls[lane][qq][K - 1] <= thr) n = -2; // this thread's list may have dropped one
-                        for (int i = 0; i < K && n >= 0; i++)
-                            if (wa.ls[lane][qq][i] <= thr) wa.cj[lane][n++] = key_index(wa.ls[lane][qq][i]);
-                    }
-                    if (n == -2 && t < n_tokens) { wa.again[lane] = 1; n = 0; }
-                }
-            }
-            wa.nc[lane] = t < n_tokens ? n : 0;
-        }
-        __syncwarp();
-        if (M <= 8 && __any_sync(0xffffffffu, lane < TPW && wa.again[lane])) {
-            filter<D, K, M, FNU, true>(lo, ah, al, cs, nh, cp, g, q, bs0, bs1, wa);
-            __syncwarp();
-            if (lane < TPW && wa.nc[lane] > CAP) wa.nc[lane] = -1;
-            __syncwarp();
-        }
-        // The candidates of all 16 tokens, spread over the lanes (offsets by a scan).
-        // A token with exactly MF candidates needs no f64 distance: they are its
-        // MF nearest (for the nearest centroid, the answer; for QSAC their order
-        // matters only to break a tie of scores, settled below).
-        const int mine = lane < TPW && wa.nc[lane] > MF ? wa.nc[lane] : 0;
-        int off = mine;
-#pragma unroll
-        for (int o = 1; o < TPW; o <<= 1) {
-            const int v = __shfl_up_sync(0xffffffffu, off, o);
-            if (lane >= o) off += v;
-        }
-        const int total = __shfl_sync(0xffffffffu, off, TPW - 1);
-        if (lane < TPW) wa.off[lane] = off - mine;
-        __syncwarp();
-        for (int f = lane; f < total; f += 32) {
-            int tl = 0; // the last token whose first candidate is at or before f, and that has some
-            for (int i = 1; i < TPW; i++)
-                if (wa.off[i] <= f && wa.nc[i] > MF) tl = i;
-            const int k = f - wa.off[tl];
-            const void *x = src_row<BF>(src, ts, hs, h, tw0 + tl);
-            const int j = wa.cj[tl][k];
-            wa.cd[tl][k] = exact_dist<D, M, BF>(x, cs + j * DP, wv, nn64, j);
-        }
-        __syncwarp();
-        // The CPU's rule over the candidates: the smallest (distance, j); for QSAC
-        // the M smallest (distance, j), then the first smallest sensitivity score.
-        // Both are independent of the candidates' order.
-        if (lane < TPW && wa.nc[lane] > 0) {
-            const int n = wa.nc[lane];
-            if (M > 1 && n == MF) { // the MF nearest, unordered
-                for (int i = 0; i < MF; i++) wa.pk[lane][i] = wa.cj[lane][i];
-            } else if (M == 1) {
-                int bj = wa.cj[lane][0];
-                double bd = n > 1 ? wa.cd[lane][0] : 0.0;
-                for (int k = 1; k < n; k++) {
-                    const double d = wa.cd[lane][k];
-                    const int j = wa.cj[lane][k];
-                    if (d < bd || (d == bd && j < bj)) { bd = d; bj = j; }
-                }
-                wa.pk[lane][0] = bj;
-            } else {
-                double td[MF];
-                int tj[MF];
-#pragma unroll
-                for (int i = 0; i < MF; i++) { td[i] = KVF_INF64; tj[i] = 0x7fffffff; }
-                for (int k = 0; k < n; k++) {
-                    double d = wa.cd[lane][k];
-                    int j = wa.cj[lane][k];
-#pragma unroll
-                    for (int i = 0; i < MF; i++)
-                        if (d < td[i] || (d == td[i] && j < tj[i])) {
-                            const double od = td[i];
-                            const int oj = tj[i];
-                            td[i] = d; tj[i] = j; d = od; j = oj;
+                    for (int half = 0; half < 2; half++) {
+                        const int c = ks * 16 + half * 8 + q * 2;
+                        if (NO_LO) { // the pairs are the A registers as they are
+                            const u32 w0 = *(const u32 *)((const u16 *)r0 + c), w1 = *(const u32 *)((const u16 *)r1 + c);
+                            ah[ks][half * 2] = w0;
+                            ah[ks][half * 2 + 1] = w1;
+                            const float a0 = kvf_bf16_lo(w0), b0 = kvf_bf16_hi(w0);
+                            const float a1 = kvf_bf16_lo(w1), b1 = kvf_bf16_hi(w1);
+                            ss0 = __fmaf_rn(a0, a0, __fmaf_rn(b0, b0, ss0));
+                            ss1 = __fmaf_rn(a1, a1, __fmaf_rn(b1, b1, ss1));
+                            continue;
                         }
-                }
-#pragma unroll
-                for (int i = 0; i < MF; i++) wa.pk[lane][i] = tj[i];
-            }
-        }
-        __syncwarp();
-        if (M > 1 && M <= 8) {
-            for (int i = lane; i < TPW * MF; i += 32) {
-                const int tl = i / MF, k = i % MF;
-                if (wa.nc[tl] <= 0) continue;
-                const void *x = src_row<BF>(src, ts, hs, h, tw0 + tl);
-                wa.sv[tl][k] = sensitivity<D, G, BF>(x, cs + wa.pk[tl][k] * DP, gw);
-            }
-            __syncwarp();
-            if (lane < TPW && wa.nc[lane] > 0) {
-                int b = 0;
-                for (int k = 1; k < MF; k++)
-                    if (wa.sv[lane][k] < wa.sv[lane][b]) b = k;
-                // Unordered: the pick is the order's only if one score is strictly the smallest.
-                bool unique = wa.nc[lane] > MF || wa.sv[lane][b] == wa.sv[lane][b];
-                for (int k = 0; k < MF && unique; k++) unique = k == b || wa.sv[lane][k] > wa.sv[lane][b];
-                if (!unique) { // rare: the CPU's order (distance, then j), then its rule over it
-                    const void *x = src_row<BF>(src, ts, hs, h, tw0 + lane);
-                    double td[MF];
-                    int tk[MF];
-                    for (int k = 0; k < MF; k++) {
-                        double d = weighted_dist<D, BF>(x, cs + wa.pk[lane][k] * DP, wv);
-                        int kk = k, i = k;
-                        for (; i > 0 && (d < td[i - 1] || (d == td[i - 1] && wa.pk[lane][kk] < wa.pk[lane][tk[i - 1]])); i--) {
-                            td[i] = td[i - 1];
-                            tk[i] = tk[i - 1];
+                        float2 x0 = ld2<BF>(r0, c), x1 = ld2<BF>(r1, c);
+                        if (M > 1) {
+                            x0.x = __fmul_rn(x0.x, wv[c]); x0.y = __fmul_rn(x0.y, wv[c + 1]);
+                            x1.x = __fmul_rn(x1.x, wv[c]); x1.y = __fmul_rn(x1.y, wv[c + 1]);
                         }
-                        td[i] = d;
-                        tk[i] = kk;
+                        ss0 = __fmaf_rn(x0.x, x0.x, __fmaf_rn(x0.y, x0.y, ss0));
+                        ss1 = __fmaf_rn(x1.x, x1.x, __fmaf_rn(x1.y, x1.y, ss1));
+                        split_pair(x0.x, x0.y, ah[ks][half * 2], al[ks][half * 2]);
+                        split_pair(x1.x, x1.y, ah[ks][half * 2 + 1], al[ks][half * 2 + 1]);
+                        any_lo |= (al[ks][half * 2] | al[ks][half * 2 + 1]) != 0u;
                     }
-                    b = tk[0];
-                    for (int i = 1; i < MF; i++)
-                        if (wa.sv[lane][tk[i]] < wa.sv[lane][b]) b = tk[i];
-                }
-                wa.pk[lane][0] = wa.pk[lane][b];
             }
-            __syncwarp();
-        }
-        if (lane < TPW && wa.nc[lane] > 0) {
-            const i64 o = (i64)h * n_tokens + tw0 + lane;
-            if (idx_ws) idx_ws[o] = wa.pk[lane][0];
-            if (idx_plane) idx_plane[o] = (u8)wa.pk[lane][0];
-        }
-        if (stats && lane < TPW && tw0 + lane < n_tokens && (slow >> lane & 1)) {
-            atomicAdd(&stats[0], 1ull);
-            atomicAdd(&stats[wa.nc[lane] >= 0 ? 1 : 2], (unsigned long long)(wa.nc[lane] >= 0 ? wa.nc[lane] : 1));
-            if (wa.again[lane]) atomicAdd(&stats[3], 1ull);
-        }
-        // Full scans, one token at a time: every distance, then ref_kmeans.c's
-        // sequential rules verbatim (a NaN distance never wins, except at j = 0).
-        for (u32 full = __ballot_sync(0xffffffffu, lane < TPW && wa.nc[lane] == -1); full; full &= full - 1) {
-            const int tl = __ffs(full) - 1;
-            const void *x = src_row<BF>(src, ts, hs, h, tw0 + tl);
-            for (int j = lane; j < c_eff; j += 32)
-                wa.scr[j] = exact_dist<D, M, BF>(x, cs + j * DP, wv, nn64, j);
-            __syncwarp();
-            int best = 0;
+            const bool lo = NO_LO ? false : __any_sync(0xffffffffu, any_lo);
+#pragma unroll
+            for (int ks = 0; ks < KS; ks++) // the filter takes -a (its sums start from N_j / 2)
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    ah[ks][i] ^= 0x80008000u;
+                    if (!NO_LO) al[ks][i] ^= 0x80008000u;
+                }
+            ss0 = __fadd_rn(ss0, __shfl_xor_sync(0xffffffffu, ss0, 1));
+            ss0 = __fadd_rn(ss0, __shfl_xor_sync(0xffffffffu, ss0, 2));
+            ss1 = __fadd_rn(ss1, __shfl_xor_sync(0xffffffffu, ss1, 1));
+            ss1 = __fadd_rn(ss1, __shfl_xor_sync(0xffffffffu, ss1, 2));
+            const float an0 = sqrtf(ss0), an1 = sqrtf(ss1);
+            float bs0[K], bs1[K]; // score keys (score_key)
+#pragma unroll
+            for (int i = 0; i < K; i++) bs0[i] = bs1[i] = __int_as_float(0x7f800000);
+            if (M <= 8) filter<D, K, M, FNU, false>(lo, ah, al, cs, nh, cp, g, q, bs0, bs1, wa);
+            // Rows (bit r: token tw0 + r) left to the general path below. The
+            // nearest centroid settles most rows in registers first: a row whose
+            // quad's lists hold exactly one key within the threshold, and none of
+            // which may have dropped one, has that key's centroid as its only
+            // candidate: the general path's answer for it, without shared memory.
+            u32 slow = 0xffffu;
             if (M == 1) {
-                if (lane == 0) {
-                    double bd = wa.scr[0];
-                    for (int j = 1; j < c_eff; j++)
-                        if (wa.scr[j] < bd) { bd = wa.scr[j]; best = j; }
-                }
-            } else {
-                const int m = min(M, c_eff);
-                if (lane == 0) { // keep_best
-                    int nb = 0;
-                    for (int j = 0; j < c_eff; j++) {
-                        const double d = wa.scr[j];
-                        int pos = nb;
-                        while (pos > 0 && d < wa.fd[pos - 1]) pos--;
-                        if (pos >= m) continue;
-                        for (int i = (nb < m ? nb : m - 1); i > pos; i--) { wa.fd[i] = wa.fd[i - 1]; wa.fj[i] = wa.fj[i - 1]; }
-                        wa.fd[pos] = d;
-                        wa.fj[pos] = j;
-                        if (nb < m) nb++;
+                int j0, j1;
+                const bool done0 = quick_pick<K>(bs0, an0, cmax, nmax, tw0 + g < n_tokens, j0);
+                const bool done1 = quick_pick<K>(bs1, an1, cmax, nmax, tw0 + g + 8 < n_tokens, j1);
+                slow = quad_rows(__ballot_sync(0xffffffffu, !done0)) | quad_rows(__ballot_sync(0xffffffffu, !done1)) << 8;
+                // Token `lane` (< TPW) of the tile: its row's pick, from the row's quad.
+                const int r0 = __shfl_sync(0xffffffffu, j0, 4 * (lane & 7)), r1 = __shfl_sync(0xffffffffu, j1, 4 * (lane & 7));
+                if (lane < TPW && !(slow >> lane & 1) && tw0 + lane < n_tokens) {
+                    const i64 o = (i64)cur[0] * n_tokens + tw0 + lane;
+                    const int j = lane < 8 ? r0 : r1;
+                    if (idx_ws) idx_ws[o] = j;
+                    if (idx_plane) idx_plane[o] = (u8)j;
+                    if (stats) {
+                        atomicAdd(&stats[0], 1ull);
+                        atomicAdd(&stats[1], 1ull);
                     }
                 }
-                __syncwarp();
-                for (int k = lane; k < m; k += 32) wa.fs[k] = sensitivity<D, G, BF>(x, cs + wa.fj[k] * DP, gw);
-                __syncwarp();
-                if (lane == 0) {
-                    best = wa.fj[0];
-                    double bs = wa.fs[0];
-                    for (int k = 1; k < m; k++)
-                        if (wa.fs[k] < bs) { bs = wa.fs[k]; best = wa.fj[k]; }
+                if (!slow) continue; // warp-uniform; nothing of the warp's scratch was touched
+            }
+            if (q == 0) { wa.an[g] = an0; wa.an[g + 8] = an1; }
+            if (M <= 8) {
+#pragma unroll
+                for (int i = 0; i < K; i++) {
+                    wa.ls[g][q][i] = bs0[i];
+                    wa.ls[g + 8][q][i] = bs1[i];
                 }
             }
-            if (lane == 0) {
-                const i64 o = (i64)h * n_tokens + tw0 + tl;
-                if (idx_ws) idx_ws[o] = best;
-                if (idx_plane) idx_plane[o] = (u8)best;
+            __syncwarp();
+            // Candidates of token `lane`: within B of the M-th smallest key (2B in squared distance).
+            if (lane < TPW) {
+                const int t = tw0 + lane;
+                int n = slow >> lane & 1 ? -1 : 0; // 0: settled above
+                wa.again[lane] = 0;
+                if (M <= 8 && n < 0) {
+                    float top[MF];
+#pragma unroll
+                    for (int i = 0; i < MF; i++) top[i] = __int_as_float(0x7f800000);
+                    for (int qq = 0; qq < 4; qq++)
+                        for (int i = 0; i < K; i++) keep_k<MF>(top, wa.ls[lane][qq][i]);
+                    const float b = filter_bound(wa.an[lane], cmax, nmax);
+                    const float thr = __fadd_rn(top[MF - 1], b); // 2B in squared distance
+                    wa.thr[lane] = thr;
+                    if (thr - thr == 0.0f && b - b == 0.0f && c_eff >= MF) { // finite
+                        n = 0;
+                        for (int qq = 0; qq < 4 && n >= 0; qq++) {
+                            if (wa.ls[lane][qq][K - 1] <= thr) n = -2; // this thread's list may have dropped one
+                            for (int i = 0; i < K && n >= 0; i++)
+                                if (wa.ls[lane][qq][i] <= thr) wa.cj[lane][n++] = key_index(wa.ls[lane][qq][i]);
+                        }
+                        if (n == -2 && t < n_tokens) { wa.again[lane] = 1; n = 0; }
+                    }
+                }
+                wa.nc[lane] = t < n_tokens ? n : 0;
             }
             __syncwarp();
-        }
-        __syncwarp(); // the warp's scratch is reused by its next tile
-    } // tiles
+            if (M <= 8 && __any_sync(0xffffffffu, lane < TPW && wa.again[lane])) {
+                filter<D, K, M, FNU, true>(lo, ah, al, cs, nh, cp, g, q, bs0, bs1, wa);
+                __syncwarp();
+                if (lane < TPW && wa.nc[lane] > CAP) wa.nc[lane] = -1;
+                __syncwarp();
+            }
+            // The candidates of all 16 tokens, spread over the lanes (offsets by a scan).
+            // A token with exactly MF candidates needs no f64 distance: they are its
+            // MF nearest (for the nearest centroid, the answer; for QSAC their order
+            // matters only to break a tie of scores, settled below).
+            const int mine = lane < TPW && wa.nc[lane] > MF ? wa.nc[lane] : 0;
+            int off = mine;
+#pragma unroll
+            for (int o = 1; o < TPW; o <<= 1) {
+                const int v = __shfl_up_sync(0xffffffffu, off, o);
+                if (lane >= o) off += v;
+            }
+            const int total = __shfl_sync(0xffffffffu, off, TPW - 1);
+            if (lane < TPW) wa.off[lane] = off - mine;
+            __syncwarp();
+            for (int f = lane; f < total; f += 32) {
+                int tl = 0; // the last token whose first candidate is at or before f, and that has some
+                for (int i = 1; i < TPW; i++)
+                    if (wa.off[i] <= f && wa.nc[i] > MF) tl = i;
+                const int k = f - wa.off[tl];
+                const void *x = src_row<BF>(src, ts, hs, cur[0], tw0 + tl);
+                const int j = wa.cj[tl][k];
+                wa.cd[tl][k] = exact_dist<D, M, BF>(x, cs + j * DP, wv, nn64, j);
+            }
+            __syncwarp();
+            // The CPU's rule over the candidates: the smallest (distance, j); for QSAC
+            // the M smallest (distance, j), then the first smallest sensitivity score.
+            // Both are independent of the candidates' order.
+            if (lane < TPW && wa.nc[lane] > 0) {
+                const int n = wa.nc[lane];
+                if (M > 1 && n == MF) { // the MF nearest, unordered
+                    for (int i = 0; i < MF; i++) wa.pk[lane][i] = wa.cj[lane][i];
+                } else if (M == 1) {
+                    int bj = wa.cj[lane][0];
+                    double bd = n > 1 ? wa.cd[lane][0] : 0.0;
+                    for (int k = 1; k < n; k++) {
+                        const double d = wa.cd[lane][k];
+                        const int j = wa.cj[lane][k];
+                        if (d < bd || (d == bd && j < bj)) { bd = d; bj = j; }
+                    }
+                    wa.pk[lane][0] = bj;
+                } else {
+                    double td[MF];
+                    int tj[MF];
+#pragma unroll
+                    for (int i = 0; i < MF; i++) { td[i] = KVF_INF64; tj[i] = 0x7fffffff; }
+                    for (int k = 0; k < n; k++) {
+                        double d = wa.cd[lane][k];
+                        int j = wa.cj[lane][k];
+#pragma unroll
+                        for (int i = 0; i < MF; i++)
+                            if (d < td[i] || (d == td[i] && j < tj[i])) {
+                                const double od = td[i];
+                                const int oj = tj[i];
+                                td[i] = d; tj[i] = j; d = od; j = oj;
+                            }
+                    }
+#pragma unroll
+                    for (int i = 0; i < MF; i++) wa.pk[lane][i] = tj[i];
+                }
+            }
+            __syncwarp();
+            if (M > 1 && M <= 8) {
+                for (int i = lane; i < TPW * MF; i += 32) {
+                    const int tl = i / MF, k = i % MF;
+                    if (wa.nc[tl] <= 0) continue;
+                    const void *x = src_row<BF>(src, ts, hs, cur[0], tw0 + tl);
+                    wa.sv[tl][k] = sensitivity<D, G, BF>(x, cs + wa.pk[tl][k] * DP, gw);
+                }
+                __syncwarp();
+                if (lane < TPW && wa.nc[lane] > 0) {
+                    int b = 0;
+                    for (int k = 1; k < MF; k++)
+                        if (wa.sv[lane][k] < wa.sv[lane][b]) b = k;
+                    // Unordered: the pick is the order's only if one score is strictly the smallest.
+                    bool unique = wa.nc[lane] > MF || wa.sv[lane][b] == wa.sv[lane][b];
+                    for (int k = 0; k < MF && unique; k++) unique = k == b || wa.sv[lane][k] > wa.sv[lane][b];
+                    if (!unique) { // rare: the CPU's order (distance, then j), then its rule over it
+                        const void *x = src_row<BF>(src, ts, hs, cur[0], tw0 + lane);
+                        double td[MF];
+                        int tk[MF];
+                        for (int k = 0; k < MF; k++) {
+                            double d = weighted_dist<D, BF>(x, cs + wa.pk[lane][k] * DP, wv);
+                            int kk = k, i = k;
+                            for (; i > 0 && (d < td[i - 1] || (d == td[i - 1] && wa.pk[lane][kk] < wa.pk[lane][tk[i - 1]])); i--) {
+                                td[i] = td[i - 1];
+                                tk[i] = tk[i - 1];
+                            }
+                            td[i] = d;
+                            tk[i] = kk;
+                        }
+                        b = tk[0];
+                        for (int i = 1; i < MF; i++)
+                            if (wa.sv[lane][tk[i]] < wa.sv[lane][b]) b = tk[i];
+                    }
+                    wa.pk[lane][0] = wa.pk[lane][b];
+                }
+                __syncwarp();
+            }
+            if (lane < TPW && wa.nc[lane] > 0) {
+                const i64 o = (i64)cur[0] * n_tokens + tw0 + lane;
+                if (idx_ws) idx_ws[o] = wa.pk[lane][0];
+                if (idx_plane) idx_plane[o] = (u8)wa.pk[lane][0];
+            }
+            if (stats && lane < TPW && tw0 + lane < n_tokens && (slow >> lane & 1)) {
+                atomicAdd(&stats[0], 1ull);
+                atomicAdd(&stats[wa.nc[lane] >= 0 ? 1 : 2], (unsigned long long)(wa.nc[lane] >= 0 ? wa.nc[lane] : 1));
+                if (wa.again[lane]) atomicAdd(&stats[3], 1ull);
+            }
+            // Full scans, one token at a time: every distance, then ref_kmeans.c's
+            // sequential rules verbatim (a NaN distance never wins, except at j = 0).
+            for (u32 full = __ballot_sync(0xffffffffu, lane < TPW && wa.nc[lane] == -1); full; full &= full - 1) {
+                const int tl = __ffs(full) - 1;
+                const void *x = src_row<BF>(src, ts, hs, cur[0], tw0 + tl);
+                for (int j = lane; j < c_eff; j += 32)
+                    wa.scr[j] = exact_dist<D, M, BF>(x, cs + j * DP, wv, nn64, j);
+                __syncwarp();
+                int best = 0;
+                if (M == 1) {
+                    if (lane == 0) {
+                        double bd = wa.scr[0];
+                        for (int j = 1; j < c_eff; j++)
+                            if (wa.scr[j] < bd) { bd = wa.scr[j]; best = j; }
+                    }
+                } else {
+                    const int m = min(M, c_eff);
+                    if (lane == 0) { // keep_best
+                        int nb = 0;
+                        for (int j = 0; j < c_eff; j++) {
+                            const double d = wa.scr[j];
+                            int pos = nb;
+                            while (pos > 0 && d < wa.fd[pos - 1]) pos--;
+                            if (pos >= m) continue;
+                            for (int i = (nb < m ? nb : m - 1); i > pos; i--) { wa.fd[i] = wa.fd[i - 1]; wa.fj[i] = wa.fj[i - 1]; }
+                            wa.fd[pos] = d;
+                            wa.fj[pos] = j;
+                            if (nb < m) nb++;
+                        }
+                    }
+                    __syncwarp();
+                    for (int k = lane; k < m; k += 32) wa.fs[k] = sensitivity<D, G, BF>(x, cs + wa.fj[k] * DP, gw);
+                    __syncwarp();
+                    if (lane == 0) {
+                        best = wa.fj[0];
+                        double bs = wa.fs[0];
+                        for (int k = 1; k < m; k++)
+                            if (wa.fs[k] < bs) { bs = wa.fs[k]; best = wa.fj[k]; }
+                    }
+                }
+                if (lane == 0) {
+                    const i64 o = (i64)cur[0] * n_tokens + tw0 + tl;
+                    if (idx_ws) idx_ws[o] = best;
+                    if (idx_plane) idx_plane[o] = (u8)best;
+                }
+                __syncwarp();
+            }
+            __syncwarp(); // the warp's scratch is reused by its next tile
+        } // tiles
+        h = cur[0] + 1; // read before the next head's barrier, above, lets thread 0 write it
+        if ((i64)h * cur[2] >= range_at<1>(n_heads, cur[2])) break;
+    } // heads
 }
 
 // Lloyd update, step 1: each cluster's fixed-point sums and count. One block
@@ -1117,9 +1153,9 @@ __device__ __forceinline__ void residual(const void *src, i64 ts, i64 hs, float 
     /* kernel (plain, QSAC) tokens, candidates, full scans, second filters.      */                      \
     extern "C" __device__ unsigned long long PREFIX##_assign_stats[9] = {};                                  \
     extern "C" __global__ void __launch_bounds__(kvf_kmeans::assign_warps<D, 1>() * 32, 1)              \
-    PREFIX##_assign(const void *src, i64 ts, i64 hs, int n, int c_eff, const u16 *cent, int c_alloc,           \
+    PREFIX##_assign(const void *src, i64 ts, i64 hs, int n, int nh, int c_eff, const u16 *cent, int c_alloc,   \
                     int *idx_ws, u8 *idx_plane) {                                                              \
-        kvf_kmeans::assign<D, G, 1, BF>(src, ts, hs, n, c_eff, cent, c_alloc, idx_ws, idx_plane, 0,           \
+        kvf_kmeans::assign<D, G, 1, BF>(src, ts, hs, n, nh, c_eff, cent, c_alloc, idx_ws, idx_plane, 0,       \
                                         PREFIX##_assign_stats[0] ? PREFIX##_assign_stats + 1 : 0);            \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(kvf_kmeans::SUM_THREADS, 1)                                   \
@@ -1149,8 +1185,8 @@ __device__ __forceinline__ void residual(const void *src, i64 ts, i64 hs, float 
 // of the same PREFIX (its assign_cfg and assign_stats).
 #define KVF_KMEANS_QSAC_KERNEL(PREFIX, D, G, QSAC, BF)                                                        \
     extern "C" __global__ void __launch_bounds__(kvf_kmeans::assign_warps<D, QSAC>() * 32, 1)           \
-    PREFIX##_assign_qsac(const void *src, i64 ts, i64 hs, int n, int c_eff, const u16 *cent, int c_alloc,      \
-                         u8 *idx_plane, const float *weights) {                                                \
-        kvf_kmeans::assign<D, G, QSAC, BF>(src, ts, hs, n, c_eff, cent, c_alloc, 0, idx_plane, weights,       \
+    PREFIX##_assign_qsac(const void *src, i64 ts, i64 hs, int n, int nh, int c_eff, const u16 *cent,           \
+                         int c_alloc, u8 *idx_plane, const float *weights) {                                   \
+        kvf_kmeans::assign<D, G, QSAC, BF>(src, ts, hs, n, nh, c_eff, cent, c_alloc, 0, idx_plane, weights,   \
                                            PREFIX##_assign_stats[0] ? PREFIX##_assign_stats + 5 : 0);         \
     }

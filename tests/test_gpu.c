@@ -605,6 +605,24 @@ static void gpu_kmeans_labels(void **state) {
     text_cases_agree(cases, sizeof cases / sizeof cases[0]);
 }
 
+/* The assignments' blocks take equal ranges of all heads' (head, 16-token
+ * tile) pairs, about one block a multiprocessor (context.c kmeans_stage).
+ * With more heads than multiprocessors and a few tiles a head, a block
+ * stages two or three heads in turn and its first and last head are partial
+ * (KVF_TEST_SMALL keeps that: 2 tiles a head, so racecheck sees the head
+ * loop's barriers): QSAC for the keys, the plain nearest for the values. */
+static void gpu_assign_ranges(void **state) {
+    (void)state;
+    SKIP_WITHOUT_GPU();
+    int sms = 0;
+    CK(cuDeviceGetAttribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev));
+    const text_case cases[] = {
+        {"return { base = 'quantwm_int2', name = 'ranges' }", {small ? 20 : 700, sms + 8, 0, 0}},
+    };
+    if (!selected("assign_ranges")) return;
+    text_cases_agree(cases, sizeof cases / sizeof cases[0]);
+}
+
 /* An sm_80 image (PTX for compute_80, which the driver compiles for this
  * GPU): its k-means assignment takes the block geometry of sm_80's 163 KiB of
  * shared memory (12 warps for the plain assignment at head_dim 128, 9 for
@@ -1122,6 +1140,7 @@ int main(void) {
         cmocka_unit_test(gpu_psac_shapes),
         cmocka_unit_test(gpu_kmeans_sum_shapes),
         cmocka_unit_test(gpu_kmeans_labels),
+        cmocka_unit_test(gpu_assign_ranges),
         cmocka_unit_test(gpu_sm80_geometry),
         cmocka_unit_test(oversized_assignment_refused),
         cmocka_unit_test(gpu_qstats_nonfinite),
