@@ -434,6 +434,28 @@ static void test_canonical_roundtrip(void **state) {
     }
 }
 
+/* The evaluation's ablation schemes (eval/ablation/, docs/QUALITY.md) load,
+ * and their canonical text reads back. */
+static void test_ablation_schemes_load(void **state) {
+    (void)state;
+    DIR *d = opendir(tu_path("eval/ablation"));
+    struct dirent *e;
+    int n = 0;
+    assert_non_null(d);
+    while ((e = readdir(d))) {
+        size_t len = strlen(e->d_name);
+        if (len < 5 || strcmp(e->d_name + len - 4, ".lua")) continue;
+        char rel[512];
+        fmt(rel, sizeof rel, "eval/ablation/%s", e->d_name);
+        kvf_scheme *s = load_file(tu_path(rel));
+        roundtrip(s);
+        kvf_scheme_free(s);
+        n++;
+    }
+    closedir(d);
+    assert_true(n >= 7);
+}
+
 static void test_canonical_deterministic(void **state) {
     (void)state;
     kvf_scheme *a = tu_scheme("rtn_int4"), *b = tu_scheme("rtn_int4");
@@ -849,6 +871,7 @@ int main(void) {
         cmocka_unit_test(test_inheritance),
         cmocka_unit_test(test_cycles_and_depth),
         cmocka_unit_test(test_canonical_roundtrip),
+        cmocka_unit_test(test_ablation_schemes_load),
         cmocka_unit_test(test_canonical_deterministic),
         cmocka_unit_test(test_hash_differs_per_field),
         cmocka_unit_test(test_bad_corpus),
