@@ -97,28 +97,40 @@ static void test_builtin_list_loads(void **state) {
 }
 
 /* Every .lua file in schemes/ loads from disk and matches the embedded copy. */
-static void test_disk_schemes_match_builtin(void **state) {
-    (void)state;
-    DIR *d = opendir(tu_path("schemes"));
+/* Calls fn(path, name) for each NAME.lua in the repository folder dir;
+ * returns how many. */
+static int each_lua_file(const char *dir, void (*fn)(const char *path, const char *name)) {
+    DIR *d = opendir(tu_path(dir));
     struct dirent *e;
     int n = 0;
     assert_non_null(d);
     while ((e = readdir(d))) {
         size_t len = strlen(e->d_name);
         if (len < 5 || strcmp(e->d_name + len - 4, ".lua")) continue;
-        char rel[512], name[256];
-        fmt(rel, sizeof rel, "schemes/%s", e->d_name);
+        char rel[512], path[1024], name[256]; /* path: a copy (tu_path's buffers rotate) */
+        fmt(rel, sizeof rel, "%s/%s", dir, e->d_name);
+        fmt(path, sizeof path, "%s", tu_path(rel));
         fmt(name, sizeof name, "%.*s", (int)(len - 4), e->d_name);
-        kvf_scheme *disk = load_file(tu_path(rel)), *emb = tu_scheme(name);
-        assert_string_equal(disk->source, tu_path(rel));
-        assert_string_equal(kvf_scheme_canonical(disk), kvf_scheme_canonical(emb));
-        assert_true(kvf_scheme_hash(disk) == kvf_scheme_hash(emb));
-        assert_string_equal(kvf_scheme_id(disk), kvf_scheme_id(emb));
-        kvf_scheme_free(disk);
-        kvf_scheme_free(emb);
+        fn(path, name);
         n++;
     }
     closedir(d);
+    return n;
+}
+
+static void disk_matches_builtin(const char *path, const char *name) {
+    kvf_scheme *disk = load_file(path), *emb = tu_scheme(name);
+    assert_string_equal(disk->source, path);
+    assert_string_equal(kvf_scheme_canonical(disk), kvf_scheme_canonical(emb));
+    assert_true(kvf_scheme_hash(disk) == kvf_scheme_hash(emb));
+    assert_string_equal(kvf_scheme_id(disk), kvf_scheme_id(emb));
+    kvf_scheme_free(disk);
+    kvf_scheme_free(emb);
+}
+
+static void test_disk_schemes_match_builtin(void **state) {
+    (void)state;
+    int n = each_lua_file("schemes", disk_matches_builtin);
     int builtins = 0;
     while (kvf_builtin_schemes()[builtins]) builtins++;
     assert_int_equal(n, builtins);
@@ -436,24 +448,16 @@ static void test_canonical_roundtrip(void **state) {
 
 /* The evaluation's ablation schemes (eval/ablation/, docs/QUALITY.md) load,
  * and their canonical text reads back. */
+static void loads_and_reads_back(const char *path, const char *name) {
+    (void)name;
+    kvf_scheme *s = load_file(path);
+    roundtrip(s);
+    kvf_scheme_free(s);
+}
+
 static void test_ablation_schemes_load(void **state) {
     (void)state;
-    DIR *d = opendir(tu_path("eval/ablation"));
-    struct dirent *e;
-    int n = 0;
-    assert_non_null(d);
-    while ((e = readdir(d))) {
-        size_t len = strlen(e->d_name);
-        if (len < 5 || strcmp(e->d_name + len - 4, ".lua")) continue;
-        char rel[512];
-        fmt(rel, sizeof rel, "eval/ablation/%s", e->d_name);
-        kvf_scheme *s = load_file(tu_path(rel));
-        roundtrip(s);
-        kvf_scheme_free(s);
-        n++;
-    }
-    closedir(d);
-    assert_true(n >= 7);
+    assert_true(each_lua_file("eval/ablation", loads_and_reads_back) >= 7);
 }
 
 static void test_canonical_deterministic(void **state) {
