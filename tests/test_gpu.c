@@ -608,9 +608,10 @@ static void gpu_kmeans_labels(void **state) {
 /* The assignments' blocks take equal ranges of all heads' (head, 16-token
  * tile) pairs, about one block a multiprocessor (context.c kmeans_stage).
  * With more heads than multiprocessors and a few tiles a head, a block
- * stages two or three heads in turn and its first and last head are partial
- * (KVF_TEST_SMALL keeps that: 2 tiles a head, so racecheck sees the head
- * loop's barriers): QSAC for the keys, the plain nearest for the values. */
+ * stages two or three heads in turn (700 tokens) and its first and last head
+ * are partial (KVF_TEST_SMALL: 2 tiles a head, one or two heads a block, so
+ * racecheck sees the head loop's barriers): QSAC for the keys, the plain
+ * nearest for the values. */
 static void gpu_assign_ranges(void **state) {
     (void)state;
     SKIP_WITHOUT_GPU();
