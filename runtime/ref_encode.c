@@ -37,8 +37,8 @@ static void head_buf_free(head_buf *b) {
 enum { HB_ENCODE = 1, HB_DECODE_SUM = 2 }; /* head_buf_alloc's parts */
 enum { HB_ENCODE_PLANES = 3, HB_DECODE_PLANES = 2 }; /* their [n][d] f32 planes: x0, e, r; y, rhat */
 
-/* Bytes of the per-token buffers head_buf_alloc allocates for parts: the f32
- * planes and the encode's labels. */
+/* Bytes of the per-token buffers head_buf_alloc allocates for parts, at
+ * most: the f32 planes and the encode's labels (k-means sections only). */
 static int64_t head_buf_bytes(int64_t n, int d, int parts) {
     return n * d * (int64_t)sizeof(float) *
                ((parts & HB_ENCODE ? HB_ENCODE_PLANES : 0) + (parts & HB_DECODE_SUM ? HB_DECODE_PLANES : 0)) +
@@ -53,8 +53,8 @@ static int head_buf_alloc(head_buf *b, int64_t n, int d, int centroids, int part
         b->x0 = malloc(nd), b->e = malloc(nd), b->r = malloc(nd);
         b->cent = malloc((size_t)(centroids > 0 ? centroids : 1) * (size_t)d * 2);
         b->w = malloc((size_t)d * sizeof(float));
-        b->z = malloc((size_t)n * sizeof(int));
-        ok = b->x0 && b->e && b->r && b->cent && b->w && b->z;
+        b->z = centroids > 0 ? malloc((size_t)n * sizeof(int)) : NULL;
+        ok = b->x0 && b->e && b->r && b->cent && b->w && (centroids == 0 || b->z);
     }
     if (parts & HB_DECODE_SUM) {
         b->y = malloc(nd), b->rhat = malloc(nd);
@@ -208,7 +208,7 @@ static int smooth_stage(const section_job *j, int stage, int32_t h, const void *
     int d = j->L->head_dim, C = j->l->centroids, Ceff = n < C ? (int)n : C;
     /* "last_step": the labels are the last Lloyd step's (scheme.c allows it
      * only with kmeans_iters > 0 and no QSAC); "final": a final assignment. */
-    bool last = j->cfg->kmeans_labels == KVF_LABELS_LAST_STEP;
+    bool last = j->cfg->kmeans_labels == KVF_LABELS_LAST_STEP && j->cfg->kmeans_iters > 0;
     int rc = kvf_ref_kmeans(b->e, n, d, C, j->cfg->kmeans_iters, j->cfg->seed, stage, h, b->cent, last ? b->z : NULL);
     if (rc) return rc;
     bool qsac = stage == 0 && j->cfg->qsac_candidates > 1;

@@ -115,13 +115,13 @@ int kvf_ref_kmeans(const float *e, int64_t n, int d, int c, int iters, int64_t s
     if (c > n) c = (int)n;
     strided_init(e, n, d, c, seed, stage, head, cent);
     if (iters <= 0) return KVF_OK;
-    lloyd_work w = {malloc((size_t)n * sizeof(int)), malloc((size_t)c * sizeof(double)),
+    lloyd_work w = {last_z ? last_z : malloc((size_t)n * sizeof(int)), malloc((size_t)c * sizeof(double)),
                     malloc((size_t)c * (size_t)d * sizeof(int64_t)), malloc((size_t)c * sizeof(int64_t))};
     int rc = (w.z && w.norms && w.acc && w.count) ? KVF_OK
                                                   : kvf_set_error(KVF_ENOMEM, "k-means: out of memory");
     for (int it = 0; !rc && it < iters; it++) lloyd_step(e, n, d, c, cent, &w);
-    if (!rc && last_z) memcpy(last_z, w.z, (size_t)n * sizeof *last_z);
-    free(w.z), free(w.norms), free(w.acc), free(w.count);
+    if (!last_z) free(w.z); /* else the caller's: the last step's labels */
+    free(w.norms), free(w.acc), free(w.count);
     return rc;
 }
 

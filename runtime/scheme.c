@@ -1357,10 +1357,15 @@ static int check_methods(const struct kvf_scheme *s, const loader *ld, int sec) 
     if (t->qsac_candidates > t->centroids && t->centroids > 0)
         return bad(ld, s, FID(sec, T_QSAC), "must be <= centroids (%d) (got %d)", t->centroids,
                    t->qsac_candidates);
-    if (t->kmeans_labels == KVF_LABELS_LAST_STEP && t->centroids > 0 && t->kmeans_iters == 0)
+    if (t->kmeans_labels == KVF_LABELS_LAST_STEP && t->centroids > 0 && t->kmeans_iters == 0) {
+        if (nearest_set(ld, FID(sec, T_LABELS), FID(sec, T_ITERS)) == FID(sec, T_ITERS))
+            return bad(ld, s, FID(sec, T_ITERS),
+                       "must be >= 1 when kmeans_labels = \"last_step\" (the labels of the last "
+                       "Lloyd step) (got 0)");
         return bad(ld, s, FID(sec, T_LABELS),
                    "must be \"final\" when kmeans_iters = 0 (\"last_step\" takes the labels "
                    "of the last Lloyd step) (got \"last_step\")");
+    }
     if (t->kmeans_labels == KVF_LABELS_LAST_STEP && t->qsac_candidates > 1) {
         if (nearest_set(ld, FID(sec, T_LABELS), FID(sec, T_QSAC)) == FID(sec, T_QSAC))
             return bad(ld, s, FID(sec, T_QSAC),

@@ -130,7 +130,7 @@ constexpr float KAPPA = 2.44140625e-4f; // 2^-12
 // centroid over a BF16 source (one mma a tile and k-step; qvg_int2's encode
 // 2.937 -> 2.913 ms against 4 on the H200, means of 3 runs); 4 for QSAC
 // (quantwm_int2's encode 1.4% slower with every assignment at 8, its V's
-// included; 124 registers, just under the cap of 128) and over an f32
+// included; 124 registers then, 121 since session 13, under the cap of 128) and over an f32
 // source (two mma a step where the low halves are not zero; qvg_pro_int2's
 // encode 37.8 ms at 8 against 37.0 at 4 in two device runs, 128 registers
 // against 120; docs/BENCHMARKS.md, session 10).
@@ -187,8 +187,9 @@ template <int M> __host__ __device__ constexpr int assign_warp_bytes() {
 // The assignment's block shared memory, byte offsets: MAX_C centroid rows
 // (permuted, pitch assign_pitch), N_j / 2 (f32 pairs of columns, twice: a
 // float4 per 2 columns), the weights, QSAC's group weight sums, the exact
-// norms (nearest centroid only), the bound's limits, then each warp's
-// scratch. assign carves its block up by these, and assign_smem_for sizes it.
+// norms (nearest centroid only), the bound's limits and the head being
+// assigned (cur[]: 32 bytes in all), then each warp's scratch. assign carves
+// its block up by these, and assign_smem_for sizes it.
 template <int D, int M> struct assign_layout {
     static constexpr int CENT = 0;
     static constexpr int NH = CENT + MAX_C * assign_pitch<D>() * 2;

@@ -541,17 +541,6 @@ static void gpu_psac_shapes(void **state) {
     }
 }
 
-/* The Lloyd sums' paths that the shipped shapes may not reach on a given GPU
- * (the token parts follow its multiprocessor count, context.c sum_parts):
- * with more heads than half the multiprocessors each head's tokens are one
- * part, so 8300 tokens take two sorting rounds (kvf_kmeans SUM_SUB = 8192);
- * with 2 centroids one cluster holds at least half of a part's tokens (100
- * or more here), so its run is cut into several 64-token units; with 128
- * centroids the first round's clusters hold about 64 tokens each, so some
- * store their sums as one unit and others take several, and the second
- * round's 108 tokens add to both kinds of row;
- * head_dim 64 and 256 (2 and 8 channels a lane); keys read the BF16 input,
- * the two-stage values the f32 workspace. */
 typedef struct { const char *text; run_case c; } text_case;
 
 /* Each scheme (Lua text) encoded on the GPU and the CPU at its shape: the
@@ -571,6 +560,17 @@ static void text_cases_agree(const text_case *cs, size_t n) {
     }
 }
 
+/* The Lloyd sums' paths that the shipped shapes may not reach on a given GPU
+ * (the token parts follow its multiprocessor count, context.c sum_parts):
+ * with more heads than half the multiprocessors each head's tokens are one
+ * part, so 8300 tokens take two sorting rounds (kvf_kmeans SUM_SUB = 8192);
+ * with 2 centroids one cluster holds at least half of a part's tokens (100
+ * or more here), so its run is cut into several 64-token units; with 128
+ * centroids the first round's clusters hold about 64 tokens each, so some
+ * store their sums as one unit and others take several, and the second
+ * round's 108 tokens add to both kinds of row;
+ * head_dim 64 and 256 (2 and 8 channels a lane); keys read the BF16 input,
+ * the two-stage values the f32 workspace. */
 static void gpu_kmeans_sum_shapes(void **state) {
     (void)state;
     SKIP_WITHOUT_GPU();
@@ -591,15 +591,18 @@ static void gpu_kmeans_sum_shapes(void **state) {
  * take the last Lloyd step's labels, or QSAC for quantwm's keys): the final
  * assignment over the BF16 input (keys) and, with two stages, over the f32
  * workspace (values); and one Lloyd step, whose assignment is then the
- * labels' ("last_step"), beside a final one on the other tensor. */
+ * labels' ("last_step"), beside a final one on the other tensor. 16
+ * centroids, so that even KVF_TEST_SMALL's 40 tokens are not each their own
+ * centroid (where both label sources agree); test_methods shows the two
+ * sources giving different labels on the CPU, which the GPU matches. */
 static void gpu_kmeans_labels(void **state) {
     (void)state;
     SKIP_WITHOUT_GPU();
     const text_case cases[] = {
-        {"return { base = 'qvg_int2', name = 'final', key = { kmeans_labels = 'final' }, "
-         "value = { kmeans_labels = 'final', stages = 2 } }", {small ? 40 : 3000, small ? 2 : 5, 1, 0}},
-        {"return { base = 'qvg_int2', name = 'one_step', key = { kmeans_iters = 1 }, "
-         "value = { kmeans_iters = 1, kmeans_labels = 'final' } }", {small ? 40 : 3000, small ? 2 : 5, 1, 0}},
+        {"return { base = 'qvg_int2', name = 'final', key = { centroids = 16, kmeans_labels = 'final' }, "
+         "value = { centroids = 16, kmeans_labels = 'final', stages = 2 } }", {small ? 40 : 3000, small ? 2 : 5, 1, 0}},
+        {"return { base = 'qvg_int2', name = 'one_step', key = { centroids = 16, kmeans_iters = 1 }, "
+         "value = { centroids = 16, kmeans_iters = 1, kmeans_labels = 'final' } }", {small ? 40 : 3000, small ? 2 : 5, 1, 0}},
     };
     if (!selected("kmeans_labels")) return;
     text_cases_agree(cases, sizeof cases / sizeof cases[0]);
@@ -630,8 +633,9 @@ static void gpu_assign_ranges(void **state) {
  * QSAC, 3 at head_dim 256, instead of sm_90's 16, 16 and 4), and must agree
  * with the CPU as sm_90's does (KVF_TEST_SMALL: tiny_cases[0] for each
  * scheme instead of these shapes). The first case (300 tokens x 3 heads) gives
- * each warp one tile; the second has a head per multiprocessor and more, so
- * every block (one per head) loops over tiles W warps apart. On a device with
+ * each warp one tile; the second has more heads than multiprocessors, so
+ * each block stages two or three heads in turn and its warps loop over their
+ * tiles W apart. On a device with
  * less shared memory than sm_80 (sm_86/89/12x) the image is refused instead. */
 static void gpu_sm80_geometry(void **state) {
     (void)state;

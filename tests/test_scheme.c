@@ -546,6 +546,12 @@ static const bad_case bad_cases[] = {
      "set kmeans_labels = \"final\") (got 4)", NULL},
     {"bad_labels.lua", 5, "value.kmeans_labels: must be one of \"final\", \"last_step\" (got \"nearest\")",
      NULL},
+    {"labels_iters_over_base.lua", 6,
+     "key.kmeans_iters: must be >= 1 when kmeans_labels = \"last_step\" (the labels of the last Lloyd step) "
+     "(got 0)", NULL},
+    {"labels_over_qsac_base.lua", 6,
+     "key.kmeans_labels: must be \"final\" when qsac_candidates > 1 (QSAC is the final assignment) "
+     "(got \"last_step\")", NULL},
     {"centroids_bf16.lua", 5, "key.centroids: must be 0 when bits = 16", NULL},
     {"syntax_error.lua", 4, "'}' expected (to close '{' at line 2) near 'key'", NULL},
     {"runtime_error.lua", 4, "attempt to index a nil value (local 'cfg')", NULL},

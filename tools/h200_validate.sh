@@ -45,9 +45,10 @@ fi
 if has sanitizer && command -v compute-sanitizer >/dev/null; then
   # KVF_TEST_SMALL=1 (tests/test_gpu.c): the same tests on a few dozen tokens and
   # 2 heads; at full size racecheck did not finish test_gpu in 150 s. First the
-  # shared-memory kernels (k-means assign: qvg_int2; query statistics: quantwm_int2),
-  # then every shipped scheme; each run bounded by `timeout` (exit 124 = timed out),
-  # 540 s at most in all: the part fits one 600 s device command on its own.
+  # shared-memory kernels (k-means assign: qvg_int2, and assign_ranges, whose
+  # blocks stage two heads in turn; query statistics: quantwm_int2), then every
+  # shipped scheme; each run bounded by `timeout` (exit 124 = timed out), 560 s
+  # at most in all: the part fits one 600 s device command on its own.
   echo "== compute-sanitizer over test_gpu in small mode (API errors of the deliberate bad-image test not reported)"
   san() { # name, scheme list ("" = all), tool, limit in s, extra options (may be absent)
     local start=$SECONDS rc
@@ -56,7 +57,7 @@ if has sanitizer && command -v compute-sanitizer >/dev/null; then
     echo "$1: $3 ${2:-all schemes}: exit $rc after $((SECONDS - start)) s"
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Invalid|out of bounds|hazard|PASSED|FAILED" "${OUT:-/tmp}/san_$1.txt" | head -6
   }
-  san race_kmeans_qstats qvg_int2,quantwm_int2 racecheck 120
+  san race_kmeans_qstats qvg_int2,quantwm_int2,assign_ranges racecheck 140
   [ -n "${KVF_SAN_ALL:-}" ] && san race_all "" racecheck 240 # KVF_SAN_ALL=1: every scheme (about 4 min)
   san mem_all "" memcheck 180 "--report-api-errors no"
 fi
@@ -86,7 +87,7 @@ PY
 fi
 if has source && command -v ncu >/dev/null; then
   # KVF_SOURCE: "SCHEME:KERNEL_REGEX ..." (regex over the kernel's name, e.g.
-  # kvf_qvg_int2_4339cb1d_k_assign); the first matching launch of
+  # kvf_qvg_int2_e50221e9_k_assign); the first matching launch of
   # `kvf_bench --reps 1 SCHEME` is profiled with `--set full` (about 20 s
   # each). The CSVs and logs come back as one archive (the GPU machine
   # returns at most 8 files).
