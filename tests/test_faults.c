@@ -16,8 +16,11 @@
 #include "testutil.h"
 
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #define D 128        /* head_dim of the shipped schemes */
 #define GUARD 64     /* guard bytes on each side of a buffer */
@@ -694,6 +697,42 @@ static void test_other_chunks_intact(void **state) {
     gb_free(&m.arena), gb_free(&m.kt), gb_free(&m.vt);
 }
 
+/* The benchmark's command line (bench/bench.c): a bad argument is refused
+ * before any GPU work, with exit status 2 and the argument named. */
+static void test_bench_arguments(void **state) {
+    (void)state;
+    const char *o = getenv("O");
+    char bin[1200], cmd[4096];
+    snprintf(bin, sizeof bin, "%s/%s/bin/kvf_bench", tu_src(), o && *o ? o : "out");
+    if (access(bin, X_OK) != 0) {
+        printf("skipped: %s not built\n", bin);
+        skip();
+    }
+    char *dir = tu_mkdtemp();
+    const char *log = tu_join(dir, "bench.txt");
+    const struct { const char *args, *want; } cases[] = {
+        {"--heads 0", "needs an integer in range: --heads"},
+        {"--heads 48x qvg_int2", "needs an integer in range: --heads"},
+        {"--tokens", "needs an integer in range: --tokens"},
+        {"--reps 10001", "needs an integer in range: --reps"},
+        {"--warmup 3", "unknown option: --warmup"},
+        {"qvg_int2 qvg_int3", "no shipped scheme of that name: qvg_int3"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        snprintf(cmd, sizeof cmd, "'%s' %s > '%s' 2>&1", bin, cases[i].args, log);
+        int status = system(cmd);
+        if (!WIFEXITED(status) || WEXITSTATUS(status) != 2) fail_msg("kvf_bench %s: status %d", cases[i].args, status);
+        FILE *f = fopen(log, "r");
+        char line[1024] = "";
+        assert_non_null(f);
+        assert_non_null(fgets(line, sizeof line, f));
+        fclose(f);
+        if (!strstr(line, cases[i].want)) fail_msg("kvf_bench %s: \"%s\", want \"%s\"", cases[i].args, line, cases[i].want);
+    }
+    tu_rmtree(dir);
+    free(dir);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_nan_inf_contained),
@@ -705,6 +744,7 @@ int main(void) {
         cmocka_unit_test(test_other_scheme_or_version),
         cmocka_unit_test(test_corrupt_centroid_index),
         cmocka_unit_test(test_other_chunks_intact),
+        cmocka_unit_test(test_bench_arguments),
     };
     return cmocka_run_group_tests_name("faults", tests, setup, teardown);
 }
