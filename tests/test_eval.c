@@ -721,13 +721,8 @@ static void test_gpu_matches_cpu(void **state) {
 /* `kvforge eval --json` through the command line (the binary `make test` built). */
 static void test_cli_json(void **state) {
     (void)state;
-    const char *o = getenv("O");
     char bin[1200], cmd[4096];
-    snprintf(bin, sizeof bin, "%s/%s/bin/kvforge", tu_src(), o && *o ? o : "out");
-    if (access(bin, X_OK) != 0) {
-        printf("skipped: %s not built\n", bin);
-        skip();
-    }
+    if (!tu_built_program("kvforge", bin, sizeof bin)) skip();
     synth_dump *sd = synth_make(&small_cfg);
     const char *path = tmp_file("cli.safetensors"), *json_path = tmp_file("cli.json");
     synth_write(sd, path, NULL);

@@ -20,7 +20,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
-#include <unistd.h>
 
 #define D 128        /* head_dim of the shipped schemes */
 #define GUARD 64     /* guard bytes on each side of a buffer */
@@ -701,13 +700,8 @@ static void test_other_chunks_intact(void **state) {
  * before any GPU work, with exit status 2 and the argument named. */
 static void test_bench_arguments(void **state) {
     (void)state;
-    const char *o = getenv("O");
     char bin[1200], cmd[4096];
-    snprintf(bin, sizeof bin, "%s/%s/bin/kvf_bench", tu_src(), o && *o ? o : "out");
-    if (access(bin, X_OK) != 0) {
-        printf("skipped: %s not built\n", bin);
-        skip();
-    }
+    if (!tu_built_program("kvf_bench", bin, sizeof bin)) skip();
     char *dir = tu_mkdtemp();
     const char *log = tu_join(dir, "bench.txt");
     const struct { const char *args, *want; } cases[] = {

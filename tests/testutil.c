@@ -34,6 +34,14 @@ int tu_listed(const char *name, const char *const *list) {
 
 const char *tu_path(const char *rel) { return tu_join(tu_src(), rel); }
 
+int tu_built_program(const char *name, char *buf, size_t len) {
+    const char *o = getenv("O");
+    snprintf(buf, len, "%s/%s/bin/%s", tu_src(), o && *o ? o : "out", name);
+    if (access(buf, X_OK) == 0) return 1;
+    printf("skipped: %s not built\n", buf);
+    return 0;
+}
+
 char *tu_mkdtemp(void) {
     char tmpl[] = "/tmp/kvftest.XXXXXX";
     char *d = mkdtemp(tmpl);

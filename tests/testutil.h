@@ -21,6 +21,10 @@ const char *tu_path(const char *rel);
 extern const char *const tu_time_limited_schemes[];
 /* Whether name is in a NULL-terminated list (NULL: an empty list). */
 int tu_listed(const char *name, const char *const *list);
+/* The path of a program `make` built (O/bin/NAME, O from the environment,
+ * default out) into buf; 0 where it is not there, after printing that the
+ * test is skipped (the caller then calls skip()). */
+int tu_built_program(const char *name, char *buf, size_t len);
 /* Fresh private temporary directory (mkdtemp); removed by tu_rmtree. */
 char *tu_mkdtemp(void);
 void tu_rmtree(const char *dir);
