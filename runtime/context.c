@@ -308,8 +308,9 @@ static int check_device_args(const void *a, const void *b, const void *packed, c
     if (sh->n_tokens > INT32_MAX || (int64_t)sh->n_tokens * sh->n_heads > (int64_t)INT32_MAX * BLOCK / 32)
         return kvf_set_error(KVF_EINVAL, "%s: %lld tokens x %d heads is too large for one launch", fn,
                              (long long)sh->n_tokens, sh->n_heads);
-    /* The kernels take the head from grid y or z (k-means, PSAC, decode, query
-     * statistics): checked before any of them writes. */
+    /* Some kernels take the head from grid y (PSAC, decode, query
+     * statistics, the Lloyd sums; the assignments loop over heads): checked
+     * before any of them writes. */
     if (sh->n_heads > 65535)
         return kvf_set_error(KVF_EINVAL, "%s: %d heads: the GPU kernels take at most 65535", fn, sh->n_heads);
     return KVF_OK;
