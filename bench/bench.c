@@ -218,17 +218,10 @@ static double now_ms(void) {
 static int usage(const char *what, const char *arg) {
     fprintf(stderr,
             "kvf_bench: %s%s%s\nusage: kvf_bench [--tokens N] [--heads H] [--reps R] [SCHEME ...]\n"
-            "  N 1..1048576 tokens a head (29640), H 1..1024 heads (32), R 1..10000 decode repetitions (20);\n"
+            "  N 1..1048576 tokens a head (29640), H 1..1024 heads (32), R 1..256 decode repetitions (20);\n"
             "  SCHEME: shipped schemes (all by default)\n",
             what, arg ? ": " : "", arg ? arg : "");
     return 2;
-}
-
-/* A whole decimal integer in [lo, hi], or -1. */
-static long long int_arg(const char *s, long long lo, long long hi) {
-    char *end;
-    long long v = strtoll(s, &end, 10);
-    return end != s && !*end && v >= lo && v <= hi ? v : -1;
 }
 
 int main(int argc, char **argv) {
@@ -240,9 +233,9 @@ int main(int argc, char **argv) {
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "--tokens") || !strcmp(a, "--heads") || !strcmp(a, "--reps")) {
-            const long long hi = a[2] == 't' ? 1048576 : a[2] == 'h' ? 1024 : 10000;
-            const long long v = i + 1 < argc ? int_arg(argv[i + 1], 1, hi) : -1;
-            if (v < 0) return usage("needs an integer in range", a);
+            const long long hi = a[2] == 't' ? 1048576 : a[2] == 'h' ? 1024 : 256; /* 256: time_try's timings */
+            long long v;
+            if (i + 1 >= argc || !kvf_parse_int(argv[i + 1], 1, hi, &v)) return usage("needs an integer in range", a);
             i++;
             if (a[2] == 't') tokens = v;
             else if (a[2] == 'h') heads = (int)v;

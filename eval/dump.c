@@ -19,23 +19,10 @@ static const char *const role_names[KVF_DUMP_ROLES] = {"q", "k", "k_pre", "q_pre
 
 /* --------------------------------------------------------------- metadata */
 
-/* A decimal integer in [lo, hi], the whole string, no sign or spaces. */
-static int parse_int(const char *s, long long lo, long long hi, long long *out) {
-    if (!s || !*s || strlen(s) > 18) return 0;
-    long long v = 0;
-    for (const char *p = s; *p; p++) {
-        if (*p < '0' || *p > '9') return 0;
-        v = v * 10 + (*p - '0');
-    }
-    if (v < lo || v > hi) return 0;
-    *out = v;
-    return 1;
-}
-
 static int meta_int(const kvf_st_file *f, const char *key, long long lo, long long hi, long long *out) {
     const char *s = kvf_st_meta(f, key);
     if (!s) return kvf_set_error(KVF_EFORMAT, "%s: metadata \"%s\" is missing", kvf_st_label(f), key);
-    if (!parse_int(s, lo, hi, out))
+    if (!kvf_parse_int(s, lo, hi, out))
         return kvf_set_error(KVF_EFORMAT, "%s: metadata \"%s\" = \"%.40s\": must be an integer in [%lld, %lld]",
                              kvf_st_label(f), key, s, lo, hi);
     return KVF_OK;

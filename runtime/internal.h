@@ -223,6 +223,20 @@ const char *kvf_cuda_home(void);
 
 /* ------------------------------------------------------------------ strings */
 
+/* A decimal integer in [lo, hi] into *out, the whole string, no sign or
+ * spaces (at most 18 digits): 1, or 0 with *out untouched. */
+static inline int kvf_parse_int(const char *s, long long lo, long long hi, long long *out) {
+    if (!s || !*s || strlen(s) > 18) return 0;
+    long long v = 0;
+    for (const char *p = s; *p; p++) {
+        if (*p < '0' || *p > '9') return 0;
+        v = v * 10 + (*p - '0');
+    }
+    if (v < lo || v > hi) return 0;
+    *out = v;
+    return 1;
+}
+
 /* How many times needle occurs in s, without overlaps. */
 static inline int kvf_count_str(const char *s, const char *needle) {
     int n = 0;

@@ -334,9 +334,8 @@ static int parse_eval_args(int argc, char **argv, eval_args *a) {
         else if (i + 1 < argc && !strcmp(o, "--scheme")) a->scheme = argv[++i];
         else if (i + 1 < argc && !strcmp(o, "--data")) a->data = argv[++i];
         else if (i + 1 < argc && !strcmp(o, "--threads")) {
-            char *end;
-            long n = strtol(argv[++i], &end, 10);
-            if (*end || n < 1 || n > KVF_MAX_THREADS) {
+            long long n;
+            if (!kvf_parse_int(argv[++i], 1, KVF_MAX_THREADS, &n)) {
                 fprintf(stderr, "kvforge eval: --threads %s: must be an integer in 1..%d\n", argv[i], KVF_MAX_THREADS);
                 return 2;
             }
