@@ -1278,13 +1278,13 @@ static int bad(const loader *ld, const struct kvf_scheme *s, int fid, const char
     return kvf_set_error(KVF_ESCHEME, "%s: %s: %s", where, path, what);
 }
 
-/* Of two fields in conflict, the one set nearest the top file (the file that
- * brought the conflict in, e.g. over a base that set the other); a default
- * counts as farthest. */
-static int nearest_set(const loader *ld, int a, int b) {
-    if (!ld || ld->org[b].file < 0) return a;
-    if (ld->org[a].file < 0) return b;
-    return ld->org[b].file < ld->org[a].file ? b : a;
+/* Two fields in conflict: the error names the one set nearest the top file
+ * (the file that brought the conflict in, e.g. over a base that set the
+ * other; a default counts as farthest) with its message, a if a tie. */
+static int conflict(const loader *ld, const struct kvf_scheme *s, int a, const char *msg_a, int b,
+                    const char *msg_b) {
+    const bool blame_b = ld && ld->org[b].file >= 0 && (ld->org[a].file < 0 || ld->org[b].file < ld->org[a].file);
+    return blame_b ? bad(ld, s, b, "%s", msg_b) : bad(ld, s, a, "%s", msg_a);
 }
 
 /* Every field in its range (for schemes filled in by code). */
@@ -1357,24 +1357,23 @@ static int check_methods(const struct kvf_scheme *s, const loader *ld, int sec) 
     if (t->qsac_candidates > t->centroids && t->centroids > 0)
         return bad(ld, s, FID(sec, T_QSAC), "must be <= centroids (%d) (got %d)", t->centroids,
                    t->qsac_candidates);
-    if (t->kmeans_labels == KVF_LABELS_LAST_STEP && t->centroids > 0 && t->kmeans_iters == 0) {
-        if (nearest_set(ld, FID(sec, T_LABELS), FID(sec, T_ITERS)) == FID(sec, T_ITERS))
-            return bad(ld, s, FID(sec, T_ITERS),
-                       "must be >= 1 when kmeans_labels = \"last_step\" (the labels of the last "
-                       "Lloyd step) (got 0)");
-        return bad(ld, s, FID(sec, T_LABELS),
-                   "must be \"final\" when kmeans_iters = 0 (\"last_step\" takes the labels "
-                   "of the last Lloyd step) (got \"last_step\")");
-    }
+    if (t->kmeans_labels == KVF_LABELS_LAST_STEP && t->centroids > 0 && t->kmeans_iters == 0)
+        return conflict(ld, s, FID(sec, T_LABELS),
+                        "must be \"final\" when kmeans_iters = 0 (\"last_step\" takes the labels of the "
+                        "last Lloyd step) (got \"last_step\")",
+                        FID(sec, T_ITERS),
+                        "must be >= 1 when kmeans_labels = \"last_step\" (the labels of the last Lloyd "
+                        "step) (got 0)");
     if (t->kmeans_labels == KVF_LABELS_LAST_STEP && t->qsac_candidates > 1) {
-        if (nearest_set(ld, FID(sec, T_LABELS), FID(sec, T_QSAC)) == FID(sec, T_QSAC))
-            return bad(ld, s, FID(sec, T_QSAC),
-                       "must be 1 when kmeans_labels = \"last_step\" (QSAC is a final assignment: "
-                       "set kmeans_labels = \"final\") (got %d)",
-                       t->qsac_candidates);
-        return bad(ld, s, FID(sec, T_LABELS),
-                   "must be \"final\" when qsac_candidates > 1 (QSAC is the final assignment) "
-                   "(got \"last_step\")");
+        char got[160];
+        snprintf(got, sizeof got,
+                 "must be 1 when kmeans_labels = \"last_step\" (QSAC is a final assignment: set "
+                 "kmeans_labels = \"final\") (got %d)",
+                 t->qsac_candidates);
+        return conflict(ld, s, FID(sec, T_LABELS),
+                        "must be \"final\" when qsac_candidates > 1 (QSAC is the final assignment) "
+                        "(got \"last_step\")",
+                        FID(sec, T_QSAC), got);
     }
     if (t->stages > 1 && t->centroids == 0)
         return bad(ld, s, FID(sec, T_STAGES),
