@@ -467,7 +467,7 @@ static int kmeans_stage(kvf_context *ctx, int t, int stage, const kvf_shape *sh,
     int chunk = (int)((n + parts - 1) / parts);
     void *a_init[] = {(void *)&src->p, (void *)&src->ts, (void *)&src->hs, &n, &nh, &c_eff, &seed, &stage, &cent,
                       &c_alloc};
-    const bool last_step = c->kmeans_labels == KVF_LABELS_LAST_STEP && c->kmeans_iters > 0;
+    const bool last_step = kvf_labels_of_last_step(c);
     if ((rc = launch(ctx, KVF_R_K_INIT + base, g_cd, a_init, stream))) return rc;
     for (int it = 0; it < c->kmeans_iters; it++) {
         CUdeviceptr *plane = last_step && it == c->kmeans_iters - 1 ? &idx_plane : &nul;

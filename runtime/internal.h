@@ -48,6 +48,14 @@ typedef struct kvf_tensor_cfg {
     int rotation;        /* enum kvf_rotation (QuaRot-style Hadamard) */
 } kvf_tensor_cfg;
 
+/* Whether a section stores the last Lloyd step's labels (no final
+ * assignment): kmeans_labels = "last_step" with a step to take them from
+ * (scheme.c refuses "last_step" without one where there are centroids). The
+ * CPU reference and the GPU launches both decide by this. */
+static inline int kvf_labels_of_last_step(const kvf_tensor_cfg *c) {
+    return c->kmeans_labels == KVF_LABELS_LAST_STEP && c->kmeans_iters > 0;
+}
+
 typedef struct kvf_rope_cfg {
     int placement; /* enum kvf_rope_placement */
     int layout;    /* enum kvf_rope_layout */

@@ -206,9 +206,9 @@ static int smooth_stage(const section_job *j, int stage, int32_t h, const void *
     const kvf_stage_layout *st = &j->l->stage[stage];
     int64_t n = j->L->n_tokens;
     int d = j->L->head_dim, C = j->l->centroids, Ceff = n < C ? (int)n : C;
-    /* "last_step": the labels are the last Lloyd step's (scheme.c allows it
-     * only with kmeans_iters > 0 and no QSAC); "final": a final assignment. */
-    bool last = j->cfg->kmeans_labels == KVF_LABELS_LAST_STEP && j->cfg->kmeans_iters > 0;
+    /* "last_step": the labels are the last Lloyd step's (never with QSAC:
+     * scheme.c); "final": a final assignment. */
+    bool last = kvf_labels_of_last_step(j->cfg);
     int rc = kvf_ref_kmeans(b->e, n, d, C, j->cfg->kmeans_iters, j->cfg->seed, stage, h, b->cent, last ? b->z : NULL);
     if (rc) return rc;
     bool qsac = stage == 0 && j->cfg->qsac_candidates > 1;
