@@ -444,15 +444,25 @@ typedef struct { CUdeviceptr p; int64_t ts, hs; } src_arg;
 /* k-means of one stage (METHODS.md 3): init, Lloyd steps, final assignment;
  * with kmeans_labels = "last_step" the last step's assignment writes the
  * index plane too, and there is no final assignment. */
+/* The plain assignment of one k-means stage: labels (int32, the Lloyd
+ * step's workspace) and/or plane (the packed index plane); 0 = not written. */
+static int assign_plain(kvf_context *ctx, int t, const src_arg *src, int n, int nh, int c_eff, CUdeviceptr cent,
+                        int c_alloc, CUdeviceptr labels, CUdeviceptr plane, unsigned grid, void *stream) {
+    const int *ac = ctx->assign_cfg[t]; /* kvf_kmeans assign_cfg */
+    void *a[] = {(void *)&src->p, (void *)&src->ts, (void *)&src->hs, &n, &nh, &c_eff, &cent, &c_alloc, &labels, &plane};
+    return launch3(ctx, KVF_R_K_ASSIGN + t * KVF_R_SECTION_STRIDE, grid, 1, 1, (unsigned)ac[AC_THREADS],
+                   (unsigned)ac[AC_SMEM], a, stream);
+}
+
 static int kmeans_stage(kvf_context *ctx, int t, int stage, const kvf_shape *sh, const src_arg *src,
                         const ws_parts *ws, int parts, CUdeviceptr packed, const kvf_stage_layout *sl,
                         CUdeviceptr weights, void *stream) {
     const kvf_tensor_cfg *c = t ? &ctx->scheme->value : &ctx->scheme->key;
     const int base = t * KVF_R_SECTION_STRIDE, d = ctx->scheme->head_dim;
     int nh = sh->n_heads;
-    int n = (int)sh->n_tokens, c_alloc = c->centroids, c_eff = n < c_alloc ? n : c_alloc, rc;
+    int n = (int)sh->n_tokens, c_alloc = c->centroids, c_eff = n < c_alloc ? n : c_alloc, rc = KVF_OK;
     long long seed = (long long)c->seed;
-    CUdeviceptr cent = packed + sl->centroids_off, idx_plane = packed + sl->index_off, nul = 0;
+    CUdeviceptr cent = packed + sl->centroids_off, idx_plane = packed + sl->index_off;
     const int *ac = ctx->assign_cfg[t]; /* kvf_kmeans assign_cfg */
     /* The assignment's blocks share the (head, token tile) pairs of all heads
      * in equal contiguous ranges: one block (its shared memory allows one) a
@@ -470,32 +480,26 @@ static int kmeans_stage(kvf_context *ctx, int t, int stage, const kvf_shape *sh,
     const bool last_step = kvf_labels_of_last_step(c);
     if ((rc = launch(ctx, KVF_R_K_INIT + base, g_cd, a_init, stream))) return rc;
     for (int it = 0; it < c->kmeans_iters; it++) {
-        CUdeviceptr *plane = last_step && it == c->kmeans_iters - 1 ? &idx_plane : &nul;
-        void *a_as[] = {(void *)&src->p, (void *)&src->ts, (void *)&src->hs, &n, &nh, &c_eff, &cent, &c_alloc,
-                        (void *)&ws->idx, plane};
+        CUdeviceptr plane = last_step && it == c->kmeans_iters - 1 ? idx_plane : 0;
         void *a_ac[] = {(void *)&src->p, (void *)&src->ts, (void *)&src->hs, (void *)&ws->idx, &n, &c_eff, &chunk,
                         (void *)&ws->acc, (void *)&ws->cnt};
         void *a_fi[] = {&nh, &c_eff, &parts, (void *)&ws->acc, (void *)&ws->cnt, &cent, &c_alloc};
         /* accumulate: one block per (part, head). */
-        if ((rc = launch3(ctx, KVF_R_K_ASSIGN + base, g_tok[0], 1, 1, (unsigned)ac[AC_THREADS], (unsigned)ac[AC_SMEM],
-                          a_as, stream)) ||
+        if ((rc = assign_plain(ctx, t, src, n, nh, c_eff, cent, c_alloc, ws->idx, plane, g_tok[0], stream)) ||
             (rc = launch3(ctx, KVF_R_K_ACCUMULATE + base, (unsigned)parts, (unsigned)nh, 1, (unsigned)ac[AC_SUM_THREADS],
                           0, a_ac, stream)) ||
             (rc = launch(ctx, KVF_R_K_FINALIZE + base, g_cd, a_fi, stream)))
             return rc;
     }
-    if (last_step) {
-        /* the last step's assignment wrote the index plane */
-    } else if (t == 0 && stage == 0 && c->qsac_candidates > 1) {
+    /* The final labels: the last Lloyd step's (its assignment wrote the index
+     * plane), else QSAC's for stage 0 of keys, else one more plain pass. */
+    if (!last_step && t == 0 && stage == 0 && c->qsac_candidates > 1) {
         void *a_q[] = {(void *)&src->p, (void *)&src->ts, (void *)&src->hs, &n, &nh, &c_eff, &cent, &c_alloc,
                        &idx_plane, &weights};
         rc = launch3(ctx, KVF_R_K_ASSIGN_QSAC, g_tok[1], 1, 1, (unsigned)ac[AC_THREADS_QSAC], (unsigned)ac[AC_SMEM_QSAC], a_q,
                      stream);
-    } else {
-        void *a_as[] = {(void *)&src->p, (void *)&src->ts, (void *)&src->hs, &n, &nh, &c_eff, &cent, &c_alloc, &nul,
-                        &idx_plane};
-        rc = launch3(ctx, KVF_R_K_ASSIGN + base, g_tok[0], 1, 1, (unsigned)ac[AC_THREADS], (unsigned)ac[AC_SMEM], a_as,
-                     stream);
+    } else if (!last_step) {
+        rc = assign_plain(ctx, t, src, n, nh, c_eff, cent, c_alloc, 0, idx_plane, g_tok[0], stream);
     }
     if (rc || c_eff == c_alloc) return rc;
     void *a_pad[] = {&nh, &c_eff, &c_alloc, &cent};
