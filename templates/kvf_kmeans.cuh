@@ -1082,6 +1082,11 @@ __device__ __forceinline__ void subtract(float *e, int n_tokens, int n_heads, co
 // faster than 4 (72-91 registers: fewer blocks per SM) for qvg_int2 and
 // quantwm_int2, the same for qvg_pro_int2, and faster than 1 on the H200
 // (docs/BENCHMARKS.md, session 9).
+// Launch bounds (KVF_RES_BOUNDS_<BF>, below): over a BF16 source 4 blocks an
+// SM (at most 64 registers: qvg_int2's 66 -> 64 without a spill, so 4 blocks
+// of 256 threads an SM instead of 3: qvg_int2's encode 2.19 -> 2.15 ms on the
+// H200, docs/BENCHMARKS.md session 14); over the f32 workspace no minimum
+// (qvg_pro_int2's 72 registers would spill at 64).
 constexpr int RES_RPT = 2;
 template <int D, int BITS, int G, int MODE, int SFMT, int NCENT, int WRITE_E, bool BF>
 __device__ __forceinline__ void residual(const void *src, i64 ts, i64 hs, float *e_out, int n_tokens, int n_heads,
@@ -1129,6 +1134,10 @@ __device__ __forceinline__ void residual(const void *src, i64 ts, i64 hs, float 
 
 } // namespace kvf_kmeans
 
+// The residual's launch bounds by BF (a literal 0 or 1, as gen.c writes it).
+#define KVF_RES_BOUNDS_0 __launch_bounds__(kvf_kmeans::BLOCK)
+#define KVF_RES_BOUNDS_1 __launch_bounds__(kvf_kmeans::BLOCK, 4)
+
 // BF: stage 0 reads the BF16 input directly (runtime/context.c reads it from
 // assign_cfg); the generator sets it for unrotated single-stage sections.
 #define KVF_KMEANS_KERNELS(PREFIX, D, ROT, G, QSAC, BITS, MODE, SFMT, NCENT, BF)                              \
@@ -1175,7 +1184,7 @@ __device__ __forceinline__ void residual(const void *src, i64 ts, i64 hs, float 
                                                  kvf_quant::stage_planes p) {                                  \
         kvf_kmeans::subtract<D, (NCENT > 0 ? NCENT : 1)>(e, n, nh, packed, p);                                 \
     }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(kvf_kmeans::BLOCK)                                            \
+    extern "C" __global__ void KVF_RES_BOUNDS_##BF                                                            \
     PREFIX##_residual(const void *src, i64 ts, i64 hs, float *e_out, int n, int nh, u8 *packed,                \
                       kvf_quant::stage_planes p, int write_e) {                                                \
         if (write_e) kvf_kmeans::residual<D, BITS, G, MODE, SFMT, NCENT, 1, BF>(src, ts, hs, e_out, n, nh, packed, p); \
