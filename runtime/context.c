@@ -441,9 +441,6 @@ static int workspace(kvf_context *ctx, const kvf_shape *sh, int need_e, int part
 /* Rows of a stage's working vectors: the BF16 input, or the f32 workspace. */
 typedef struct { CUdeviceptr p; int64_t ts, hs; } src_arg;
 
-/* k-means of one stage (METHODS.md 3): init, Lloyd steps, final assignment;
- * with kmeans_labels = "last_step" the last step's assignment writes the
- * index plane too, and there is no final assignment. */
 /* The plain assignment of one k-means stage: labels (int32, the Lloyd
  * step's workspace) and/or plane (the packed index plane); 0 = not written. */
 static int assign_plain(kvf_context *ctx, int t, const src_arg *src, int n, int nh, int c_eff, CUdeviceptr cent,
@@ -454,6 +451,9 @@ static int assign_plain(kvf_context *ctx, int t, const src_arg *src, int n, int 
                    (unsigned)ac[AC_SMEM], a, stream);
 }
 
+/* k-means of one stage (METHODS.md 3): init, Lloyd steps, final assignment;
+ * with kmeans_labels = "last_step" the last step's assignment writes the
+ * index plane too, and there is no final assignment. */
 static int kmeans_stage(kvf_context *ctx, int t, int stage, const kvf_shape *sh, const src_arg *src,
                         const ws_parts *ws, int parts, CUdeviceptr packed, const kvf_stage_layout *sl,
                         CUdeviceptr weights, void *stream) {
