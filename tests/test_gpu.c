@@ -62,6 +62,13 @@ static int teardown(void **state) {
         if (skip_reason[0]) { printf("skipped: no GPU\n"); skip(); } \
     } while (0)
 
+/* The device's multiprocessors (for shapes whose heads must outnumber them). */
+static int sm_count(void) {
+    int sms = 0;
+    CK(cuDeviceGetAttribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev));
+    return sms;
+}
+
 static CUdeviceptr dalloc(size_t n, int poison) {
     CUdeviceptr p = 0;
     CK(cuMemAlloc(&p, n));
@@ -574,8 +581,7 @@ static void text_cases_agree(const text_case *cs, size_t n) {
 static void gpu_kmeans_sum_shapes(void **state) {
     (void)state;
     SKIP_WITHOUT_GPU();
-    int sms = 0;
-    CK(cuDeviceGetAttribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev));
+    const int sms = sm_count();
     const text_case shapes[] = {
         {"return { base = 'qvg_int2', name = 'sum_d64', head_dim = 64, key = { centroids = 2 }, "
          "value = { centroids = 2 } }", {small ? 40 : 8300, small ? 2 : sms / 2 + 1, 0, 0}},
@@ -618,8 +624,7 @@ static void gpu_kmeans_labels(void **state) {
 static void gpu_assign_ranges(void **state) {
     (void)state;
     SKIP_WITHOUT_GPU();
-    int sms = 0;
-    CK(cuDeviceGetAttribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev));
+    const int sms = sm_count();
     const text_case cases[] = {
         {"return { base = 'quantwm_int2', name = 'ranges' }", {small ? 20 : 700, sms + 8, 0, 0}},
     };
@@ -640,8 +645,8 @@ static void gpu_assign_ranges(void **state) {
 static void gpu_sm80_geometry(void **state) {
     (void)state;
     SKIP_WITHOUT_GPU();
-    int sms = 0, optin = 0;
-    CK(cuDeviceGetAttribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev));
+    const int sms = sm_count();
+    int optin = 0;
     CK(cuDeviceGetAttribute(&optin, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, dev));
     const struct { const char *text; run_case c; } shapes[] = {
         {"return { base = 'quantwm_int2', name = 'wm_sm80' }", {300, 3, 1, 0}},
