@@ -107,6 +107,25 @@ __device__ __forceinline__ bool kvf_any_nan8(const float y[8]) {
     return r != 0;
 }
 
+// The same over 16 values (two rows of 8): eight setp.nan into one predicate.
+__device__ __forceinline__ bool kvf_any_nan16(const float a[8], const float b[8]) {
+    u32 r;
+    asm("{\n\t.reg .pred p;\n\t"
+        "setp.nan.f32 p, %1, %2;\n\t"
+        "setp.nan.or.f32 p, %3, %4, p;\n\t"
+        "setp.nan.or.f32 p, %5, %6, p;\n\t"
+        "setp.nan.or.f32 p, %7, %8, p;\n\t"
+        "setp.nan.or.f32 p, %9, %10, p;\n\t"
+        "setp.nan.or.f32 p, %11, %12, p;\n\t"
+        "setp.nan.or.f32 p, %13, %14, p;\n\t"
+        "setp.nan.or.f32 p, %15, %16, p;\n\t"
+        "selp.u32 %0, 1, 0, p;\n\t}"
+        : "=r"(r)
+        : "f"(a[0]), "f"(a[1]), "f"(a[2]), "f"(a[3]), "f"(a[4]), "f"(a[5]), "f"(a[6]), "f"(a[7]), "f"(b[0]),
+          "f"(b[1]), "f"(b[2]), "f"(b[3]), "f"(b[4]), "f"(b[5]), "f"(b[6]), "f"(b[7]));
+    return r != 0;
+}
+
 // -0 and +0 compare equal and min/max may return either: the format stores +0.
 __device__ __forceinline__ float kvf_plus_zero(float f) { return f == 0.0f ? 0.0f : f; }
 

@@ -3,8 +3,9 @@
 // One kernel for both tensor sections: per (head, token) row it unpacks and
 // dequantizes every stage, gathers the stage's centroid, adds the PSAC term,
 // undoes the Hadamard rotation, applies RoPE to keys cached before RoPE, and
-// writes BF16 for the caller's attention. Lane layout as kvf_rtn.cuh: 8
-// channels per lane, D/8 lanes per row. CPU reference: runtime/ref_encode.c.
+// writes BF16 for the caller's attention. Lane layout: CPL = 8 channels per
+// lane as kvf_rtn.cuh (D/8 lanes per row), or 16 where lane_channels allows.
+// CPU reference: runtime/ref_encode.c.
 //
 // Launch (runtime/context.c, kvf_decode): one kernel for K and V, grid
 // (k_blocks + v_blocks, n_heads), BLOCK threads. blockIdx.y is the head;
@@ -21,6 +22,9 @@
 // near 100 instructions. Hence: RPT rows' loads issued before any arithmetic,
 // codes turned into floats with the exponent trick instead of I2F (quarter
 // rate), bf16x2 conversions in hardware, one 16-byte store per lane-row.
+// Below about 110 instructions that no longer holds for every scheme:
+// qvg_int2 at 88 (16 channels a lane, lane_channels) decoded no faster
+// (session 15).
 #pragma once
 #include "kvf_quant.cuh"
 
@@ -38,9 +42,31 @@ constexpr int BLOCK = 256;
 // head, ROWS tokens apart, so each load instruction of a warp is coalesced).
 // runtime/context.c sizes the grid for 4 (and several tiles per block); a
 // different value here changes speed, not results.
-template <int NCENT, int STAGES, int PSAC_R>
+//
+// Channels per lane (CPL): 8, or 16 as two halves of 8 channels D/2 apart
+// (the 8-channel lanes l and l + D/16, so each 16-byte store instruction of
+// a warp still writes whole 32-byte sectors). A 16-channel lane-row shares
+// its token's addresses, clamps, centroid index, token scale and NaN branch
+// over 16 channels (qvg_int2: about 88 instructions per 8 channels against
+// 110, from the SASS), with half the rows in flight, so the same bytes.
+// Measured on the H200 (docs/BENCHMARKS.md, session 15), decode K+V against
+// 8 channels everywhere: quantwm_int2 0.205-0.208 -> 0.199-0.203 ms (its
+// values, int8_fp16 scales, take 16), but qvg_int2 0.162-0.166 -> 0.166-0.169
+// and qvg_int4 0.171-0.175 -> 0.177-0.178 (fp16 scales), rtn_int2 and
+// kivi_int2 the same; 16 contiguous channels a lane (half a sector a store
+// instruction) read rtn_int2 0.152 -> 0.202 ms. So 16 only where it measured
+// faster: int8_fp16 scales over per-token groups without PSAC, rotation or
+// RoPE (whose lanes mix or keep per-channel data in registers).
+template <int D, int BITS, int SFMT, int AXIS, int PSAC_R, int ROT, int ROPE>
+__host__ __device__ constexpr int lane_channels() {
+    return BITS < 16 && SFMT == KVF_SCALE_INT8_FP16 && AXIS == KVF_AXIS_CHANNEL && PSAC_R == 0 && !ROT &&
+                   ROPE == KVF_ROPE_NONE && D % 16 == 0
+               ? 16
+               : 8;
+}
+template <int NCENT, int STAGES, int PSAC_R, int CPL = 8>
 struct tiling {
-    static constexpr int RPT = PSAC_R ? 2 : (NCENT && STAGES > 2) ? 2 : 4;
+    static constexpr int RPT = (PSAC_R ? 2 : (NCENT && STAGES > 2) ? 2 : 4) * 8 / CPL;
 };
 
 struct section_planes {
@@ -156,18 +182,26 @@ __device__ __forceinline__ void apply_rope(float y[8], int lane, const int *pos_
     }
 }
 
-// Eight f32 values as FORMAT.md's output_bf16, one 16-byte store. The NaN
-// fix runs only for a lane that holds a NaN: four setp per row instead of
-// two selects per value (the branch is taken by NaN rows only).
-__device__ __forceinline__ void store_row(u16 *dst, const float y[8]) {
-    u32 w[4];
+// Eight f32 values as FORMAT.md's output_bf16, one 16-byte store (NH halves
+// of 8 channels, HALF apart: NH stores). The NaN fix runs only for a lane
+// that holds a NaN: four setp per 8 values instead of two selects per value
+// (the branch is taken by NaN rows only).
+template <int NH, int HALF>
+__device__ __forceinline__ void store_row(u16 *dst, const float (&y)[NH][8]) {
+    static_assert(NH == 1 || NH == 2, "8 or 16 channels a lane");
+    u32 w[NH][4];
 #pragma unroll
-    for (int k = 0; k < 4; k++) w[k] = kvf_cvt_bf16x2(y[2 * k], y[2 * k + 1]);
-    if (kvf_any_nan8(y)) {
+    for (int hf = 0; hf < NH; hf++)
 #pragma unroll
-        for (int k = 0; k < 4; k++) w[k] = kvf_fix_nan_bf16x2(w[k], y[2 * k], y[2 * k + 1]);
+        for (int k = 0; k < 4; k++) w[hf][k] = kvf_cvt_bf16x2(y[hf][2 * k], y[hf][2 * k + 1]);
+    if (NH == 1 ? kvf_any_nan8(y[0]) : kvf_any_nan16(y[0], y[NH - 1])) {
+#pragma unroll
+        for (int hf = 0; hf < NH; hf++)
+#pragma unroll
+            for (int k = 0; k < 4; k++) w[hf][k] = kvf_fix_nan_bf16x2(w[hf][k], y[hf][2 * k], y[hf][2 * k + 1]);
     }
-    kvf_st16(dst, w[0], w[1], w[2], w[3]);
+#pragma unroll
+    for (int hf = 0; hf < NH; hf++) kvf_st16(dst + HALF * hf, w[hf][0], w[hf][1], w[hf][2], w[hf][3]);
 }
 
 // The signed low byte b of w as a float, exactly: w ^ 0x80 holds b + 128 in
@@ -219,8 +253,14 @@ template <int D, int BITS, int G, int MODE, int SFMT, int AXIS, int NCENT, int S
 __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const section_planes &p, int n_tokens,
                                        u16 *__restrict__ y_out, i64 token_stride, i64 head_stride,
                                        const int *__restrict__ positions, const rope_args &rope, u32 bx, u32 nb) {
-    constexpr int LPR = D / 8, ROWS = BLOCK / LPR, LPG = G / 8 > 0 ? G / 8 : 1, GROUPS = D / G > 0 ? D / G : 1;
-    constexpr int RPT = tiling<NCENT, STAGES, PSAC_R>::RPT, TILE = ROWS * RPT;
+    constexpr int CPL = lane_channels<D, BITS, SFMT, AXIS, PSAC_R, ROT, ROPE>(), NH = CPL / 8; // halves of 8 channels
+    constexpr int LPR = D / CPL, ROWS = BLOCK / LPR, LPG = G / 8 > 0 ? G / 8 : 1, GROUPS = D / G > 0 ? D / G : 1;
+    // CPL = 16: the second half is the 8-channel lane + D/16 (channels D/2
+    // on): its output, codes and scale group at these offsets from the first
+    // (G is a power of two: G <= D/2 puts it D/(2G) groups on, G = D in the
+    // same group).
+    constexpr int HALF_CH = D / 2, HALF_CODE = D * BITS / 16, HALF_GROUP = G <= D / 2 ? D / (2 * G) : 0;
+    constexpr int RPT = tiling<NCENT, STAGES, PSAC_R, CPL>::RPT, TILE = ROWS * RPT;
     constexpr int CB = D * BITS / 8; // code bytes per row (bits 16: the bf16 row)
     constexpr int QMAX = (1 << (BITS < 16 ? BITS - 1 : 1)) - 1;
     constexpr int R = PSAC_R > 0 ? PSAC_R : 1, CW = (R + 3) / 4;
@@ -239,7 +279,7 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
     const u8 *const tscales_h = opaque(packed + p.stage[0].tscales + head_row * 2);
     const u8 *const cscale_h = opaque(packed + p.cscale + head_row * 2);
     const u8 *const coef_h = opaque(packed + p.coef + head_row * R);
-    // KIVI keys: per-channel scales and zeros [H][ceil(N/G)][D].
+    // KIVI keys: per-channel scales and zeros [H][ceil(N/G)][D] (CPL = 8).
     constexpr int GT = G > 0 ? G : 1;
     const u64 tok_groups = (n + GT - 1) / GT;
     const u8 *const kscales_h = opaque(packed + p.stage[0].scales + ((u64)h * tok_groups * D + lane * 8) * 2);
@@ -299,37 +339,45 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
                     if (live[u]) kvf_st16(dst, raw[u].x, raw[u].y, raw[u].z, raw[u].w);
                     continue;
                 }
-                float y[8];
-                kvf_bf16x8_to_f32(raw[u], y);
-                apply_rope<D, ROPE>(y, lane, positions + (u64)t[u] * rope.n_sections, rope);
-                if (live[u]) store_row(dst, y);
+                float y[1][8];
+                kvf_bf16x8_to_f32(raw[u], y[0]);
+                apply_rope<D, ROPE>(y[0], lane, positions + (u64)t[u] * rope.n_sections, rope);
+                if (live[u]) store_row<1, 0>(dst, y);
             }
             continue;
         }
 
         // ---- every load of the RPT rows first
-        code_word cw[RPT];
-        u32 sc[RPT], zr[RPT], ts[RPT];
+        code_word cw[RPT][NH];
+        u32 sc[RPT][NH], zr[RPT][NH], ts[RPT];
         uint4 s8[RPT], z8[RPT];
         u32 idx[RPT][STAGES];
         u32 cs[RPT];
         u32 coefw[RPT][CW];
 #pragma unroll
         for (int u = 0; u < RPT; u++) {
-            cw[u] = load_code_word<BITS>(codes_h + (u64)t[u] * CB);
+#pragma unroll
+            for (int hf = 0; hf < NH; hf++) cw[u][hf] = load_code_word<BITS>(codes_h + (u64)t[u] * CB + hf * HALF_CODE);
             if (AXIS == KVF_AXIS_TOKEN) {
                 const u64 at = (u64)(t[u] / GT) * (D * 2);
                 s8[u] = kvf_ldg16(kscales_h + at);
                 if (MODE == KVF_MODE_AFFINE) z8[u] = kvf_ldg16(kzeros_h + at);
-            } else if (SFMT == KVF_SCALE_FP16) {
-                const u64 at = (u64)t[u] * (GROUPS * 2);
-                sc[u] = kvf_ldg_u16(scales_h + at);
-                if (MODE == KVF_MODE_AFFINE) zr[u] = kvf_ldg_u16(zeros_h + at);
             } else {
-                const u64 at = (u64)t[u] * GROUPS;
-                sc[u] = kvf_ldg_u8(scales_h + at);
-                if (MODE == KVF_MODE_AFFINE) zr[u] = kvf_ldg_u8(zeros_h + at);
-                ts[u] = kvf_ldg_u16(tscales_h + (u64)t[u] * 2);
+#pragma unroll
+                for (int hf = 0; hf < NH; hf++) {
+                    const u64 at = ((u64)t[u] * GROUPS + hf * HALF_GROUP) * SCALE_BYTES;
+                    if (hf && !HALF_GROUP) { // the same group
+                        sc[u][hf] = sc[u][0];
+                        if (MODE == KVF_MODE_AFFINE) zr[u][hf] = zr[u][0];
+                    } else if (SFMT == KVF_SCALE_FP16) {
+                        sc[u][hf] = kvf_ldg_u16(scales_h + at);
+                        if (MODE == KVF_MODE_AFFINE) zr[u][hf] = kvf_ldg_u16(zeros_h + at);
+                    } else {
+                        sc[u][hf] = kvf_ldg_u8(scales_h + at);
+                        if (MODE == KVF_MODE_AFFINE) zr[u][hf] = kvf_ldg_u8(zeros_h + at);
+                    }
+                }
+                if (SFMT != KVF_SCALE_FP16) ts[u] = kvf_ldg_u16(tscales_h + (u64)t[u] * 2);
             }
             if (NCENT) {
 #pragma unroll
@@ -348,20 +396,23 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
             }
         }
         // Centroid rows, then the next tile's indices.
-        uint4 mu[RPT][NCENT ? STAGES : 1];
+        uint4 mu[RPT][NCENT ? STAGES : 1][NH];
         if (NCENT) {
 #pragma unroll
             for (int u = 0; u < RPT; u++)
 #pragma unroll
                 for (int s = 0; s < STAGES; s++)
-                    mu[u][s] = kvf_ldg16(packed + p.stage[s].centroids + (((u64)h * NCENT + idx[u][s]) * D + lane * 8) * 2);
+#pragma unroll
+                    for (int hf = 0; hf < NH; hf++)
+                        mu[u][s][hf] = kvf_ldg16(packed + p.stage[s].centroids +
+                                                 (((u64)h * NCENT + idx[u][s]) * D + lane * 8 + hf * HALF_CH) * 2);
             if (AHEAD && t0 + nb * (u32)TILE < n) load_idx(t0 + nb * (u32)TILE);
         }
 
         // ---- arithmetic and store, row by row
 #pragma unroll
         for (int u = 0; u < RPT; u++, dst += ROWS * token_stride) {
-            float y[8];
+            float yh[NH][8]; // the lane-row's halves of 8 channels
             const u32 ex = magic_reg(n >> 31);
             // r' = the reference's r_hat except that it is never -0:
             //   affine fp16:  r' = fma(S, q, M + 0)           (reference: fma(S, q, M))
@@ -389,52 +440,61 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
 #pragma unroll
                 for (int i = 0; i < 8; i++) {
                     const int P = code_pos(BITS, i);
-                    const float m = code_magic<BITS>(cw[u], i, ex);
+                    const float m = code_magic<BITS>(cw[u][0], i, ex);
                     const float S0 = kvf_f16_to_f32((u16)(sa[i / 2] >> (16 * (i & 1)))), S = P ? __fmul_rn(S0, pow2(-P)) : S0;
                     if (MODE == KVF_MODE_AFFINE) {
                         const float M = __fadd_rn(kvf_f16_to_f32((u16)(za[i / 2] >> (16 * (i & 1)))), 0.0f);
-                        y[i] = __fmaf_rn(S, __fsub_rn(m, MAGIC), M);
+                        yh[0][i] = __fmaf_rn(S, __fsub_rn(m, MAGIC), M);
                     } else {
-                        y[i] = __fmaf_rn(S, __fsub_rn(m, MAGIC + (float)(QMAX << P)), 0.0f);
+                        yh[0][i] = __fmaf_rn(S, __fsub_rn(m, MAGIC + (float)(QMAX << P)), 0.0f);
                     }
                 }
             } else if (SFMT == KVF_SCALE_FP16) {
-                const float S = kvf_f16_to_f32((u16)sc[u]);
-                const float M = MODE == KVF_MODE_AFFINE ? __fadd_rn(kvf_f16_to_f32((u16)zr[u]), 0.0f) : 0.0f;
 #pragma unroll
-                for (int i = 0; i < 8; i++) {
-                    const int P = code_pos(BITS, i);
-                    const float m = code_magic<BITS>(cw[u], i, ex), SP = P ? __fmul_rn(S, pow2(-P)) : S;
-                    y[i] = MODE == KVF_MODE_AFFINE ? __fmaf_rn(SP, __fsub_rn(m, MAGIC), M)
-                                                   : __fmaf_rn(SP, __fsub_rn(m, MAGIC + (float)(QMAX << P)), 0.0f);
+                for (int hf = 0; hf < NH; hf++) {
+                    const float S = kvf_f16_to_f32((u16)sc[u][hf]);
+                    const float M = MODE == KVF_MODE_AFFINE ? __fadd_rn(kvf_f16_to_f32((u16)zr[u][hf]), 0.0f) : 0.0f;
+#pragma unroll
+                    for (int i = 0; i < 8; i++) {
+                        const int P = code_pos(BITS, i);
+                        const float m = code_magic<BITS>(cw[u][hf], i, ex), SP = P ? __fmul_rn(S, pow2(-P)) : S;
+                        yh[hf][i] = MODE == KVF_MODE_AFFINE ? __fmaf_rn(SP, __fsub_rn(m, MAGIC), M)
+                                                            : __fmaf_rn(SP, __fsub_rn(m, MAGIC + (float)(QMAX << P)), 0.0f);
+                    }
                 }
             } else {
                 // S = T * (float)u_g; q - z with z the int8 zero code (or QMAX):
                 // (m - 2^23) - z * 2^P = (q - z) * 2^P, one fma, exact (an
                 // integer times 2^P below 2^24 in magnitude).
-                const float S = __fmul_rn(kvf_f16_to_f32((u16)ts[u]), __fsub_rn(kvf_magic(sc[u] & 0xffu), MAGIC));
-                const float zf = MODE == KVF_MODE_AFFINE ? int8_float(zr[u] ^ 0x80u) : (float)QMAX;
 #pragma unroll
-                for (int i = 0; i < 8; i++) {
-                    const int P = code_pos(BITS, i);
-                    const float m = code_magic<BITS>(cw[u], i, ex), SP = P ? __fmul_rn(S, pow2(-P)) : S;
-                    y[i] = __fmaf_rn(SP, __fmaf_rn(zf, -pow2(P), __fsub_rn(m, MAGIC)), 0.0f);
+                for (int hf = 0; hf < NH; hf++) {
+                    const float S = __fmul_rn(kvf_f16_to_f32((u16)ts[u]), __fsub_rn(kvf_magic(sc[u][hf] & 0xffu), MAGIC));
+                    const float zf = MODE == KVF_MODE_AFFINE ? int8_float(zr[u][hf] ^ 0x80u) : (float)QMAX;
+#pragma unroll
+                    for (int i = 0; i < 8; i++) {
+                        const int P = code_pos(BITS, i);
+                        const float m = code_magic<BITS>(cw[u][hf], i, ex), SP = P ? __fmul_rn(S, pow2(-P)) : S;
+                        yh[hf][i] = __fmaf_rn(SP, __fmaf_rn(zf, -pow2(P), __fsub_rn(m, MAGIC)), 0.0f);
+                    }
                 }
             }
             if (NCENT) {
-                float c[8];
 #pragma unroll
-                for (int s = 0; s < STAGES; s++) {
-                    const u32 a[4] = {mu[u][s].x, mu[u][s].y, mu[u][s].z, mu[u][s].w};
+                for (int hf = 0; hf < NH; hf++) {
+                    float c[8];
 #pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        const float lo = kvf_bf16_lo(a[e]), hi = kvf_bf16_hi(a[e]);
-                        c[2 * e] = s ? __fadd_rn(c[2 * e], lo) : lo;
-                        c[2 * e + 1] = s ? __fadd_rn(c[2 * e + 1], hi) : hi;
+                    for (int s = 0; s < STAGES; s++) {
+                        const u32 a[4] = {mu[u][s][hf].x, mu[u][s][hf].y, mu[u][s][hf].z, mu[u][s][hf].w};
+#pragma unroll
+                        for (int e = 0; e < 4; e++) {
+                            const float lo = kvf_bf16_lo(a[e]), hi = kvf_bf16_hi(a[e]);
+                            c[2 * e] = s ? __fadd_rn(c[2 * e], lo) : lo;
+                            c[2 * e + 1] = s ? __fadd_rn(c[2 * e + 1], hi) : hi;
+                        }
                     }
-                }
 #pragma unroll
-                for (int i = 0; i < 8; i++) y[i] = __fadd_rn(c[i], y[i]);
+                    for (int i = 0; i < 8; i++) yh[hf][i] = __fadd_rn(c[i], yh[hf][i]);
+                }
             }
             if (PSAC_R) {
                 // y[i] += (cs * s) * sum_j c_j b[i][j]: one fma per channel
@@ -450,13 +510,13 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
 #pragma unroll
                         for (int w = 0; w < CW; w++)
                             acc = __dp4a((int)coefw[u][w], (int)ubw[i * CW + w], acc);
-                        y[i] = __fmaf_rn(k, __fsub_rn(__int_as_float(acc), DOT_BIAS), y[i]);
+                        yh[0][i] = __fmaf_rn(k, __fsub_rn(__int_as_float(acc), DOT_BIAS), yh[0][i]); // CPL = 8
                     }
                 }
             }
-            if (ROT) kvf_fwht_row<D>(y, lane);
-            if (ROPE) apply_rope<D, ROPE>(y, lane, positions + (u64)t[u] * rope.n_sections, rope);
-            if (live[u]) store_row(dst, y);
+            if (ROT) kvf_fwht_row<D>(yh[0], lane); // CPL = 8
+            if (ROPE) apply_rope<D, ROPE>(yh[0], lane, positions + (u64)t[u] * rope.n_sections, rope);
+            if (live[u]) store_row<NH, HALF_CH>(dst, yh);
         }
     }
 }
