@@ -49,14 +49,15 @@ constexpr int BLOCK = 256;
 // its token's addresses, clamps, centroid index, token scale and NaN branch
 // over 16 channels (qvg_int2: about 88 instructions per 8 channels against
 // 110, from the SASS), with half the rows in flight, so the same bytes.
-// Measured on the H200 (docs/BENCHMARKS.md, session 15), decode K+V against
-// 8 channels everywhere: quantwm_int2 0.205-0.208 -> 0.199-0.203 ms (its
-// values, int8_fp16 scales, take 16), but qvg_int2 0.162-0.166 -> 0.166-0.169
-// and qvg_int4 0.171-0.175 -> 0.177-0.178 (fp16 scales), rtn_int2 and
-// kivi_int2 the same; 16 contiguous channels a lane (half a sector a store
-// instruction) read rtn_int2 0.152 -> 0.202 ms. So 16 only where it measured
-// faster: int8_fp16 scales over per-token groups without PSAC, rotation or
-// RoPE (whose lanes mix or keep per-channel data in registers).
+// Measured on the H200 (docs/BENCHMARKS.md, session 15, runs 2-3), decode
+// K+V against 8 channels everywhere: quantwm_int2 0.205-0.208 -> 0.199-0.203
+// ms (its values, int8_fp16 scales, take 16), but qvg_int2 0.162-0.166 ->
+// 0.166-0.169 and qvg_int4 0.171-0.175 -> 0.177-0.178 (fp16 scales),
+// rtn_int2 and kivi_int2 the same; 16 contiguous channels a lane (half a
+// sector a store instruction) read rtn_int2 0.152 -> 0.202 ms. So 16 only
+// where it measured faster: int8_fp16 scales over per-token groups without
+// PSAC, rotation or RoPE (whose lanes mix or keep per-channel data in
+// registers).
 template <int D, int BITS, int SFMT, int AXIS, int PSAC_R, int ROT, int ROPE>
 __host__ __device__ constexpr int lane_channels() {
     return BITS < 16 && SFMT == KVF_SCALE_INT8_FP16 && AXIS == KVF_AXIS_CHANNEL && PSAC_R == 0 && !ROT &&
