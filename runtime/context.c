@@ -648,7 +648,8 @@ int kvf_decode(kvf_context *ctx, const void *packed, size_t packed_bytes, const 
         /* Tokens per block: BLOCK / (d/8) rows x 4 (kvf_decode::tiling's
          * largest rows per thread at 8 channels a lane; at 16 channels a
          * lane, lane_channels, BLOCK / (d/16) rows x 2, the same tokens;
-         * where it takes half that a block loops twice), x
+         * where tiling takes half as many rows a thread, a block's tiles are
+         * half this size and it covers twice as many), x
          * tiles per block: 4 with centroids or PSAC (a block loads its next
          * tile's centroid indices while it decodes this one where they fit
          * 4 registers, and its head's PSAC basis once; qvg_pro_int2's 4

@@ -107,7 +107,8 @@ __device__ __forceinline__ bool kvf_any_nan8(const float y[8]) {
     return r != 0;
 }
 
-// The same over 16 values (two rows of 8): eight setp.nan into one predicate.
+// The same over 16 values (two halves of 8 of one lane-row, kvf_decode.cuh):
+// eight setp.nan into one predicate.
 __device__ __forceinline__ bool kvf_any_nan16(const float a[8], const float b[8]) {
     u32 r;
     asm("{\n\t.reg .pred p;\n\t"

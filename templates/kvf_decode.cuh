@@ -22,9 +22,9 @@
 // near 100 instructions. Hence: RPT rows' loads issued before any arithmetic,
 // codes turned into floats with the exponent trick instead of I2F (quarter
 // rate), bf16x2 conversions in hardware, one 16-byte store per lane-row.
-// Below about 110 instructions that no longer holds for every scheme:
-// qvg_int2 at 88 (16 channels a lane, lane_channels) decoded no faster
-// (session 15).
+// qvg_int2's key loop is at about 100 per lane-row; fewer did not help it:
+// 16 channels a lane (about 86 per 8 channels, with half the rows a thread)
+// decoded it slower (session 15, lane_channels).
 #pragma once
 #include "kvf_quant.cuh"
 
@@ -47,17 +47,20 @@ constexpr int BLOCK = 256;
 // (the 8-channel lanes l and l + D/16, so each 16-byte store instruction of
 // a warp still writes whole 32-byte sectors). A 16-channel lane-row shares
 // its token's addresses, clamps, centroid index, token scale and NaN branch
-// over 16 channels (qvg_int2: about 88 instructions per 8 channels against
-// 110, from the SASS), with half the rows in flight, so the same bytes.
-// Measured on the H200 (docs/BENCHMARKS.md, session 15, runs 2-3), decode
-// K+V against 8 channels everywhere: quantwm_int2 0.205-0.208 -> 0.199-0.203
-// ms (its values, int8_fp16 scales, take 16), but qvg_int2 0.162-0.166 ->
-// 0.166-0.169 and qvg_int4 0.171-0.175 -> 0.177-0.178 (fp16 scales),
-// rtn_int2 and kivi_int2 the same; 16 contiguous channels a lane (half a
-// sector a store instruction) read rtn_int2 0.152 -> 0.202 ms. So 16 only
-// where it measured faster: int8_fp16 scales over per-token groups without
-// PSAC, rotation or RoPE (whose lanes mix or keep per-channel data in
-// registers).
+// over 16 channels (qvg_int2's key loop: about 86 instructions per 8
+// channels against 100, counted in the SASS), with half the rows a thread,
+// so the same bytes in flight. Measured on the H200 (docs/BENCHMARKS.md,
+// session 15), decode K+V against 8 channels everywhere (runs 2-3):
+// quantwm_int2 0.205-0.208 -> 0.199-0.203 ms (its values, int8_fp16 scales,
+// take 16), but qvg_int2 0.162-0.166 -> 0.166-0.169 and qvg_int4 0.171-0.175
+// -> 0.177-0.178 (fp16 scales), rtn_int2 and kivi_int2 the same; 16
+// contiguous channels a lane (half a sector a store instruction) read
+// rtn_int2 0.150-0.153 -> 0.200-0.202 ms (run 1). So 16 for int8_fp16 scales
+// only, where quantwm's values (d = 128, groups of 64 channels, 2 and 4
+// bits, 256 centroids) measured faster; other int8_fp16 shapes take it by
+// inference. Per-token groups (axis "channel": a group is G channels of one
+// token) and no PSAC, rotation or RoPE, whose lanes mix or keep per-channel
+// data in registers.
 template <int D, int BITS, int SFMT, int AXIS, int PSAC_R, int ROT, int ROPE>
 __host__ __device__ constexpr int lane_channels() {
     return BITS < 16 && SFMT == KVF_SCALE_INT8_FP16 && AXIS == KVF_AXIS_CHANNEL && PSAC_R == 0 && !ROT &&
@@ -183,8 +186,8 @@ __device__ __forceinline__ void apply_rope(float y[8], int lane, const int *pos_
     }
 }
 
-// Eight f32 values as FORMAT.md's output_bf16, one 16-byte store (NH halves
-// of 8 channels, HALF apart: NH stores). The NaN fix runs only for a lane
+// A lane-row's NH halves of 8 f32 values (HALF channels apart) as FORMAT.md's
+// output_bf16, one 16-byte store a half. The NaN fix runs only for a lane
 // that holds a NaN: four setp per 8 values instead of two selects per value
 // (the branch is taken by NaN rows only).
 template <int NH, int HALF>
@@ -255,6 +258,7 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
                                        u16 *__restrict__ y_out, i64 token_stride, i64 head_stride,
                                        const int *__restrict__ positions, const rope_args &rope, u32 bx, u32 nb) {
     constexpr int CPL = lane_channels<D, BITS, SFMT, AXIS, PSAC_R, ROT, ROPE>(), NH = CPL / 8; // halves of 8 channels
+    static_assert(CPL == 8 || CPL == 16, "8 or 16 channels a lane (tiling's RPT stays >= 1)");
     constexpr int LPR = D / CPL, ROWS = BLOCK / LPR, LPG = G / 8 > 0 ? G / 8 : 1, GROUPS = D / G > 0 ? D / G : 1;
     // CPL = 16: the second half is the 8-channel lane + D/16 (channels D/2
     // on): its output, codes and scale group at these offsets from the first
