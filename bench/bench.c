@@ -8,7 +8,9 @@
  * Beside the ceilings it prints the INT2 decode probe (bench/kvf_probe.cuh):
  * an INT2 decode's bytes read and written with no arithmetic to speak of.
  * bench/sdpa.py measures the BF16 SDPA ceiling and decode + SDPA.
- *   out/bin/kvf_bench [--tokens N] [--heads H] [--reps R] [SCHEME ...]
+ *   out/bin/kvf_bench [--tokens N] [--heads H] [--reps R] [--no-probe] [SCHEME ...]
+ * --no-probe leaves the probe out (tools/h200_validate.sh's ncu profile of
+ * the schemes' kernels, which the probe's launches would only lengthen).
  */
 #include "cuda_api.h"
 #include "gen.h"
@@ -217,8 +219,9 @@ static double now_ms(void) {
 
 static int usage(const char *what, const char *arg) {
     fprintf(stderr,
-            "kvf_bench: %s%s%s\nusage: kvf_bench [--tokens N] [--heads H] [--reps R] [SCHEME ...]\n"
+            "kvf_bench: %s%s%s\nusage: kvf_bench [--tokens N] [--heads H] [--reps R] [--no-probe] [SCHEME ...]\n"
             "  N 1..1048576 tokens a head (29640), H 1..1024 heads (32), R 1..256 decode repetitions (20);\n"
+            "  --no-probe: without the INT2 decode probe;\n"
             "  SCHEME: shipped schemes (all by default)\n",
             what, arg ? ": " : "", arg ? arg : "");
     return 2;
@@ -226,7 +229,7 @@ static int usage(const char *what, const char *arg) {
 
 int main(int argc, char **argv) {
     int64_t tokens = 29640;
-    int heads = 32, reps = 20;
+    int heads = 32, reps = 20, probe = 1;
     const char *only[32];
     int n_only = 0;
     /* The arguments are checked before any GPU work (exit status 2). */
@@ -240,6 +243,8 @@ int main(int argc, char **argv) {
             if (a[2] == 't') tokens = v;
             else if (a[2] == 'h') heads = (int)v;
             else reps = (int)v;
+        } else if (!strcmp(a, "--no-probe")) {
+            probe = 0;
         } else if (a[0] == '-') {
             return usage("unknown option", a);
         } else {
@@ -302,7 +307,8 @@ int main(int argc, char **argv) {
     double fill_bw = fill.n / (fill_ms * 1e-3) / 1e9;
     double probe_bw[2];
     float probe_ms[2];
-    int probe_rc = probe_ceilings(dev, tokens, heads, fill.dst, reps, probe_bw, probe_ms);
+    int probe_rc = probe ? probe_ceilings(dev, tokens, heads, fill.dst, reps, probe_bw, probe_ms)
+                         : kvf_set_error(KVF_EINVAL, "--no-probe");
     cu->cuMemFree(fill.dst);
 
     printf("GPU: %s; layer: K and V of %d heads x %lld tokens x d=%d (BF16 %.1f MB each)\n", name, heads,

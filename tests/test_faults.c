@@ -710,6 +710,7 @@ static void test_bench_arguments(void **state) {
         {"--tokens", "needs an integer in range: --tokens"},
         {"--reps 257", "needs an integer in range: --reps"},
         {"--warmup 3", "unknown option: --warmup"},
+        {"--no-probe --heads 0", "needs an integer in range: --heads"}, /* --no-probe is an option */
         {"qvg_int2 qvg_int3", "no shipped scheme of that name: qvg_int3"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {

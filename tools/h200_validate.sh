@@ -70,7 +70,8 @@ fi
 if has profile && command -v ncu >/dev/null; then
   echo "== ncu: per-kernel time of one encode + decode of the layer (qvg_int2, quantwm_int2)"
   for s in qvg_int2 quantwm_int2; do
-    ncu --clock-control none --metrics gpu__time_duration.sum --csv out/bin/kvf_bench --reps 1 $s >${OUT:-/tmp}/ncu_$s.csv 2>&1
+    ncu --clock-control none --metrics gpu__time_duration.sum --csv out/bin/kvf_bench --reps 1 --no-probe $s \
+      >${OUT:-/tmp}/ncu_$s.csv 2>&1
     python3 - ${OUT:-/tmp}/ncu_$s.csv <<'PY'
 import csv, sys, collections
 rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
@@ -78,7 +79,6 @@ hdr = rows[0]; k = hdr.index("Kernel Name"); v = hdr.index("Metric Value"); u = 
 scale = {"nsecond": 1e-6, "ns": 1e-6, "usecond": 1e-3, "us": 1e-3, "msecond": 1.0, "ms": 1.0, "second": 1e3, "s": 1e3}
 tot = collections.OrderedDict()
 for r in rows[1:]:
-    if r[k].startswith("kvf_probe_"): continue  # kvf_bench's probe, not a scheme's kernel
     name = r[k].split("_", 3)[-1] if r[k].startswith("kvf_") else r[k]
     t, n = tot.get(name, (0.0, 0)); tot[name] = (t + float(r[v].replace(",", "")) * scale.get(r[u], float("nan")), n + 1)
 for name, (t, n) in tot.items(): print(f"  {name:28s} {n:4d} launches {t:9.3f} ms total {t/n:8.3f} ms each")
