@@ -8,11 +8,17 @@
  * Beside the ceilings it prints the INT2 decode probe (bench/kvf_probe.cuh):
  * an INT2 decode's bytes read and written with no arithmetic to speak of.
  * bench/sdpa.py measures the BF16 SDPA ceiling and decode + SDPA.
- *   out/bin/kvf_bench [--tokens N] [--heads H] [--reps R] [--no-probe] [SCHEME ...]
+ *   out/bin/kvf_bench [--tokens N] [--heads H] [--reps R] [--no-probe] [--data FILE] [SCHEME ...]
  * --no-probe leaves the probe out (tools/h200_validate.sh's ncu profile of
  * the schemes' kernels, which the probe's launches would only lengthen).
+ * --data FILE takes K and V from layer 0 of a world-model dump (eval/dump.h)
+ * instead of kvf_synth_kv: the synthetic layer sends almost no assignment
+ * tile through the k-means filter's f64 path, the dump's values most of them
+ * (tools/assign_candidates.py). The dump's heads and tokens are tiled over
+ * the layer's (data_fill).
  */
 #include "cuda_api.h"
+#include "dump.h"
 #include "gen.h"
 #include "jit.h"
 
@@ -219,17 +225,58 @@ static double now_ms(void) {
 
 static int usage(const char *what, const char *arg) {
     fprintf(stderr,
-            "kvf_bench: %s%s%s\nusage: kvf_bench [--tokens N] [--heads H] [--reps R] [--no-probe] [SCHEME ...]\n"
+            "kvf_bench: %s%s%s\nusage: kvf_bench [--tokens N] [--heads H] [--reps R] [--no-probe] [--data FILE] "
+            "[SCHEME ...]\n"
             "  N 1..1048576 tokens a head (29640), H 1..1024 heads (32), R 1..256 decode repetitions (20);\n"
             "  --no-probe: without the INT2 decode probe;\n"
+            "  --data FILE: K and V from layer 0 of a world-model dump (eval/dump.h; head_dim 128), its heads\n"
+            "  and its chunks' tokens repeated to fill H x N (synthetic data otherwise);\n"
             "  SCHEME: shipped schemes (all by default)\n",
             what, arg ? ": " : "", arg ? arg : "");
     return 2;
 }
 
+/* Opens the dump of --data for the bench's layer (head_dim d, layer 0's k
+ * and v in every chunk): 0 with *out set, or usage's status with the file
+ * and what is wrong named. */
+static int data_open(const char *path, int d, kvf_dump **out) {
+    kvf_dump *dump;
+    char why[512] = "";
+    if (kvf_dump_open(path, &dump)) return usage("cannot use --data", kvf_last_error());
+    if (dump->head_dim != d)
+        snprintf(why, sizeof why, "%s: head_dim %d, the bench's layer has d = %d", path, dump->head_dim, d);
+    for (int c = 0; c < dump->chunks && !why[0]; c++) /* kvf_dump_open requires them; data_fill reads them */
+        for (int i = 0; i < 2 && !why[0]; i++)
+            if (!kvf_dump_tensor(dump, 0, c, i ? KVF_DUMP_V : KVF_DUMP_K))
+                snprintf(why, sizeof why, "%s: no tensor l0.c%d.%s", path, c, i ? "v" : "k");
+    if (why[0]) {
+        kvf_dump_close(dump);
+        return usage("cannot use --data", why);
+    }
+    *out = dump;
+    return 0;
+}
+
+/* K (role KVF_DUMP_K) or V (KVF_DUMP_V) of the bench's layer, [heads][tokens][d],
+ * from layer 0 of the dump: head h is the dump's head h % kv_heads, token t
+ * its token t % (chunks * N) of the chunks concatenated in order. */
+static void data_fill(const kvf_dump *dump, int role, int64_t tokens, int heads, int d, uint16_t *x) {
+    const int64_t n = dump->tokens, total = n * dump->chunks;
+    for (int h = 0; h < heads; h++)
+        for (int64_t t = 0; t < tokens;) {
+            const int64_t s = t % total, j = s % n, run = n - j < tokens - t ? n - j : tokens - t;
+            const kvf_st_tensor *src = kvf_dump_tensor(dump, 0, (int)(s / n), role);
+            kvf_dump_bf16(src, ((size_t)(h % dump->kv_heads) * n + j) * d, (size_t)run * d,
+                          x + ((size_t)h * tokens + t) * d);
+            t += run;
+        }
+}
+
 int main(int argc, char **argv) {
     int64_t tokens = 29640;
     int heads = 32, reps = 20, probe = 1;
+    const int d = 128;
+    const char *data = NULL; /* --data FILE */
     const char *only[32];
     int n_only = 0;
     /* The arguments are checked before any GPU work (exit status 2). */
@@ -245,6 +292,9 @@ int main(int argc, char **argv) {
             else reps = (int)v;
         } else if (!strcmp(a, "--no-probe")) {
             probe = 0;
+        } else if (!strcmp(a, "--data")) {
+            if (i + 1 >= argc) return usage("needs a file", a);
+            data = argv[++i];
         } else if (a[0] == '-') {
             return usage("unknown option", a);
         } else {
@@ -255,10 +305,25 @@ int main(int argc, char **argv) {
             only[n_only++] = a;
         }
     }
-    /* QVG's figures (ANCHORS.md) are of the LongCat layer only. */
-    const int anchor_shape = tokens == 29640 && heads == 32;
+    /* The dump is checked with the arguments too (no GPU needed). */
+    kvf_dump *dump = NULL;
+    if (data) {
+        int rc = data_open(data, d, &dump);
+        if (rc) return rc;
+        printf("data: %s (layer 0, K/V heads tiled h %% %d, tokens t %% %lld: %d chunks x %lld)\n", data,
+               dump->kv_heads, (long long)dump->tokens * dump->chunks, dump->chunks, (long long)dump->tokens);
+    } else {
+        printf("data: synthetic (kvf_synth_kv)\n");
+    }
+    /* QVG's figures (ANCHORS.md) are of the LongCat layer's synthetic
+     * equivalent only. */
+    const int anchor_shape = !dump && tokens == 29640 && heads == 32;
     int count;
-    if (kvf_device_count(&count)) { printf("kvf_bench: no GPU (%s): nothing to measure\n", kvf_last_error()); return 0; }
+    if (kvf_device_count(&count)) {
+        printf("kvf_bench: no GPU (%s): nothing to measure\n", kvf_last_error());
+        kvf_dump_close(dump);
+        return 0;
+    }
     kvf_cuda_load(&cu);
     CUdevice dev;
     CUcontext pctx;
@@ -278,11 +343,18 @@ int main(int argc, char **argv) {
     cu->cuMemFree(cp.src);
     cu->cuMemFree(cp.dst);
 
-    const int d = 128;
     size_t n = (size_t)tokens * heads * d;
     uint16_t *host = malloc(n * 2 * 2);
-    kvf_synth_kv(host, tokens, heads, d, 1);
-    kvf_synth_kv(host + n, tokens, heads, d, 2);
+    if (!host) { fprintf(stderr, "kvf_bench: out of memory for the layer (%zu bytes)\n", n * 4); return 1; }
+    if (dump) {
+        data_fill(dump, KVF_DUMP_K, tokens, heads, d, host);
+        data_fill(dump, KVF_DUMP_V, tokens, heads, d, host + n);
+        kvf_dump_close(dump);
+        dump = NULL;
+    } else {
+        kvf_synth_kv(host, tokens, heads, d, 1);
+        kvf_synth_kv(host + n, tokens, heads, d, 2);
+    }
     codec_arg c;
     memset(&c, 0, sizeof c);
     c.sh.n_tokens = tokens;
@@ -398,7 +470,7 @@ int main(int argc, char **argv) {
            "bytes read + BF16 bytes written; 'of copy' = dec GB/s / copy ceiling; 'of write' = the memset of the\n"
            "same output bytes' time / decode time (1.0 = decode as fast as writing its output alone);\n"
            "'vs QVG' = QVG's time / ours (ANCHORS.md: 4.77 ms, 0.44 ms; of 32 heads x 29640 tokens: '-' at\n"
-           "other shapes);\n"
+           "other shapes and with --data);\n"
            "JIT cold = context creation with NVRTC and no kvforge disk cache, in this process: on a host that\n"
            "compiled the same source before it reads far lower than a first compile (docs/BENCHMARKS.md);\n"
            "the cold-compile figure is `KVFORGE_CACHE=0 kvforge compile SCHEME` in a fresh process.\n"
