@@ -365,11 +365,14 @@ int main(int argc, char **argv) {
     CK(cuMemAlloc(&c.v2, n * 2));
     CK(cuMemcpyHtoD(c.k, host, n * 2));
     CK(cuMemcpyHtoD(c.v, host + n, n * 2));
+    free(host);
     int32_t *pos = malloc(sizeof(int32_t) * (size_t)tokens * 4);
+    if (!pos) { fprintf(stderr, "kvf_bench: out of memory for the positions\n"); return 1; }
     for (int64_t t = 0; t < tokens * 4; t++) pos[t] = (int32_t)(t % 1000);
     CUdeviceptr dpos;
     CK(cuMemAlloc(&dpos, sizeof(int32_t) * (size_t)tokens * 4));
     CK(cuMemcpyHtoD(dpos, pos, sizeof(int32_t) * (size_t)tokens * 4));
+    free(pos);
 
     /* Write-only ceiling over what a decode writes: K and V in BF16, as one
      * memset of that many bytes (the decode writes two such halves). */
@@ -475,5 +478,7 @@ int main(int argc, char **argv) {
            "compiled the same source before it reads far lower than a first compile (docs/BENCHMARKS.md);\n"
            "the cold-compile figure is `KVFORGE_CACHE=0 kvforge compile SCHEME` in a fresh process.\n"
            "JIT hit = from the disk cache.\n", reps);
+    CUdeviceptr layer[5] = {c.k, c.v, c.k2, c.v2, dpos};
+    for (int i = 0; i < 5; i++) cu->cuMemFree(layer[i]);
     return 0;
 }
