@@ -696,11 +696,42 @@ static void test_other_chunks_intact(void **state) {
     gb_free(&m.arena), gb_free(&m.kt), gb_free(&m.vt);
 }
 
+/* Runs kvf_bench with args (output into log): its exit status must be status
+ * and the first line of its output (the refusal, or the data line) hold want. */
+static void bench_expect(const char *bin, const char *args, const char *log, int status, const char *want) {
+    char cmd[4096], line[1024] = "";
+    snprintf(cmd, sizeof cmd, "'%s' %s > '%s' 2>&1", bin, args, log);
+    int st = system(cmd);
+    if (!WIFEXITED(st) || WEXITSTATUS(st) != status) fail_msg("kvf_bench %s: status %d, want exit %d", args, st, status);
+    FILE *f = fopen(log, "r");
+    assert_non_null(f);
+    assert_non_null(fgets(line, sizeof line, f));
+    fclose(f);
+    if (!strstr(line, want)) fail_msg("kvf_bench %s: \"%s\", want \"%s\"", args, line, want);
+}
+
+/* A valid dump (eval/dump.h) of one layer, one chunk, one head and 2 tokens
+ * of head_dim 64, zeros: the bench's layer has d = 128. */
+static void write_dump_d64(const char *path) {
+    static const char header[] =
+        "{\"__metadata__\": {\"layers\": \"1\", \"chunks\": \"1\", \"q_heads\": \"1\", \"kv_heads\": \"1\", "
+        "\"head_dim\": \"64\", \"tokens_per_chunk\": \"2\", \"rope_theta\": \"10000\", \"rope_sections\": \"[32]\"}, "
+        "\"l0.c0.q\": {\"dtype\": \"BF16\", \"shape\": [1, 2, 64], \"data_offsets\": [0, 256]}, "
+        "\"l0.c0.k\": {\"dtype\": \"BF16\", \"shape\": [1, 2, 64], \"data_offsets\": [256, 512]}, "
+        "\"l0.c0.v\": {\"dtype\": \"BF16\", \"shape\": [1, 2, 64], \"data_offsets\": [512, 768]}}";
+    uint8_t buf[8 + sizeof header + 768] = {0};
+    const uint64_t h = sizeof header - 1;
+    memcpy(buf, &h, 8); /* little-endian hosts, as the reader */
+    memcpy(buf + 8, header, h);
+    tu_write_file(path, buf, 8 + h + 768);
+}
+
 /* The benchmark's command line (bench/bench.c): a bad argument is refused
- * before any GPU work, with exit status 2 and the argument named. */
+ * before any GPU work, with exit status 2 and the argument named; so is a
+ * --data file the bench cannot use, with the file named. */
 static void test_bench_arguments(void **state) {
     (void)state;
-    char bin[1200], cmd[4096];
+    char bin[1200], args[3000], want[1200];
     if (!tu_built_program("kvf_bench", bin, sizeof bin)) skip();
     char *dir = tu_mkdtemp();
     const char *log = tu_join(dir, "bench.txt");
@@ -712,18 +743,39 @@ static void test_bench_arguments(void **state) {
         {"--warmup 3", "unknown option: --warmup"},
         {"--no-probe --heads 0", "needs an integer in range: --heads"}, /* --no-probe is an option */
         {"qvg_int2 qvg_int3", "no shipped scheme of that name: qvg_int3"},
+        {"--data", "needs a file: --data"},
+        {"--data /nonexistent qvg_int2", "cannot use --data: /nonexistent: cannot open"},
     };
-    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
-        snprintf(cmd, sizeof cmd, "'%s' %s > '%s' 2>&1", bin, cases[i].args, log);
-        int status = system(cmd);
-        if (!WIFEXITED(status) || WEXITSTATUS(status) != 2) fail_msg("kvf_bench %s: status %d", cases[i].args, status);
-        FILE *f = fopen(log, "r");
-        char line[1024] = "";
-        assert_non_null(f);
-        assert_non_null(fgets(line, sizeof line, f));
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) bench_expect(bin, cases[i].args, log, 2, cases[i].want);
+
+    /* Files that are not dumps the bench can use: not safetensors at all, a
+     * dump of head_dim 64. The message names the file and what is wrong. */
+    const char *makefile = tu_path("Makefile");
+    snprintf(args, sizeof args, "--data '%s'", makefile);
+    snprintf(want, sizeof want, "cannot use --data: %s: header length", makefile);
+    bench_expect(bin, args, log, 2, want);
+    char d64[1100];
+    snprintf(d64, sizeof d64, "%s", tu_join(dir, "d64.safetensors"));
+    write_dump_d64(d64);
+    snprintf(args, sizeof args, "--data '%s'", d64);
+    snprintf(want, sizeof want, "cannot use --data: %s: head_dim 64, the bench's layer has d = 128", d64);
+    bench_expect(bin, args, log, 2, want);
+
+    /* The shipped dump is accepted: the data line first, then "no GPU" (exit
+     * 0) where there is none; where there is one, a short run (tokens past
+     * the dump's 2 x 4680 so they wrap, heads past its 2). */
+    const char *dump = tu_path("eval/worldmodel/kv_small.safetensors");
+    FILE *f = fopen(dump, "rb");
+    if (f) {
         fclose(f);
-        if (!strstr(line, cases[i].want)) fail_msg("kvf_bench %s: \"%s\", want \"%s\"", cases[i].args, line, cases[i].want);
+        snprintf(args, sizeof args, "--data '%s' --tokens 10000 --heads 3 --reps 1 --no-probe rtn_int2", dump);
+        snprintf(want, sizeof want, "data: %s (layer 0, K/V heads tiled h %% 2, tokens t %% 9360: 2 chunks x 4680)",
+                 dump);
+        bench_expect(bin, args, log, 0, want);
+    } else {
+        printf("skipped --data %s: it does not exist\n", dump);
     }
+    bench_expect(bin, "--tokens 64 --heads 1 --reps 1 --no-probe rtn_int2", log, 0, "data: synthetic (kvf_synth_kv)");
     tu_rmtree(dir);
     free(dir);
 }
