@@ -138,7 +138,16 @@ template <int M, bool BF> __host__ __device__ constexpr int filter_tiles() { ret
 
 template <int M> struct assign_lists {
     static constexpr int MF = M <= 8 ? M : 1; // the filter runs for M <= 8; larger M scans fully
-    static constexpr int K = MF + 1;          // per-thread best kept per token (one more than M shows a drop)
+    // Per-thread best kept per token: one more than M shows a drop, which
+    // sends the tile's filter around again. The nearest centroid keeps 3:
+    // with 2, a token whose two candidates fell in one thread's columns (a
+    // quarter of those with two) was filtered again, the whole tile's tensor
+    // work a second time. On the H200 (docs/BENCHMARKS.md, session 16) 3 took
+    // the tokens filtered twice from 0.422% to 0.002% (bench layer) and 2.28%
+    // to 0.10% (the world-model dump's K and V), and qvg_int2's encode from
+    // 2.16-2.18 to 2.13-2.14 ms and 2.39-2.40 to 2.21-2.24 ms: the lists' two
+    // more min/max a score cost less than the filters they save.
+    static constexpr int K = M == 1 ? 3 : MF + 1;
 };
 
 // Per-warp shared scratch (its size reaches runtime/context.c through assign_cfg).
@@ -204,9 +213,9 @@ template <int D, int M> __host__ __device__ constexpr int assign_smem_for(int wa
 }
 
 // Warps per block: 16 up to D = 128 (the registers stay within the launch
-// bounds of 512 threads without a spill on sm_90: 120 for the nearest
-// centroid over a BF16 source (8 filter tiles), 122 over f32 with the low
-// halves, 121 for QSAC (NVRTC 13.0, session 13's head ranges; 119, 120 and
+// bounds of 512 threads without a spill on sm_90: 123 for the nearest
+// centroid over a BF16 source (8 filter tiles; 120 with 2 keys a list,
+// before session 16), 118 over f32 with the low halves (122 before), 121 for QSAC (NVRTC 13.0, session 13's head ranges; 119, 120 and
 // 124 before), whose 9,360 bytes of scratch a warp make it 221 of
 // 227 KiB; against 8 warps, quantwm_int2's encode 4.06 -> 3.85 ms and
 // qvg_pro_int2's 44.3 -> 37.4-37.5 ms on the H200), 4 at D = 256 (chosen
