@@ -219,6 +219,23 @@ __device__ __forceinline__ uint4 kvf_ldg16(const void *p) {
     return w;
 }
 
+// The decode's two cache hints: its BF16 output is written once, so
+// store_row's stores stream (st.global.cs, evict first); its centroid rows are
+// read by every row of a head, so their loads ask L1 to keep them
+// (evict_last). A/B on the H200 (docs/BENCHMARKS.md, session 16): qvg_int2's
+// decode 0.164-0.168 -> 0.162-0.164 ms, and the decode time at or below the
+// plain forms' in 15 of 16 pairs (4 schemes, 4 rounds; session 11: 11 of 12).
+__device__ __forceinline__ void kvf_st16_stream(void *p, u32 a, u32 b, u32 c, u32 d) {
+    asm volatile("st.global.cs.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+}
+__device__ __forceinline__ uint4 kvf_ldg16_keep(const void *p) {
+    uint4 w;
+    asm volatile("ld.global.nc.L1::evict_last.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w)
+                 : "l"(p));
+    return w;
+}
+
 // Smaller loads of read-only data, zero-extended to 32 bits (u64: two words).
 // volatile: they stay where they are written (a decode issues every load of
 // its rows before any arithmetic; NVVM would otherwise sink a load into the

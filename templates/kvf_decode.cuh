@@ -205,7 +205,7 @@ __device__ __forceinline__ void store_row(u16 *dst, const float (&y)[NH][8]) {
             for (int k = 0; k < 4; k++) w[hf][k] = kvf_fix_nan_bf16x2(w[hf][k], y[hf][2 * k], y[hf][2 * k + 1]);
     }
 #pragma unroll
-    for (int hf = 0; hf < NH; hf++) kvf_st16(dst + HALF * hf, w[hf][0], w[hf][1], w[hf][2], w[hf][3]);
+    for (int hf = 0; hf < NH; hf++) kvf_st16_stream(dst + HALF * hf, w[hf][0], w[hf][1], w[hf][2], w[hf][3]);
 }
 
 // The signed low byte b of w as a float, exactly: w ^ 0x80 holds b + 128 in
@@ -409,7 +409,7 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
                 for (int s = 0; s < STAGES; s++)
 #pragma unroll
                     for (int hf = 0; hf < NH; hf++)
-                        mu[u][s][hf] = kvf_ldg16(packed + p.stage[s].centroids +
+                        mu[u][s][hf] = kvf_ldg16_keep(packed + p.stage[s].centroids +
                                                  (((u64)h * NCENT + idx[u][s]) * D + lane * 8 + hf * HALF_CH) * 2);
             if (AHEAD && t0 + nb * (u32)TILE < n) load_idx(t0 + nb * (u32)TILE);
         }
