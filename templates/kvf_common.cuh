@@ -224,7 +224,8 @@ __device__ __forceinline__ uint4 kvf_ldg16(const void *p) {
 // read by every row of a head, so their loads ask L1 to keep them
 // (evict_last). A/B on the H200 (docs/BENCHMARKS.md, session 16): qvg_int2's
 // decode 0.164-0.168 -> 0.162-0.164 ms, and the decode time at or below the
-// plain forms' in 15 of 16 pairs (4 schemes, 4 rounds; session 11: 11 of 12).
+// plain forms' in 15 of 16 pairs (4 schemes, 4 rounds; session 11: the
+// fraction of copy higher in 11 of 12 pairs).
 __device__ __forceinline__ void kvf_st16_stream(void *p, u32 a, u32 b, u32 c, u32 d) {
     asm volatile("st.global.cs.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
 }
