@@ -110,16 +110,19 @@ if has source && command -v ncu >/dev/null; then
   tar czf "${OUT:-/tmp}/ncu_source.tgz" --exclude='*.ncu-rep' -C "$src_dir" . && echo "CSVs and logs: ncu_source.tgz"
 fi
 if has ab; then
-  # Rounds of `kvf_bench --reps N SCHEMES` alternating out/bin and each
+  # Rounds of `kvf_bench --reps N ARGS SCHEMES` alternating out/bin and each
   # variant (same process order every round, so drift shows as a trend), then
   # each variant's test_gpu over KVF_AB_TEST's schemes (empty: none).
+  # KVF_AB_ARGS: more kvf_bench options (default --no-probe: the probe is not
+  # what an A/B compares; e.g. "--no-probe --data eval/worldmodel/kv_small.safetensors").
   rounds=${KVF_AB_ROUNDS:-2} reps=${KVF_AB_REPS:-5} schemes=${KVF_AB_SCHEMES:-qvg_int2 quantwm_int2}
-  echo "== ab: $rounds rounds of kvf_bench --reps $reps $schemes (name scheme encode_ms decode_ms of_copy)"
+  args=${KVF_AB_ARGS---no-probe}
+  echo "== ab: $rounds rounds of kvf_bench --reps $reps $args $schemes (name scheme encode_ms decode_ms of_copy)"
   for r in $(seq "$rounds"); do
     for b in out/bin/kvf_bench out/xbench/*/kvf_bench; do
       [ -x "$b" ] || continue
       v=$(basename "$(dirname "$b")"); [ "$v" = bin ] && v=main
-      timeout 300 "$b" --reps "$reps" $schemes 2>&1 | awk -v v="$v" '$2 ~ /x$/ && NF >= 8 {print "  " v, $1, $3, $6, $9}'
+      timeout 300 "$b" --reps "$reps" $args $schemes 2>&1 | awk -v v="$v" '$2 ~ /x$/ && NF >= 8 {print "  " v, $1, $3, $6, $9}'
     done
   done
   if [ -n "${KVF_AB_TEST:-}" ]; then
