@@ -136,29 +136,16 @@ constexpr float KAPPA = 2.44140625e-4f; // 2^-12
 // against 120; docs/BENCHMARKS.md, session 10).
 template <int M, bool BF> __host__ __device__ constexpr int filter_tiles() { return M == 1 && BF ? 8 : 4; }
 
-template <int M> struct assign_lists {
-    static constexpr int MF = M <= 8 ? M : 1; // the filter runs for M <= 8; larger M scans fully
-    // Per-thread best kept per token: one more than M shows a drop, which
-    // sends the tile's filter around again. The nearest centroid keeps 3:
-    // with 2, a token whose two candidates fell in one thread's columns (a
-    // quarter of those with two) was filtered again, the whole tile's tensor
-    // work a second time. On the H200 (docs/BENCHMARKS.md, session 16) 3 took
-    // the tokens filtered twice from 0.422% to 0.002% (bench layer) and 2.28%
-    // to 0.10% (the world-model dump's K and V), and qvg_int2's encode from
-    // 2.16-2.18 to 2.13-2.14 ms and 2.39-2.40 to 2.21-2.24 ms: the lists' two
-    // more min/max a score cost less than the filters they save.
-    static constexpr int K = M == 1 ? 3 : MF + 1;
-};
-
-// Per-warp shared scratch (its size reaches runtime/context.c through assign_cfg).
-template <int M> struct assign_warp {
+// Per-warp shared scratch (its size reaches runtime/context.c through
+// assign_cfg); K: the keys a thread keeps per token (assign_lists).
+template <int M, int K> struct assign_warp {
     union {
         double cd[TPW][CAP];    // candidates' exact distances
         double scr[MAX_C];      // full scan (after the candidates are done): every centroid's exact distance
     };
     double fd[M], fs[M];        // full scan: the M nearest, their sensitivity scores
     double sv[TPW][M > 1 ? 8 : 1]; // sensitivity scores of the M nearest (filtered path)
-    float ls[TPW][4][assign_lists<M>::K]; // each thread's K smallest score keys
+    float ls[TPW][4][K];        // each thread's K smallest score keys
     float an[TPW];              // |a| of the token
     float thr[TPW];             // candidate threshold
     int nc[TPW];                // candidates; -1 full scan, -2 filter again
@@ -189,8 +176,8 @@ __host__ __device__ constexpr int smem_optin_bytes() {
 // Centroid row pitch (bf16): conflict-free 8-byte B-fragment loads.
 template <int D> __host__ __device__ constexpr int assign_pitch() { return D + 16; }
 // One warp's scratch, rounded to 16 bytes.
-template <int M> __host__ __device__ constexpr int assign_warp_bytes() {
-    return (int)((sizeof(assign_warp<M>) + 15) / 16 * 16);
+template <int M, int K> __host__ __device__ constexpr int assign_warp_bytes() {
+    return (int)((sizeof(assign_warp<M, K>) + 15) / 16 * 16);
 }
 
 // The assignment's block shared memory, byte offsets: MAX_C centroid rows
@@ -208,26 +195,45 @@ template <int D, int M> struct assign_layout {
     static constexpr int LIM = NN + (M == 1 ? MAX_C * 8 : 0);
     static constexpr int WARPS = LIM + 32;
 };
-template <int D, int M> __host__ __device__ constexpr int assign_smem_for(int warps) {
-    return assign_layout<D, M>::WARPS + warps * assign_warp_bytes<M>();
+
+// Warps per block with K keys a list: 16 up to D = 128 (the registers stay
+// within the launch bounds of 512 threads without a spill on sm_90: 123 for
+// the nearest centroid over a BF16 source (8 filter tiles; 120 with 2 keys a
+// list, before session 16), 118 over f32 with the low halves (122 before),
+// 121 for QSAC (NVRTC 13.0, since session 13's head ranges), whose 9,360
+// bytes of scratch a warp make it 221 of 227 KiB; against 8 warps,
+// quantwm_int2's encode 4.06 -> 3.85 ms and qvg_pro_int2's 44.3 -> 37.4-37.5
+// ms on the H200), 4 at D = 256 (chosen when its centroid rows filled shared
+// memory; sm_90 would now hold 8, not measured); fewer where the arch's
+// shared memory holds fewer (QSAC with M >= 6 on sm_90, most sections on
+// sm_80 and 99 KiB archs; 0: none fits, refused below). test_nvrtc requires
+// the assignment kernels to compile without a spill (QSAC M = 8 over an f32
+// source included).
+template <int D, int M, int K> __host__ __device__ constexpr int assign_warps_with() {
+    int w = D <= 128 ? 16 : 4;
+    while (w > 0 && assign_layout<D, M>::WARPS + w * assign_warp_bytes<M, K>() > smem_optin_bytes()) w--;
+    return w;
 }
 
-// Warps per block: 16 up to D = 128 (the registers stay within the launch
-// bounds of 512 threads without a spill on sm_90: 123 for the nearest
-// centroid over a BF16 source (8 filter tiles; 120 with 2 keys a list,
-// before session 16), 118 over f32 with the low halves (122 before), 121 for QSAC (NVRTC 13.0, session 13's head ranges; 119, 120 and
-// 124 before), whose 9,360 bytes of scratch a warp make it 221 of
-// 227 KiB; against 8 warps, quantwm_int2's encode 4.06 -> 3.85 ms and
-// qvg_pro_int2's 44.3 -> 37.4-37.5 ms on the H200), 4 at D = 256 (chosen
-// when its centroid rows filled shared memory; sm_90 would now hold 8, not
-// measured); fewer where the arch's shared memory holds fewer (QSAC with M
-// >= 6 on sm_90, most sections on sm_80 and 99 KiB archs; 0: none fits,
-// refused below). test_nvrtc requires the assignment kernels to compile
-// without a spill (QSAC M = 8 over an f32 source included).
+template <int D, int M> struct assign_lists {
+    static constexpr int MF = M <= 8 ? M : 1; // the filter runs for M <= 8; larger M scans fully
+    // Per-thread best kept per token: one more than M shows a drop, which
+    // sends the tile's filter around again. The nearest centroid keeps 3
+    // where that costs no warp a block (every head_dim on sm_90; on sm_80, 2
+    // at head_dim 128 and 256, whose 12 and 3 warps would drop to 11 and 2,
+    // not measured): with 2, a token whose two candidates fell in one
+    // thread's columns was filtered again, the whole tile's tensor work a
+    // second time. On the H200 (docs/BENCHMARKS.md, session 16) 3 took the
+    // tokens filtered twice from 0.422% to 0.002% (bench layer) and 2.28% to
+    // 0.10% (the world-model dump's K and V), and qvg_int2's encode from
+    // 2.16-2.18 to 2.13-2.14 ms and 2.39-2.40 to 2.21-2.24 ms.
+    static constexpr int K = M == 1 && assign_warps_with<D, 1, 3>() == assign_warps_with<D, 1, 2>() ? 3 : MF + 1;
+};
 template <int D, int M> __host__ __device__ constexpr int assign_warps() {
-    int w = D <= 128 ? 16 : 4;
-    while (w > 0 && assign_smem_for<D, M>(w) > smem_optin_bytes()) w--;
-    return w;
+    return assign_warps_with<D, M, assign_lists<D, M>::K>();
+}
+template <int D, int M> __host__ __device__ constexpr int assign_smem_for(int warps) {
+    return assign_layout<D, M>::WARPS + warps * assign_warp_bytes<M, assign_lists<D, M>::K>();
 }
 template <int D, int M> __host__ __device__ constexpr int assign_smem_bytes() {
     return assign_smem_for<D, M>(assign_warps<D, M>());
@@ -391,7 +397,7 @@ __device__ __forceinline__ double exact_dist(const void *x, const u16 *crow, con
 template <int D, int K, int M, int FNU, bool COLLECT>
 __device__ __forceinline__ void filter(bool lo, const u32 (&ah)[D / 16][4], const u32 (&al)[D / 16][4],
                                        const u16 *cs, const float4 *nh, int cp, int g, int q, float (&bs0)[K],
-                                       float (&bs1)[K], assign_warp<M> &wa) {
+                                       float (&bs1)[K], assign_warp<M, K> &wa) {
     constexpr int DP = assign_pitch<D>();
     const float neg = __int_as_float(0xff800000);
     const float thr0 = COLLECT && wa.again[g] ? wa.thr[g] : neg, thr1 = COLLECT && wa.again[g + 8] ? wa.thr[g + 8] : neg;
@@ -490,8 +496,8 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
                                        int c_eff, const u16 *__restrict__ cent, int c_alloc, int *idx_ws,
                                        u8 *idx_plane, const float *__restrict__ weights, unsigned long long *stats) {
     constexpr int W = assign_warps<D, M>(), DP = assign_pitch<D>(), KS = D / 16;
-    constexpr int MF = assign_lists<M>::MF, K = assign_lists<M>::K;
-    constexpr int WB = assign_warp_bytes<M>(), SMEM = assign_smem_bytes<D, M>();
+    constexpr int MF = assign_lists<D, M>::MF, K = assign_lists<D, M>::K;
+    constexpr int WB = assign_warp_bytes<M, K>(), SMEM = assign_smem_bytes<D, M>();
     static_assert(W >= 1, KVF_NOT_ON_THIS_ARCH
                   "assign: the centroid rows of this head_dim need more shared memory than this GPU arch has");
     // A BF16 source is its own high half: no low half, no second mma (plain distances only;
@@ -513,7 +519,7 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
                                                    // [2] the tiles of a head
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, q = lane & 3;
     // At L::WARPS + warp * WB; written from the end, the form whose SASS ran on the H200.
-    assign_warp<M> &wa = *(assign_warp<M> *)(smem + (SMEM - (W - warp) * WB));
+    assign_warp<M, K> &wa = *(assign_warp<M, K> *)(smem + (SMEM - (W - warp) * WB));
     constexpr int FNU = filter_tiles<M, BF>(), CB = 8 * FNU; // n8 tiles and columns a filter step
     // This block's share of the (head, 16-token tile) pairs of all heads: a
     // contiguous range, so each block (runtime/context.c launches about one an
