@@ -410,7 +410,7 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
 #pragma unroll
                     for (int hf = 0; hf < NH; hf++)
                         mu[u][s][hf] = kvf_ldg16_keep(packed + p.stage[s].centroids +
-                                                 (((u64)h * NCENT + idx[u][s]) * D + lane * 8 + hf * HALF_CH) * 2);
+                                                      (((u64)h * NCENT + idx[u][s]) * D + lane * 8 + hf * HALF_CH) * 2);
             if (AHEAD && t0 + nb * (u32)TILE < n) load_idx(t0 + nb * (u32)TILE);
         }
 
