@@ -113,8 +113,9 @@ if has ab; then
   # Rounds of `kvf_bench --reps N ARGS SCHEMES` alternating out/bin and each
   # variant (same process order every round, so drift shows as a trend), then
   # each variant's test_gpu over KVF_AB_TEST's schemes (empty: none).
-  # KVF_AB_ARGS: more kvf_bench options (default --no-probe: the probe is not
-  # what an A/B compares; e.g. "--no-probe --data eval/worldmodel/kv_small.safetensors").
+  # KVF_AB_ARGS: more kvf_bench options (unset: --no-probe, the probe not
+  # being what an A/B compares; set but empty: none, for binaries built before
+  # edcc1e8; e.g. "--no-probe --data eval/worldmodel/kv_small.safetensors").
   rounds=${KVF_AB_ROUNDS:-2} reps=${KVF_AB_REPS:-5} schemes=${KVF_AB_SCHEMES:-qvg_int2 quantwm_int2}
   args=${KVF_AB_ARGS---no-probe}
   echo "== ab: $rounds rounds of kvf_bench --reps $reps $args $schemes (name scheme encode_ms decode_ms of_copy)"
@@ -122,7 +123,10 @@ if has ab; then
     for b in out/bin/kvf_bench out/xbench/*/kvf_bench; do
       [ -x "$b" ] || continue
       v=$(basename "$(dirname "$b")"); [ "$v" = bin ] && v=main
-      timeout 300 "$b" --reps "$reps" $args $schemes 2>&1 | awk -v v="$v" '$2 ~ /x$/ && NF >= 8 {print "  " v, $1, $3, $6, $9}'
+      res=$(timeout 300 "$b" --reps "$reps" $args $schemes 2>&1); rc=$?
+      printf '%s\n' "$res" | awk -v v="$v" '$2 ~ /x$/ && NF >= 8 {print "  " v, $1, $3, $6, $9}'
+      # a binary that refuses an option (built before it) or fails says so here, not by missing lines
+      [ "$rc" = 0 ] || { echo "  $v: kvf_bench exit $rc:"; printf '%s\n' "$res" | tail -3 | sed 's/^/    /'; }
     done
   done
   if [ -n "${KVF_AB_TEST:-}" ]; then
