@@ -185,7 +185,7 @@ template <int M, int K> __host__ __device__ constexpr int assign_warp_bytes() {
 // float4 per 2 columns), the weights, QSAC's group weight sums, the exact
 // norms (nearest centroid only), the bound's limits and the head being
 // assigned (cur[]: 32 bytes in all), then each warp's scratch. assign carves
-// its block up by these, and assign_smem_for sizes it.
+// its block up by these, and assign_smem_with sizes it.
 template <int D, int M> struct assign_layout {
     static constexpr int CENT = 0;
     static constexpr int NH = CENT + MAX_C * assign_pitch<D>() * 2;
@@ -209,9 +209,12 @@ template <int D, int M> struct assign_layout {
 // sm_80 and 99 KiB archs; 0: none fits, refused below). test_nvrtc requires
 // the assignment kernels to compile without a spill (QSAC M = 8 over an f32
 // source included).
+template <int D, int M, int K> __host__ __device__ constexpr int assign_smem_with(int warps) {
+    return assign_layout<D, M>::WARPS + warps * assign_warp_bytes<M, K>();
+}
 template <int D, int M, int K> __host__ __device__ constexpr int assign_warps_with() {
     int w = D <= 128 ? 16 : 4;
-    while (w > 0 && assign_layout<D, M>::WARPS + w * assign_warp_bytes<M, K>() > smem_optin_bytes()) w--;
+    while (w > 0 && assign_smem_with<D, M, K>(w) > smem_optin_bytes()) w--;
     return w;
 }
 
@@ -232,11 +235,8 @@ template <int D, int M> struct assign_lists {
 template <int D, int M> __host__ __device__ constexpr int assign_warps() {
     return assign_warps_with<D, M, assign_lists<D, M>::K>();
 }
-template <int D, int M> __host__ __device__ constexpr int assign_smem_for(int warps) {
-    return assign_layout<D, M>::WARPS + warps * assign_warp_bytes<M, assign_lists<D, M>::K>();
-}
 template <int D, int M> __host__ __device__ constexpr int assign_smem_bytes() {
-    return assign_smem_for<D, M>(assign_warps<D, M>());
+    return assign_smem_with<D, M, assign_lists<D, M>::K>(assign_warps<D, M>());
 }
 
 // a = hi + lo + O(2^-18 |a|): both halves as packed BF16 pairs (x0 -> bits 0..15).
