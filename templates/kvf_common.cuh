@@ -92,40 +92,31 @@ __device__ __forceinline__ u32 kvf_fix_nan_bf16x2(u32 r, float lo, float hi) {
     r = hi != hi ? (r & 0x0000ffffu) | 0x7fc00000u : r;
     return r;
 }
-// Whether any of 8 values is a NaN: four setp.nan (each tests two values)
-// chained into one predicate.
+// Whether any of 8 (16) values is a NaN: setp.nan, each testing two
+// values, chained into one predicate (4 or 8 of them), from these pieces.
+#define KVF_NAN_FIRST "{\n\t.reg .pred p;\n\tsetp.nan.f32 p, %1, %2;\n\t"
+#define KVF_NAN_OR(i, j) "setp.nan.or.f32 p, %" #i ", %" #j ", p;\n\t"
+#define KVF_NAN_END "selp.u32 %0, 1, 0, p;\n\t}"
 __device__ __forceinline__ bool kvf_any_nan8(const float y[8]) {
     u32 r;
-    asm("{\n\t.reg .pred p;\n\t"
-        "setp.nan.f32 p, %1, %2;\n\t"
-        "setp.nan.or.f32 p, %3, %4, p;\n\t"
-        "setp.nan.or.f32 p, %5, %6, p;\n\t"
-        "setp.nan.or.f32 p, %7, %8, p;\n\t"
-        "selp.u32 %0, 1, 0, p;\n\t}"
+    asm(KVF_NAN_FIRST KVF_NAN_OR(3, 4) KVF_NAN_OR(5, 6) KVF_NAN_OR(7, 8) KVF_NAN_END
         : "=r"(r)
         : "f"(y[0]), "f"(y[1]), "f"(y[2]), "f"(y[3]), "f"(y[4]), "f"(y[5]), "f"(y[6]), "f"(y[7]));
     return r != 0;
 }
-
-// The same over 16 values (two halves of 8 of one lane-row, kvf_decode.cuh):
-// eight setp.nan into one predicate.
+// Two halves of 8 of one lane-row (kvf_decode.cuh's 16-channel lanes).
 __device__ __forceinline__ bool kvf_any_nan16(const float a[8], const float b[8]) {
     u32 r;
-    asm("{\n\t.reg .pred p;\n\t"
-        "setp.nan.f32 p, %1, %2;\n\t"
-        "setp.nan.or.f32 p, %3, %4, p;\n\t"
-        "setp.nan.or.f32 p, %5, %6, p;\n\t"
-        "setp.nan.or.f32 p, %7, %8, p;\n\t"
-        "setp.nan.or.f32 p, %9, %10, p;\n\t"
-        "setp.nan.or.f32 p, %11, %12, p;\n\t"
-        "setp.nan.or.f32 p, %13, %14, p;\n\t"
-        "setp.nan.or.f32 p, %15, %16, p;\n\t"
-        "selp.u32 %0, 1, 0, p;\n\t}"
+    asm(KVF_NAN_FIRST KVF_NAN_OR(3, 4) KVF_NAN_OR(5, 6) KVF_NAN_OR(7, 8) KVF_NAN_OR(9, 10) KVF_NAN_OR(11, 12)
+            KVF_NAN_OR(13, 14) KVF_NAN_OR(15, 16) KVF_NAN_END
         : "=r"(r)
         : "f"(a[0]), "f"(a[1]), "f"(a[2]), "f"(a[3]), "f"(a[4]), "f"(a[5]), "f"(a[6]), "f"(a[7]), "f"(b[0]),
           "f"(b[1]), "f"(b[2]), "f"(b[3]), "f"(b[4]), "f"(b[5]), "f"(b[6]), "f"(b[7]));
     return r != 0;
 }
+#undef KVF_NAN_FIRST
+#undef KVF_NAN_OR
+#undef KVF_NAN_END
 
 // -0 and +0 compare equal and min/max may return either: the format stores +0.
 __device__ __forceinline__ float kvf_plus_zero(float f) { return f == 0.0f ? 0.0f : f; }

@@ -370,11 +370,13 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
             } else {
 #pragma unroll
                 for (int hf = 0; hf < NH; hf++) {
-                    const u64 at = ((u64)t[u] * GROUPS + hf * HALF_GROUP) * SCALE_BYTES;
                     if (hf && !HALF_GROUP) { // the same group
                         sc[u][hf] = sc[u][0];
                         if (MODE == KVF_MODE_AFFINE) zr[u][hf] = zr[u][0];
-                    } else if (SFMT == KVF_SCALE_FP16) {
+                        continue;
+                    }
+                    const u64 at = ((u64)t[u] * GROUPS + hf * HALF_GROUP) * SCALE_BYTES;
+                    if (SFMT == KVF_SCALE_FP16) {
                         sc[u][hf] = kvf_ldg_u16(scales_h + at);
                         if (MODE == KVF_MODE_AFFINE) zr[u][hf] = kvf_ldg_u16(zeros_h + at);
                     } else {
