@@ -41,7 +41,11 @@ constexpr int BLOCK = 256;
 // Rows of one thread whose loads are in flight together (all of the same
 // head, ROWS tokens apart, so each load instruction of a warp is coalesced).
 // runtime/context.c sizes the grid for 4 (and several tiles per block); a
-// different value here changes speed, not results.
+// different value here changes speed, not results. PSAC keys: 2 rows of 8 or
+// 16 channels (at 8 channels 3 rows also fit 64 registers and read as fast
+// as 2, quantwm_int2 0.193-0.195 ms; 4 rows under a bound of 3 blocks an SM,
+// 79 registers, 0.200-0.203: session 17, run 1; at 16 channels 3 rows
+// spill).
 //
 // Channels per lane (CPL): 8, or 16 as two halves of 8 channels D/2 apart
 // (the 8-channel lanes l and l + D/16, so each 16-byte store instruction of
@@ -59,18 +63,21 @@ constexpr int BLOCK = 256;
 // only, where quantwm's values (d = 128, groups of 64 channels, 2 and 4
 // bits, 256 centroids) measured faster; other int8_fp16 shapes take it by
 // inference. Per-token groups (axis "channel": a group is G channels of one
-// token) and no PSAC, rotation or RoPE, whose lanes mix or keep per-channel
-// data in registers.
+// token) and no rotation or RoPE, whose lanes mix or keep per-channel data in
+// registers. PSAC keys take 16 too since session 17, their basis being in
+// shared memory (decode): quantwm_int2's decode K+V 0.199-0.201 -> 0.181-0.183
+// ms, quantwm_int4's 0.203-0.205 -> 0.190-0.191 (run 2, 4 rounds; the basis
+// in shared memory at 8 channels alone: 0.193-0.195 ms, run 1).
 template <int D, int BITS, int SFMT, int AXIS, int PSAC_R, int ROT, int ROPE>
 __host__ __device__ constexpr int lane_channels() {
-    return BITS < 16 && SFMT == KVF_SCALE_INT8_FP16 && AXIS == KVF_AXIS_CHANNEL && PSAC_R == 0 && !ROT &&
+    return BITS < 16 && SFMT == KVF_SCALE_INT8_FP16 && AXIS == KVF_AXIS_CHANNEL && !ROT &&
                    ROPE == KVF_ROPE_NONE && D % 16 == 0
                ? 16
                : 8;
 }
 template <int NCENT, int STAGES, int PSAC_R, int CPL = 8>
 struct tiling {
-    static constexpr int RPT = (PSAC_R ? 2 : (NCENT && STAGES > 2) ? 2 : 4) * 8 / CPL;
+    static constexpr int RPT = PSAC_R ? 2 : ((NCENT && STAGES > 2) ? 2 : 4) * 8 / CPL;
 };
 
 struct section_planes {
@@ -290,16 +297,32 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
     const u8 *const kscales_h = opaque(packed + p.stage[0].scales + ((u64)h * tok_groups * D + lane * 8) * 2);
     const u8 *const kzeros_h = opaque(packed + p.stage[0].zeros + ((u64)h * tok_groups * D + lane * 8) * 2);
 
-    // PSAC basis codes of this head: the lane's 8 channels x R codes are
-    // contiguous (8R bytes); with R <= 32 loaded once per thread, opaque to
-    // NVVM, which otherwise sinks the loads back into the row loop.
-    const u8 *const basis_h = opaque(packed + p.basis + ((u64)h * D + lane * 8) * R);
-    u32 ubw[8 * CW];
+    // PSAC basis codes of this head, in shared memory (R <= 64: at most 16
+    // KiB at head_dim 256): the 8 channels x CW words of an 8-channel lane l
+    // (l < D/8) are BCH 16-byte chunks, stored chunk-major (chunk k at
+    // k * D/8 + l), so the 16-byte loads of one chunk by a row's lanes are
+    // consecutive, without bank conflicts (the rows of a warp read the same
+    // addresses). A 16-channel lane reads lanes l and l + D/16. Read per row
+    // (4 loads a half at rank 8), it frees the 16 registers a thread the
+    // basis took (session 11's shared basis, [channel][code] with 4-way
+    // conflicts, was slower than registers; this form is faster, session 17).
+    // The barrier is block-uniform: a block decodes one section and one head.
+    constexpr int BCH = 2 * CW;
+    constexpr int L8 = D / 8; // 8-channel lanes of a row
+    __shared__ uint4 sbasis[PSAC_R ? BCH * L8 : 1];
     if (PSAC_R) {
+        const u8 *const basis_head = packed + p.basis + (u64)h * D * R;
+        for (int c = threadIdx.x; c < BCH * L8; c += BLOCK) {
+            const int k = c / L8, l = c % L8;
+            u32 w[4];
 #pragma unroll
-        for (int i = 0; i < 8; i++)
-#pragma unroll
-            for (int k = 0; k < CW; k++) ubw[i * CW + k] = opaque(int8_word<R>(basis_h + i * R, k));
+            for (int e = 0; e < 4; e++) {
+                const int f = 4 * k + e, i = f / CW, wd = f % CW;
+                w[e] = int8_word<R>(basis_head + (l * 8 + i) * R, wd);
+            }
+            sbasis[c] = make_uint4(w[0], w[1], w[2], w[3]);
+        }
+        __syncthreads();
     }
     const float bscale = PSAC_R ? __uint_as_float(kvf_ldg_u32(packed + p.bscale + (u64)h * 4)) : 0.0f;
 
@@ -511,13 +534,31 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
                 const float csf = kvf_f16_to_f32((u16)cs[u]);
                 if (csf != 0.0f) {
                     const float k = __fmul_rn(csf, bscale);
+                    // (taken here, not above the loop: there the address, live
+                    // across RoPE's calls, cost a RoPE-pre shape 20 bytes of
+                    // spills, test_nvrtc)
+                    const u32 sbasis_lane = (u32)__cvta_generic_to_shared(&sbasis[lane]);
 #pragma unroll
-                    for (int i = 0; i < 8; i++) {
-                        int acc = DOT_BIAS_BITS;
+                    for (int hf = 0; hf < NH; hf++) {
+                        int acc[8];
 #pragma unroll
-                        for (int w = 0; w < CW; w++)
-                            acc = __dp4a((int)coefw[u][w], (int)ubw[i * CW + w], acc);
-                        yh[0][i] = __fmaf_rn(k, __fsub_rn(__int_as_float(acc), DOT_BIAS), yh[0][i]); // CPL = 8
+                        for (int i = 0; i < 8; i++) acc[i] = DOT_BIAS_BITS;
+#pragma unroll
+                        for (int kc = 0; kc < BCH; kc++) {
+                            u32 b[4];
+                            // volatile: read per row, not hoisted into registers
+                            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                                         : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
+                                         : "r"(sbasis_lane + (kc * L8 + hf * (D / 16)) * 16));
+#pragma unroll
+                            for (int e = 0; e < 4; e++) {
+                                const int f = 4 * kc + e, i = f / CW, wd = f % CW;
+                                acc[i] = __dp4a((int)coefw[u][wd], (int)b[e], acc[i]);
+                            }
+                        }
+#pragma unroll
+                        for (int i = 0; i < 8; i++)
+                            yh[hf][i] = __fmaf_rn(k, __fsub_rn(__int_as_float(acc[i]), DOT_BIAS), yh[hf][i]);
                     }
                 }
             }
