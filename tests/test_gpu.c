@@ -338,6 +338,17 @@ static void compare_case(kvf_context *gpu, kvf_context *cpu, const run_case *c, 
                 }
             }
     }
+    if (data == 4) { /* 16 distinct rows a head (synthetic rows repeated): centroids repeat too, so a
+                      * token has many equally near ones, past the filter's keys a thread and into
+                      * its second pass (COLLECT, templates/kvf_kmeans.cuh), which data 0-3 reach for
+                      * few or no tokens */
+        for (int h = 0; h < c->heads; h++)
+            for (int64_t t = 16; t < c->tokens; t++) {
+                const size_t dst = t * sh.token_stride + h * sh.head_stride, src = (t % 16) * sh.token_stride + h * sh.head_stride;
+                memcpy(k + dst, k + src, (size_t)d * 2);
+                memcpy(v + dst, v + src, (size_t)d * 2);
+            }
+    }
     qstats_pair q = {0};
     if (kvf_scheme_reads_qstats(s)) qstats_prepare(gpu, cpu, c->heads, &q);
     /* Positions for keys cached before RoPE: 3 axes (frame, row, column). */
@@ -362,7 +373,7 @@ static void compare_case(kvf_context *gpu, kvf_context *cpu, const run_case *c, 
     CK(cuMemcpyHtoD(dv2, v, n * 2));
     const int kmeans = s->key.centroids > 0 || s->value.centroids > 0;
     unsigned long long astats[2][8];
-    if (data == 3 && kmeans) assert_int_equal(kvf_context_assign_stats(gpu, 1, astats), KVF_OK);
+    if ((data == 3 || data == 4) && kmeans) assert_int_equal(kvf_context_assign_stats(gpu, 1, astats), KVF_OK);
     gpu_encode(gpu, dk, dv, &sh, q.dev, dp, packed_bytes, 0xa5, pg);
     if (data == 3 && kmeans) {
         assert_int_equal(kvf_context_assign_stats(gpu, 0, astats), KVF_OK);
@@ -371,6 +382,13 @@ static void compare_case(kvf_context *gpu, kvf_context *cpu, const run_case *c, 
         /* Head 1's tokens at least once (its first assignment), whatever else. */
         if (c->heads > 1) assert_true(full >= (unsigned long long)c->tokens);
         printf("  rows near the filter's 2^125 guard: %llu full scans\n", full);
+    }
+    if (data == 4 && kmeans) {
+        assert_int_equal(kvf_context_assign_stats(gpu, 0, astats), KVF_OK);
+        unsigned long long twice = 0;
+        for (int t = 0; t < 2; t++) twice += astats[t][3] + astats[t][7];
+        printf("  16 distinct rows a head: %llu tokens filtered twice\n", twice);
+        if (c->tokens >= 1024) assert_true(twice > 0); /* the full-size cases' first shape */
     }
     /* Bytes between planes are padding nobody writes: compare the planes. */
     kvf_layout l;
@@ -479,10 +497,11 @@ static void run_scheme_cases(kvf_scheme *s, const run_case *cs) {
         compare_case(gpu, cpu, &cs[i], 0, i == 0); /* synthetic */
         compare_case(gpu, cpu, &cs[i], 1, 0);      /* random */
         if (i == 0) compare_case(gpu, cpu, &cs[i], 2, 0); /* NaN/Inf/huge */
+        if (i == 0) compare_case(gpu, cpu, &cs[i], 4, 0); /* 16 distinct rows a head */
         if (i == 2) compare_case(gpu, cpu, &cs[i], 3, 0); /* near the filter's 2^125 guard */
     }
-    printf("  agrees with the CPU reference (4 shapes x 2 data sets, NaN/Inf/huge inputs on the first, rows near "
-           "the filter's 2^125 guard on the third)\n");
+    printf("  agrees with the CPU reference (4 shapes x 2 data sets, NaN/Inf/huge inputs and 16 distinct rows a "
+           "head on the first, rows near the filter's 2^125 guard on the third)\n");
     kvf_context_destroy(gpu);
     kvf_context_destroy(cpu);
 }
