@@ -67,7 +67,10 @@ constexpr int BLOCK = 256;
 // registers. PSAC keys take 16 too since session 17, their basis being in
 // shared memory (decode): quantwm_int2's decode K+V 0.199-0.201 -> 0.181-0.183
 // ms, quantwm_int4's 0.203-0.205 -> 0.190-0.191 (run 2, 4 rounds; the basis
-// in shared memory at 8 channels alone: 0.193-0.195 ms, run 1).
+// in shared memory at 8 channels alone: 0.194-0.195 ms with 2 rows a thread,
+// 0.193-0.195 with 3, run 1). Other PSAC shapes take it by inference (not
+// run; compiled, sm_90: head_dim 256 at rank <= 8 takes 73-76 registers
+// instead of 62-64, ranks 16-32 fewer than before).
 template <int D, int BITS, int SFMT, int AXIS, int PSAC_R, int ROT, int ROPE>
 __host__ __device__ constexpr int lane_channels() {
     return BITS < 16 && SFMT == KVF_SCALE_INT8_FP16 && AXIS == KVF_AXIS_CHANNEL && !ROT &&
@@ -304,8 +307,8 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
     // consecutive, without bank conflicts (the rows of a warp read the same
     // addresses). A 16-channel lane reads lanes l and l + D/16. Read per row
     // (4 loads a half at rank 8), it frees the 16 registers a thread the
-    // basis took (session 11's shared basis, [channel][code] with 4-way
-    // conflicts, was slower than registers; this form is faster, session 17).
+    // basis took (session 11's shared basis, whose layout is not recorded,
+    // was slower than registers; this form is faster, session 17).
     // The barrier is block-uniform: a block decodes one section and one head.
     constexpr int BCH = 2 * CW;
     constexpr int L8 = D / 8; // 8-channel lanes of a row
@@ -578,8 +581,9 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
 // two sections took 80 registers (3 blocks) and decoded 10% slower than as
 // two launches, where each alone took 64. 0, no bound, otherwise: a bound of
 // 1 or 4 raises RTN's 40 registers to 48, and larger PSAC shapes (rank 16-32,
-// head_dim 256, two stages, RoPE, Hadamard) spill under it (test_nvrtc
-// compiles them).
+// head_dim 256, two stages, RoPE, Hadamard) spilled under it with the basis
+// in registers (test_nvrtc compiles them; with the shared basis, session 17,
+// head_dim 256 at rank 8 would fit it: not changed, not run).
 template <int D, int BITS, int G, int MODE, int SFMT, int AXIS, int NCENT, int STAGES, int ROT, int PSAC_R, int ROPE>
 struct section {
     static constexpr int MIN_BLOCKS_AS_KEY =

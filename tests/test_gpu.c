@@ -545,7 +545,7 @@ static void gpu_rope_pre(void **state) {
 
 /* PSAC at the ranks and head sizes the GPU takes besides the shipped rank 8
  * at head_dim 128: ranks below 4 (byte loads of the basis codes and
- * coefficients), 16 and 32 (more codes held in registers), head_dim 64 and
+ * coefficients), 16 and 32 (more coefficient words in registers), head_dim 64 and
  * 256 (statistics tiles, basis blocks). 300 tokens: more than the 256 centroids. */
 static void gpu_psac_shapes(void **state) {
     (void)state;

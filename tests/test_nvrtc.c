@@ -208,8 +208,9 @@ static void ptxas_report_parsed(void **state) {
  * kernel to 64 registers only where that holds (a bound for every
  * single-stage PSAC key spilled all of these but rank 2 and the two-stage
  * shape; Hadamard's 8/12 bytes). RoPE-pre keys
- * spill 4/8 bytes with a 72-byte stack as their separate kernel did before
- * the join (88/136 under that bound): at most 8 bytes. Every other kernel
+ * have a stack frame for RoPE's calls (64 bytes, no spills, since session
+ * 17's shared PSAC basis; 4/8 bytes of spills and 72 before, 88/136 under
+ * that bound): at most 8 bytes of spills. Every other kernel
  * as check_usage requires. With NVRTC 13, as every_scheme_compiles. */
 static void psac_decode_shapes_do_not_spill(void **state) {
     (void)state;
