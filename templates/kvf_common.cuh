@@ -194,22 +194,29 @@ __device__ __forceinline__ void kvf_load8(const u16 *p, u16 v[8]) {
     for (int i = 0; i < 4; i++) { v[2 * i] = (u16)(a[i] & 0xffffu); v[2 * i + 1] = (u16)(a[i] >> 16); }
 }
 
-// One 16-byte store, always vectorized (a uint4 built from values chosen per
-// element is otherwise split into four 4-byte stores). p: global memory,
-// 16-byte aligned. The "memory" clobber keeps the compiler from moving other
-// loads and stores across it.
-__device__ __forceinline__ void kvf_st16(void *p, u32 a, u32 b, u32 c, u32 d) {
-    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
-}
-
-// One 16-byte load of data that no thread writes during the kernel (the
-// non-coherent path: ld.global.nc).
-__device__ __forceinline__ uint4 kvf_ldg16(const void *p) {
-    uint4 w;
-    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w) : "l"(p));
-    return w;
-}
-
+// 16-byte stores and loads, each one PTX instruction, from one body a kind
+// (only the instruction and its cache qualifier differ).
+// Stores: always vectorized (a uint4 built from values chosen per element is
+// otherwise split into four 4-byte stores). p: global memory, 16-byte
+// aligned. The "memory" clobber keeps the compiler from moving other loads
+// and stores across it.
+#define KVF_ST16(NAME, OP)                                                                           \
+    __device__ __forceinline__ void NAME(void *p, u32 a, u32 b, u32 c, u32 d) {                      \
+        asm volatile(OP " [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(a), "r"(b), "r"(c), "r"(d) : "memory"); \
+    }
+// Loads (volatile: issued where written, not sunk to their use or hoisted
+// out of a loop).
+#define KVF_LD16(NAME, OP, ADDR, C)                                                                   \
+    __device__ __forceinline__ uint4 NAME(ADDR p) {                                                 \
+        uint4 w;                                                                                     \
+        asm volatile(OP " {%0, %1, %2, %3}, [%4];" : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w) : C(p)); \
+        return w;                                                                                    \
+    }
+KVF_ST16(kvf_st16, "st.global.v4.b32")
+// Data that no thread writes during the kernel (the non-coherent path: ld.global.nc).
+KVF_LD16(kvf_ldg16, "ld.global.nc.v4.u32", const void *, "l")
+// Shared memory at a 32-bit shared address (__cvta_generic_to_shared).
+KVF_LD16(kvf_lds16, "ld.shared.v4.u32", u32, "r")
 // The decode's two cache hints: its BF16 output is written once, so
 // store_row's stores stream (st.global.cs, evict first); its centroid rows are
 // read by every row of a head, so their loads ask L1 to keep them
@@ -217,16 +224,10 @@ __device__ __forceinline__ uint4 kvf_ldg16(const void *p) {
 // decode 0.164-0.168 -> 0.162-0.164 ms, and the decode time at or below the
 // plain forms' in 15 of 16 pairs (4 schemes, 4 rounds; session 11: the
 // fraction of copy higher in 11 of 12 pairs).
-__device__ __forceinline__ void kvf_st16_stream(void *p, u32 a, u32 b, u32 c, u32 d) {
-    asm volatile("st.global.cs.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
-}
-__device__ __forceinline__ uint4 kvf_ldg16_keep(const void *p) {
-    uint4 w;
-    asm volatile("ld.global.nc.L1::evict_last.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w)
-                 : "l"(p));
-    return w;
-}
+KVF_ST16(kvf_st16_stream, "st.global.cs.v4.b32")
+KVF_LD16(kvf_ldg16_keep, "ld.global.nc.L1::evict_last.v4.u32", const void *, "l")
+#undef KVF_ST16
+#undef KVF_LD16
 
 // Smaller loads of read-only data, zero-extended to 32 bits (u64: two words).
 // volatile: they stay where they are written (a decode issues every load of

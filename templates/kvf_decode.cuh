@@ -548,11 +548,9 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
                         for (int i = 0; i < 8; i++) acc[i] = DOT_BIAS_BITS;
 #pragma unroll
                         for (int kc = 0; kc < BCH; kc++) {
-                            u32 b[4];
-                            // volatile: read per row, not hoisted into registers
-                            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                                         : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
-                                         : "r"(sbasis_lane + (kc * L8 + hf * (D / 16)) * 16));
+                            // (volatile: read per row, not hoisted into registers)
+                            const uint4 bw = kvf_lds16(sbasis_lane + (kc * L8 + hf * (D / 16)) * 16);
+                            const u32 b[4] = {bw.x, bw.y, bw.z, bw.w};
 #pragma unroll
                             for (int e = 0; e < 4; e++) {
                                 const int f = 4 * kc + e, i = f / CW, wd = f % CW;
