@@ -231,7 +231,7 @@ __device__ __forceinline__ void mat_u(const float *msum, double cnt, const float
 template <int D, int R>
 __device__ __forceinline__ void eigen(u8 *qs, layout l, const u16 *__restrict__ q, i64 ts, i64 hs, int n_tokens,
                                       int group) {
-    constexpr int RA = R > 0 ? R : 1;
+    constexpr int RA = R > 0 ? R : 1; // R, or 1 at R = 0 (its code past the early return is dead: no division by 0)
     __shared__ float u[D * RA], z[D * RA], red[256], lam[RA];
     if (blockDim.x != 256) __trap(); // block_sum and the row-per-thread steps assume 256 threads
     __shared__ unsigned long long used_sh;
@@ -262,7 +262,7 @@ __device__ __forceinline__ void eigen(u8 *qs, layout l, const u16 *__restrict__ 
         iters = 6;
     } else {
         for (int i = threadIdx.x; i < D * R; i += 256) {
-            const int r = i / R, j = i % R;
+            const int r = i / RA, j = i % RA;
             u[i] = __fadd_rn(r == j ? 1.0f : 0.0f, __fdiv_rn(__fmul_rn(0.01f, (float)((r * 7 + j * 13) % 17 - 8)), 8.0f));
         }
         __syncthreads();
@@ -293,7 +293,7 @@ __device__ __forceinline__ void eigen(u8 *qs, layout l, const u16 *__restrict__ 
         for (int j = 0; j < R; j++) red[j] = (float)order[j];
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < D * R; i += 256) ug[i] = u[(i / R) * R + (int)red[i % R]];
+    for (int i = threadIdx.x; i < D * R; i += 256) ug[i] = u[(i / RA) * RA + (int)red[i % RA]];
 }
 
 } // namespace kvf_qstats
