@@ -168,7 +168,7 @@ static int probe_run(probe_state *st, CUdevice dev, int64_t tokens, int heads, i
     char arch[32];
     size_t size;
     probe_arg *a = &st->a;
-    const size_t rows = (size_t)tokens * heads * 2, table_bytes = (size_t)heads * 2 * 256 * 256;
+    const size_t rows = (size_t)tokens * heads * 2;
     if (!(st->idx = malloc(rows))) return kvf_set_error(KVF_ENOMEM, "kvf_bench: probe: out of memory");
     KVF_CU(cu, 0, cuDeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev));
     KVF_CU(cu, 0, cuDeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev));
@@ -178,19 +178,24 @@ static int probe_run(probe_state *st, CUdevice dev, int64_t tokens, int heads, i
     KVF_CU(cu, 0, cuModuleLoadData(&st->mod, st->image));
     CUdeviceptr geometry;
     size_t geometry_bytes;
-    unsigned g[2]; /* kvf_probe::BLOCK, TILE */
+    unsigned g[6]; /* kvf_probe::BLOCK, TILE, CODE_BYTES, SZ_BYTES, ROW_BYTES, TABLE_ROWS */
     KVF_CU(cu, 0, cuModuleGetGlobal(&geometry, &geometry_bytes, st->mod, "kvf_probe_geometry"));
     if (geometry_bytes != sizeof g)
         return kvf_set_error(KVF_EFORMAT, "kvf_bench: probe: kvf_probe_geometry has %zu bytes", geometry_bytes);
     KVF_CU(cu, 0, cuMemcpyDtoH(g, geometry, sizeof g));
+    /* Its output rows are the bench's layer's (d = 128 BF16), its indices bytes. */
+    if (g[4] != 256 || g[5] != 256)
+        return kvf_set_error(KVF_EFORMAT, "kvf_bench: probe: rows of %u bytes and tables of %u rows, not 256 and 256",
+                             g[4], g[5]);
     a->block = g[0];
     a->grid_x = (unsigned)((tokens + g[1] - 1) / g[1]);
-    KVF_CU(cu, 0, cuMemAlloc(&a->codes, rows * 32));
-    KVF_CU(cu, 0, cuMemAlloc(&a->sz, rows * 8));
+    const size_t code_bytes = g[2], sz_bytes = g[3], table_bytes = (size_t)heads * 2 * g[5] * g[4];
+    KVF_CU(cu, 0, cuMemAlloc(&a->codes, rows * code_bytes));
+    KVF_CU(cu, 0, cuMemAlloc(&a->sz, rows * sz_bytes));
     KVF_CU(cu, 0, cuMemAlloc(&a->idx, rows));
     KVF_CU(cu, 0, cuMemAlloc(&a->table, table_bytes));
-    KVF_CU(cu, 0, cuMemsetD8(a->codes, 0x5a, rows * 32));
-    KVF_CU(cu, 0, cuMemsetD8(a->sz, 0x3c, rows * 8));
+    KVF_CU(cu, 0, cuMemsetD8(a->codes, 0x5a, rows * code_bytes));
+    KVF_CU(cu, 0, cuMemsetD8(a->sz, 0x3c, rows * sz_bytes));
     KVF_CU(cu, 0, cuMemsetD8(a->table, 0x3f, table_bytes));
     for (size_t r = 0; r < rows; r++) st->idx[r] = (unsigned char)((r * 2654435761u) >> 13); /* scattered */
     KVF_CU(cu, 0, cuMemcpyHtoD(a->idx, st->idx, rows));
@@ -198,7 +203,7 @@ static int probe_run(probe_state *st, CUdevice dev, int64_t tokens, int heads, i
     for (int k = 0; k < 2; k++) {
         KVF_CU(cu, 0, cuModuleGetFunction(&a->fn, st->mod, names[k]));
         if ((rc = time_try(do_probe, a, reps, &ms[k]))) return rc;
-        const double bytes = rows * (32.0 + 8.0 + 256.0) + (k ? rows + (double)table_bytes : 0.0);
+        const double bytes = (double)rows * (code_bytes + sz_bytes + g[4]) + (k ? rows + (double)table_bytes : 0.0);
         bw[k] = bytes / (ms[k] * 1e-3) / 1e9;
     }
     return KVF_OK;
@@ -289,7 +294,9 @@ int main(int argc, char **argv) {
         } else if (!strcmp(a, "--no-probe")) {
             probe = 0;
         } else if (!strcmp(a, "--data")) {
-            if (i + 1 >= argc) return usage("needs a file", a);
+            /* An option after --data is not its file ("--data --no-probe"): a file
+             * whose name starts with "--" is given as ./--name. */
+            if (i + 1 >= argc || !strncmp(argv[i + 1], "--", 2)) return usage("needs a file", a);
             data = argv[++i];
         } else if (a[0] == '-') {
             return usage("unknown option", a);

@@ -54,8 +54,12 @@ __device__ __forceinline__ void mix(const u8 *__restrict__ codes, const u8 *__re
 
 } // namespace kvf_probe
 
-// The launch geometry, read by the bench from the module: BLOCK, TILE.
-extern "C" __device__ const unsigned kvf_probe_geometry[2] = {kvf_probe::BLOCK, kvf_probe::TILE};
+// The launch geometry and the planes' sizes, read by the bench from the
+// module (so they are stated once, here): BLOCK, TILE, CODE_BYTES, SZ_BYTES,
+// ROW_BYTES, TABLE_ROWS.
+extern "C" __device__ const unsigned kvf_probe_geometry[6] = {kvf_probe::BLOCK,      kvf_probe::TILE,
+                                                              kvf_probe::CODE_BYTES, kvf_probe::SZ_BYTES,
+                                                              kvf_probe::ROW_BYTES,  kvf_probe::TABLE_ROWS};
 
 // Grid (ceil(n / TILE), heads, 2), BLOCK threads. n: tokens; the planes are
 // [2][heads][n] rows of CODE_BYTES, SZ_BYTES, 1 (idx) and ROW_BYTES (out);

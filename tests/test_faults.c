@@ -744,6 +744,7 @@ static void test_bench_arguments(void **state) {
         {"--no-probe --heads 0", "needs an integer in range: --heads"}, /* --no-probe is an option */
         {"qvg_int2 qvg_int3", "no shipped scheme of that name: qvg_int3"},
         {"--data", "needs a file: --data"},
+        {"--data --no-probe qvg_int2", "needs a file: --data"},
         {"--data /nonexistent qvg_int2", "cannot use --data: /nonexistent: cannot open"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) bench_expect(bin, cases[i].args, log, 2, cases[i].want);

@@ -249,13 +249,13 @@ static void bench_probe_compiles(void **state) {
     const kvf_nvrtc_api *nv;
     assert_int_equal(kvf_nvrtc_load(&nv), KVF_OK);
     assert_string_equal(kvf_bench_probe[0].name, "kvf_probe.cuh");
-    /* The geometry global the bench reads: 8 bytes in global memory. */
+    /* The geometry global the bench reads: 6 u32 (24 bytes) in global memory. */
     void *ptx = NULL;
     size_t ptx_size = 0;
     if (kvf_nvrtc_compile(kvf_bench_probe[0].data, "kvf_probe.cu", "compute_90", 1, &ptx, &ptx_size))
         fail_msg("probe PTX: %s", kvf_last_error());
-    assert_non_null(memmem(ptx, ptx_size, ".global .align 4 .b8 kvf_probe_geometry[8]",
-                           strlen(".global .align 4 .b8 kvf_probe_geometry[8]")));
+    assert_non_null(memmem(ptx, ptx_size, ".global .align 4 .b8 kvf_probe_geometry[24]",
+                           strlen(".global .align 4 .b8 kvf_probe_geometry[24]")));
     free(ptx);
     for (int a = 0; a < 2; a++) {
         void *image = NULL;
