@@ -478,7 +478,8 @@ int main(int argc, char **argv) {
            "'vs QVG' = QVG's time / ours (ANCHORS.md: 4.77 ms, 0.44 ms; of 32 heads x 29640 tokens: '-' at\n"
            "other shapes and with --data);\n"
            "JIT cold = context creation with NVRTC and no kvforge disk cache, in this process: on a host that\n"
-           "compiled the same source before it reads far lower than a first compile (docs/BENCHMARKS.md);\n"
+           "compiled the same source before it reads far lower than a first compile (NVRTC 13 keeps its\n"
+           "output in the driver's compute cache unless CUDA_CACHE_DISABLE=1; docs/BENCHMARKS.md);\n"
            "the cold-compile figure is `KVFORGE_CACHE=0 kvforge compile SCHEME` in a fresh process.\n"
            "JIT hit = from the disk cache.\n", reps);
     CUdeviceptr layer[5] = {c.k, c.v, c.k2, c.v2, dpos};
