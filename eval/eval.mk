@@ -9,7 +9,7 @@ LIB_SRC += $(EVAL_SRC)
 ALL_CFLAGS += -Ieval
 
 $(patsubst %.c,$(O)/obj/%.o,$(EVAL_SRC)) $(O)/obj/tests/test_eval.o $(O)/obj/tools/kvforge.o \
-	$(O)/obj/bench/bench.o: $(EVAL_HDR)
+	$(O)/obj/bench/bench.o $(O)/obj/tests/test_faults.o: $(EVAL_HDR)
 
 # The metric loops (dot products, softmax-weighted sums, e^T M e) run over
 # unknown lengths: -O3 vectorizes them (-O2's cheap cost model does not).

@@ -13,6 +13,7 @@
  * In queries given to kvf_qstats_update, a row with a NaN or an Inf is skipped
  * (docs/METHODS.md 4): the statistics are exactly those without it.
  */
+#include "safetensors.h"
 #include "testutil.h"
 
 #include <math.h>
@@ -711,19 +712,16 @@ static void bench_expect(const char *bin, const char *args, const char *log, int
 }
 
 /* A valid dump (eval/dump.h) of one layer, one chunk, one head and 2 tokens
- * of head_dim 64, zeros: the bench's layer has d = 128. */
+ * of head_dim 64, zeros, written by eval's safetensors writer: the bench's
+ * layer has d = 128. */
 static void write_dump_d64(const char *path) {
-    static const char header[] =
-        "{\"__metadata__\": {\"layers\": \"1\", \"chunks\": \"1\", \"q_heads\": \"1\", \"kv_heads\": \"1\", "
-        "\"head_dim\": \"64\", \"tokens_per_chunk\": \"2\", \"rope_theta\": \"10000\", \"rope_sections\": \"[32]\"}, "
-        "\"l0.c0.q\": {\"dtype\": \"BF16\", \"shape\": [1, 2, 64], \"data_offsets\": [0, 256]}, "
-        "\"l0.c0.k\": {\"dtype\": \"BF16\", \"shape\": [1, 2, 64], \"data_offsets\": [256, 512]}, "
-        "\"l0.c0.v\": {\"dtype\": \"BF16\", \"shape\": [1, 2, 64], \"data_offsets\": [512, 768]}}";
-    uint8_t buf[8 + sizeof header + 768] = {0};
-    const uint64_t h = sizeof header - 1;
-    memcpy(buf, &h, 8); /* little-endian hosts, as the reader */
-    memcpy(buf + 8, header, h);
-    tu_write_file(path, buf, 8 + h + 768);
+    static const uint16_t zeros[2 * 64];
+    const char *meta[] = {"layers", "1", "chunks", "1", "q_heads", "1", "kv_heads", "1", "head_dim", "64",
+                          "tokens_per_chunk", "2", "rope_theta", "10000", "rope_sections", "[32]"};
+    const kvf_st_write_tensor t[3] = {{"l0.c0.q", KVF_ST_BF16, 3, {1, 2, 64}, zeros},
+                                      {"l0.c0.k", KVF_ST_BF16, 3, {1, 2, 64}, zeros},
+                                      {"l0.c0.v", KVF_ST_BF16, 3, {1, 2, 64}, zeros}};
+    assert_int_equal(kvf_st_write(path, meta, 8, t, 3), KVF_OK);
 }
 
 /* The benchmark's command line (bench/bench.c): a bad argument is refused
