@@ -480,7 +480,8 @@ int main(int argc, char **argv) {
            "JIT cold = context creation with NVRTC and no kvforge disk cache, in this process: on a host that\n"
            "compiled the same source before it reads far lower than a first compile (NVRTC 13 keeps its\n"
            "output in the driver's compute cache unless CUDA_CACHE_DISABLE=1; docs/BENCHMARKS.md);\n"
-           "the cold-compile figure is `KVFORGE_CACHE=0 kvforge compile SCHEME` in a fresh process.\n"
+           "the cold-compile figure is `CUDA_CACHE_DISABLE=1 KVFORGE_CACHE=0 kvforge compile SCHEME` in a\n"
+           "fresh process.\n"
            "JIT hit = from the disk cache.\n", reps);
     CUdeviceptr layer[5] = {c.k, c.v, c.k2, c.v2, dpos};
     for (int i = 0; i < 5; i++) cu->cuMemFree(layer[i]);
