@@ -281,12 +281,16 @@ int kvf_context_assign_stats(kvf_context *ctx, int enable, unsigned long long ou
     for (int t = 0; t < 2 && r == CUDA_SUCCESS && rc == KVF_OK; t++) {
         /* A value section that runs the key section's kernels counts in out[0]. */
         if (!ctx->fn[KVF_R_K_ASSIGN + t * KVF_R_SECTION_STRIDE] || kvf_gen_kmeans_owner(ctx->scheme, t) != t) continue;
-        CUdeviceptr p;
-        unsigned long long v[9], z[9] = {(unsigned long long)(enable > 0)};
-        if ((rc = kmeans_global(ctx, t, "assign_stats", sizeof v, &p))) break;
-        if ((r = cu->cuMemcpyDtoH(v, p, sizeof v)) != CUDA_SUCCESS) break;
-        memcpy(out[t], v + 1, sizeof out[t]);
-        if (enable >= 0) r = cu->cuMemcpyHtoD(p, z, sizeof z);
+        /* Each assignment kernel's own global (the QSAC one's where it has it). */
+        for (int k = 0; k < 2 && r == CUDA_SUCCESS && rc == KVF_OK; k++) {
+            if (!ctx->fn[KVF_R_K_ASSIGN + k + t * KVF_R_SECTION_STRIDE]) continue;
+            CUdeviceptr p;
+            unsigned long long v[5], z[5] = {(unsigned long long)(enable > 0)};
+            if ((rc = kmeans_global(ctx, t, k ? "assign_qsac_stats" : "assign_stats", sizeof v, &p))) break;
+            if ((r = cu->cuMemcpyDtoH(v, p, sizeof v)) != CUDA_SUCCESS) break;
+            memcpy(out[t] + 4 * k, v + 1, 4 * sizeof v[0]);
+            if (enable >= 0) r = cu->cuMemcpyHtoD(p, z, sizeof z);
+        }
     }
     if (rc == KVF_OK && r != CUDA_SUCCESS)
         rc = kvf_cuda_fail(r, "assign stats (cuCtxSynchronize/cuMemcpy)", __FILE__, __LINE__, ctx->device);

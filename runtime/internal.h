@@ -122,8 +122,11 @@ const kvf_embedded_file *kvf_find_embedded(const kvf_embedded_file *table, const
  * kernel for K and V (its arguments: both sections' planes and outputs, and
  * the blocks of each). 4: that kernel's name, decode_kv. 5: the k-means
  * assignments take the head count and a 1D grid over all heads' token
- * tiles; the decode no longer takes the head count (its grid's y). */
-#define KVF_KERNEL_ABI 5u
+ * tiles; the decode no longer takes the head count (its grid's y). 6: the
+ * QSAC assignment counts its filter statistics in a global of its own
+ * (assign_qsac_stats), so the JIT can compile it as a program of its own;
+ * both statistics globals hold 5 values. */
+#define KVF_KERNEL_ABI 6u
 #define KVF_HEADER_BYTES 64u
 #define KVF_PLANE_ALIGN 256u
 
@@ -333,10 +336,11 @@ void kvf_cache_unlock(int fd);
 int kvf_cache_list(FILE *out);
 
 /* The k-means assignment's filter statistics (templates/kvf_kmeans.cuh
- * assign_stats), for bench/: enable = 1 zeroes and starts counting, 0 stops,
- * -1 only reads. out[t] for K (t = 0) and V: per kernel (plain, QSAC) tokens,
- * f64 candidates, full scans, second filters. Where V runs K's kernels
- * (kvf_gen_kmeans_owner), out[0] counts both and out[1] stays 0. */
+ * assign_stats and assign_qsac_stats), for bench/: enable = 1 zeroes and
+ * starts counting, 0 stops, -1 only reads. out[t] for K (t = 0) and V: per
+ * kernel (plain, QSAC) tokens, f64 candidates, full scans, second filters.
+ * Where V runs K's kernels (kvf_gen_kmeans_owner), out[0] counts both and
+ * out[1] stays 0. */
 int kvf_context_assign_stats(struct kvf_context *ctx, int enable, unsigned long long out[2][8]);
 
 #endif

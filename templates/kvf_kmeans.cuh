@@ -1174,9 +1174,9 @@ __device__ __forceinline__ void residual(const void *src, i64 ts, i64 hs, float 
         kvf_kmeans::assign_warps<D, 1>() * kvf_kmeans::TPW,                                           \
         kvf_kmeans::assign_warps<D, QSAC>() * kvf_kmeans::TPW, BF, kvf_kmeans::RES_RPT,              \
         kvf_kmeans::SUM_THREADS};                                                                              \
-    /* Filter statistics, counted while [0] != 0 (bench/bench.c sets it): per   */                      \
-    /* kernel (plain, QSAC) tokens, candidates, full scans, second filters.      */                      \
-    extern "C" __device__ unsigned long long PREFIX##_assign_stats[9] = {};                                  \
+    /* Filter statistics, counted while [0] != 0 (bench/bench.c sets it):       */                      \
+    /* tokens, candidates, full scans, second filters. QSAC's are its own.      */                      \
+    extern "C" __device__ unsigned long long PREFIX##_assign_stats[5] = {};                                  \
     extern "C" __global__ void __launch_bounds__(kvf_kmeans::assign_warps<D, 1>() * 32, 1)              \
     PREFIX##_assign(const void *src, i64 ts, i64 hs, int n, int nh, int c_eff, const u16 *cent, int c_alloc,   \
                     int *idx_ws, u8 *idx_plane) {                                                              \
@@ -1206,12 +1206,15 @@ __device__ __forceinline__ void residual(const void *src, i64 ts, i64 hs, float 
         else kvf_kmeans::residual<D, BITS, G, MODE, SFMT, NCENT, 0, BF>(src, ts, hs, e_out, n, nh, packed, p); \
     }
 
-// QSAC's assignment (keys with qsac_candidates > 1 only), after KVF_KMEANS_KERNELS
-// of the same PREFIX (its assign_cfg and assign_stats).
+// QSAC's assignment (keys with qsac_candidates > 1 only). It needs nothing of
+// KVF_KMEANS_KERNELS of the same PREFIX (runtime/context.c reads its launch
+// shape from that one's assign_cfg), so the JIT compiles it as a program of
+// its own (gen/gen.c); its filter statistics are its own global, as above.
 #define KVF_KMEANS_QSAC_KERNEL(PREFIX, D, G, QSAC, BF)                                                        \
+    extern "C" __device__ unsigned long long PREFIX##_assign_qsac_stats[5] = {};                             \
     extern "C" __global__ void __launch_bounds__(kvf_kmeans::assign_warps<D, QSAC>() * 32, 1)           \
     PREFIX##_assign_qsac(const void *src, i64 ts, i64 hs, int n, int nh, int c_eff, const u16 *cent,           \
                          int c_alloc, u8 *idx_plane, const float *weights) {                                   \
         kvf_kmeans::assign<D, G, QSAC, BF>(src, ts, hs, n, nh, c_eff, cent, c_alloc, 0, idx_plane, weights,   \
-                                           PREFIX##_assign_stats[0] ? PREFIX##_assign_stats + 5 : 0);         \
+                                           PREFIX##_assign_qsac_stats[0] ? PREFIX##_assign_qsac_stats + 1 : 0); \
     }

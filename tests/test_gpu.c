@@ -377,6 +377,10 @@ static void compare_case(kvf_context *gpu, kvf_context *cpu, const run_case *c, 
     if (counted) assert_int_equal(kvf_context_assign_stats(gpu, 1, astats), KVF_OK);
     gpu_encode(gpu, dk, dv, &sh, q.dev, dp, packed_bytes, 0xa5, pg);
     if (counted) assert_int_equal(kvf_context_assign_stats(gpu, 0, astats), KVF_OK);
+    /* QSAC's final assignment (its own program and statistics global since
+     * KVF_KERNEL_ABI 6) takes every key token of every head once. */
+    if (counted && s->key.qsac_candidates > 1 && !kvf_labels_of_last_step(&s->key))
+        assert_int_equal(astats[0][4], (unsigned long long)c->tokens * (unsigned long long)c->heads);
     if (data == 3 && kmeans) {
         unsigned long long full = 0;
         for (int t = 0; t < 2; t++) full += astats[t][2] + astats[t][6];
