@@ -169,29 +169,55 @@ static void header_line(kvf_buf *b, const struct kvf_scheme *s, const char *comm
 
 /* ------------------------------------------------------------------ CUDA */
 
+/* The programs of the JIT (kvf_gen_output.program): what each instantiation
+ * belongs to, and which program compiles it (-1: the scheme has none). */
+enum { U_REST, U_KMEANS_K, U_KMEANS_V, U_QSAC, U_COUNT };
+
+static int programs_of(const struct kvf_scheme *s, int prog[U_COUNT]) {
+    int n = 0;
+    prog[U_REST] = n++;
+    prog[U_KMEANS_K] = kvf_section_path(&s->key) == 'B' ? n++ : -1;
+    prog[U_KMEANS_V] = kvf_section_path(&s->value) == 'B' && kvf_gen_kmeans_owner(s, 1) == 1 ? n++ : -1;
+    prog[U_QSAC] = kvf_section_path(&s->key) == 'B' && s->key.qsac_candidates > 1 ? n++ : -1; /* kvf_gen_roles */
+    return n;
+}
+
+/* The source being written: the whole (want = -1) or one program's. */
+typedef struct cuda_out {
+    kvf_buf b;
+    int want, prog[U_COUNT];
+} cuda_out;
+
+static int emits(const cuda_out *o, int unit) { return o->want < 0 || o->prog[unit] == o->want; }
+
 /* One tensor section's encode instantiation. */
-static void gen_encode_section(kvf_buf *b, const struct kvf_scheme *s, int t) {
+static void gen_encode_section(cuda_out *o, const struct kvf_scheme *s, int t) {
     const kvf_tensor_cfg *c = t ? &s->value : &s->key;
+    kvf_buf *b = &o->b;
     char name[160];
     const int g = template_group(c), bf = reads_bf16(c);
     switch (kvf_section_path(c)) {
     case 'T':
+        if (!emits(o, U_REST)) break;
         kvf_gen_kernel_name(s, KVF_R_ENCODE_K + t, name, sizeof name);
         kvf_buf_printf(b, "KVF_KIVI_ENCODE_KERNEL(%s, %d, %d, %d, %s)\n", name, s->head_dim, c->bits, g,
                        mode_macro(c->mode));
         break;
     case 'B':
         if (kvf_gen_kmeans_owner(s, t) != t) {
-            kvf_buf_printf(b, "// value section: the key section's k-means kernels (same template arguments)\n");
+            if (o->want < 0)
+                kvf_buf_printf(b, "// value section: the key section's k-means kernels (same template arguments)\n");
             break;
         }
         kmeans_args(s, c, t ? 1 : c->qsac_candidates, name, sizeof name);
-        kvf_buf_printf(b, "KVF_KMEANS_KERNELS(kvf_%s_%c, %s)\n", s->id, t ? 'v' : 'k', name);
-        if (t == 0 && c->qsac_candidates > 1) /* kvf_gen_roles' KVF_R_K_ASSIGN_QSAC */
+        if (emits(o, t ? U_KMEANS_V : U_KMEANS_K))
+            kvf_buf_printf(b, "KVF_KMEANS_KERNELS(kvf_%s_%c, %s)\n", s->id, t ? 'v' : 'k', name);
+        if (t == 0 && c->qsac_candidates > 1 && emits(o, U_QSAC)) /* kvf_gen_roles' KVF_R_K_ASSIGN_QSAC */
             kvf_buf_printf(b, "KVF_KMEANS_QSAC_KERNEL(kvf_%s_k, %d, %d, %d, %d)\n", s->id, s->head_dim, g,
                            c->qsac_candidates, bf);
         break;
     default:
+        if (!emits(o, U_REST)) break;
         kvf_gen_kernel_name(s, KVF_R_ENCODE_K + t, name, sizeof name);
         kvf_buf_printf(b, "KVF_RTN_ENCODE_KERNEL(%s, %d, %d, %d, %s, %s, %d)\n", name, s->head_dim, c->bits, g,
                        mode_macro(c->mode), sfmt_macro(c->scale_format), c->rotation == KVF_ROTATION_HADAMARD);
@@ -214,24 +240,36 @@ static void gen_decode(kvf_buf *b, const struct kvf_scheme *s) {
     kvf_buf_printf(b, "KVF_DECODE_KERNEL(%s, %s_key, %s_value)\n", name, name, name);
 }
 
-static char *gen_cuda(const struct kvf_scheme *s) {
-    kvf_buf b = {0};
+/* want: -1 for the whole source, else program `want` of n_programs. Every
+ * program defines the format and interface globals, which a context checks
+ * in each module it loads. */
+static char *gen_cuda(const struct kvf_scheme *s, int want) {
+    cuda_out o = {.want = want};
+    const int n_programs = programs_of(s, o.prog);
+    kvf_buf *b = &o.b;
     char name[160];
-    header_line(&b, s, "//");
-    kvf_buf_printf(&b, "// Scheme %s (hash %016llx): configuration and instantiations only;\n"
-                       "// the algorithms are in the templates included below.\n",
+    header_line(b, s, "//");
+    kvf_buf_printf(b, "// Scheme %s (hash %016llx): configuration and instantiations only;\n"
+                      "// the algorithms are in the templates included below.\n",
                    s->name, (unsigned long long)s->hash);
-    kvf_buf_printf(&b, "#include \"kvf_rtn.cuh\"\n#include \"kvf_kivi.cuh\"\n#include \"kvf_kmeans.cuh\"\n"
-                       "#include \"kvf_psac.cuh\"\n#include \"kvf_decode.cuh\"\n\n");
+    if (want >= 0)
+        kvf_buf_printf(b, "// Program %d of %d that the JIT compiles at once (gen/gen.h kvf_gen_output).\n", want + 1,
+                       n_programs);
+    kvf_buf_printf(b, "#include \"kvf_rtn.cuh\"\n#include \"kvf_kivi.cuh\"\n#include \"kvf_kmeans.cuh\"\n"
+                      "#include \"kvf_psac.cuh\"\n#include \"kvf_decode.cuh\"\n\n");
+    kvf_buf_printf(b, "KVF_FORMAT_VERSION_GLOBAL(%uu)\nKVF_KERNEL_ABI_GLOBAL(%uu)\n", KVF_FORMAT_VERSION,
+                   KVF_KERNEL_ABI);
     kvf_gen_kernel_name(s, KVF_R_HEADER, name, sizeof name);
-    kvf_buf_printf(&b, "KVF_FORMAT_VERSION_GLOBAL(%uu)\nKVF_KERNEL_ABI_GLOBAL(%uu)\nKVF_HEADER_KERNEL(%s)\n",
-                   KVF_FORMAT_VERSION, KVF_KERNEL_ABI, name);
-    for (int t = 0; t < 2; t++) gen_encode_section(&b, s, t);
-    gen_decode(&b, s);
-    kvf_buf_printf(&b, "KVF_QSTATS_KERNELS(kvf_%s, %d, %d)\n", s->id, s->head_dim, s->key.psac_rank);
-    if (s->key.psac_rank > 0) kvf_buf_printf(&b, "KVF_PSAC_KERNELS(kvf_%s, %d, %d)\n", s->id, s->head_dim, s->key.psac_rank);
-    if (s->key.qsac_candidates > 1) kvf_buf_printf(&b, "KVF_QSAC_WEIGHTS_KERNEL(kvf_%s, %d)\n", s->id, s->head_dim);
-    return kvf_buf_take(&b);
+    if (emits(&o, U_REST)) kvf_buf_printf(b, "KVF_HEADER_KERNEL(%s)\n", name);
+    for (int t = 0; t < 2; t++) gen_encode_section(&o, s, t);
+    if (emits(&o, U_REST)) {
+        gen_decode(b, s);
+        kvf_buf_printf(b, "KVF_QSTATS_KERNELS(kvf_%s, %d, %d)\n", s->id, s->head_dim, s->key.psac_rank);
+        if (s->key.psac_rank > 0)
+            kvf_buf_printf(b, "KVF_PSAC_KERNELS(kvf_%s, %d, %d)\n", s->id, s->head_dim, s->key.psac_rank);
+        if (s->key.qsac_candidates > 1) kvf_buf_printf(b, "KVF_QSAC_WEIGHTS_KERNEL(kvf_%s, %d)\n", s->id, s->head_dim);
+    }
+    return kvf_buf_take(b);
 }
 
 /* --------------------------------------------------------------- C header */
@@ -356,13 +394,22 @@ int kvf_gen(const struct kvf_scheme *s, kvf_gen_output *out) {
     if (rc) return rc;
     kvf_layout l;
     if ((rc = kvf_layout_compute(s, 1, 1, &l))) return rc;
-    out->cu = gen_cuda(s);
+    out->cu = gen_cuda(s, -1);
     out->c = out->cu ? gen_c(s, out->cu) : NULL;
+    int prog[U_COUNT], bad = 0;
+    out->n_programs = programs_of(s, prog);
+    for (int p = 0; p < out->n_programs; p++) {
+        char ext[16];
+        snprintf(ext, sizeof ext, ".p%d.cu", p);
+        out->program[p] = gen_cuda(s, p);
+        out->program_name[p] = file_name(s, ext);
+        bad |= !out->program[p] || !out->program_name[p];
+    }
     out->h = gen_h(s, &l);
     out->cu_name = file_name(s, ".cu");
     out->c_name = file_name(s, ".c");
     out->h_name = file_name(s, ".h");
-    if (!out->cu || !out->c || !out->h || !out->cu_name || !out->c_name || !out->h_name) {
+    if (bad || !out->cu || !out->c || !out->h || !out->cu_name || !out->c_name || !out->h_name) {
         kvf_gen_output_free(out);
         return kvf_set_error(KVF_ENOMEM, "generator: out of memory for scheme %s", s->name);
     }
@@ -373,6 +420,10 @@ void kvf_gen_output_free(kvf_gen_output *out) {
     free(out->cu_name); free(out->cu);
     free(out->c_name); free(out->c);
     free(out->h_name); free(out->h);
+    for (int p = 0; p < out->n_programs; p++) {
+        free(out->program_name[p]);
+        free(out->program[p]);
+    }
     memset(out, 0, sizeof *out);
 }
 

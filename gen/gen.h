@@ -33,8 +33,22 @@ char kvf_section_path(const kvf_tensor_cfg *t);
 /* present[r] = 1 for every role the scheme's generated source defines. */
 void kvf_gen_roles(const struct kvf_scheme *s, int present[KVF_ROLE_COUNT]);
 
+/* The most programs kvf_gen_output splits a scheme's kernels into. */
+#define KVF_GEN_MAX_PROGRAMS 4
+
 typedef struct kvf_gen_output {
     char *cu_name, *cu; /* "<id>.cu": configuration + instantiations */
+    /* The same kernels as cu, split into programs the JIT compiles at once on
+     * separate threads (runtime/jit.c kvf_jit_programs), a module each: its
+     * cold compile then takes about as long as its slowest program, not the
+     * sum of the kernels that NVRTC's split compile cannot share out. Program
+     * 0: the header, the one-launch encodes, the decode, the query statistics,
+     * PSAC and the QSAC weights; then each section's k-means kernels
+     * (KVF_KMEANS_KERNELS, once where the value section runs the key's); then
+     * the QSAC assignment. Each defines the format and interface globals.
+     * Names "<id>.pN.cu". The AOT export compiles cu, one module. */
+    int n_programs;
+    char *program_name[KVF_GEN_MAX_PROGRAMS], *program[KVF_GEN_MAX_PROGRAMS];
     char *c_name, *c;   /* "<id>.c": constants, name table, wrappers, source string */
     char *h_name, *h;   /* "<id>.h" */
 } kvf_gen_output;

@@ -19,6 +19,11 @@ static void generates_deterministically(void **state) {
         assert_string_equal(x.cu, y.cu);
         assert_string_equal(x.c, y.c);
         assert_string_equal(x.h, y.h);
+        assert_int_equal(x.n_programs, y.n_programs);
+        for (int p = 0; p < x.n_programs; p++) {
+            assert_string_equal(x.program[p], y.program[p]);
+            assert_string_equal(x.program_name[p], y.program_name[p]);
+        }
         kvf_gen_output_free(&x);
         kvf_gen_output_free(&y);
         kvf_scheme_free(a);
@@ -153,6 +158,70 @@ static void kmeans_kernels_shared_when_identical(void **state) {
     }
 }
 
+/* How many times `line` is a whole line of text. */
+static int count_line(const char *text, const char *line, size_t len) {
+    int n = 0;
+    for (const char *p = text; (p = strstr(p, line)); p += len)
+        if ((p == text || p[-1] == '\n') && (p[len] == '\n' || !p[len])) n++;
+    return n;
+}
+
+/* The JIT's programs hold the whole source's kernels between them, each
+ * instantiation in exactly one, and each the format and interface globals:
+ * a program for the rest, one per section that owns its k-means kernels, one
+ * for the QSAC assignment. */
+static void programs_split_the_whole_source(void **state) {
+    (void)state;
+    const char *texts[] = {
+        "return { base = 'rtn_int2', name = 'r' }",
+        "return { base = 'kivi_int2', name = 'k' }",
+        "return { base = 'qvg_int2', name = 'q' }",           /* values run the keys' k-means kernels */
+        "return { base = 'quantwm_int2', name = 'w' }",       /* and QSAC */
+        "return { base = 'qvg_int2', name = 'v4', value = { bits = 4 } }",
+        "return { base = 'quantwm_int2', name = 'w4', value = { bits = 4 } }", /* all four */
+        "return { base = 'quantwm_int2', name = 'wr', value = { centroids = 0 } }",
+    };
+    const int want_programs[] = {1, 1, 2, 3, 3, 4, 3};
+    for (size_t i = 0; i < sizeof texts / sizeof *texts; i++) {
+        kvf_scheme *s = tu_scheme_text(texts[i]);
+        kvf_gen_output g;
+        assert_int_equal(kvf_gen(s, &g), KVF_OK);
+        if (g.n_programs != want_programs[i]) fail_msg("%s: %d programs, want %d", texts[i], g.n_programs, want_programs[i]);
+        for (int p = 0; p < g.n_programs; p++) {
+            char name[160];
+            snprintf(name, sizeof name, "%s.p%d.cu", kvf_scheme_id(s), p);
+            assert_string_equal(g.program_name[p], name);
+            assert_non_null(strstr(g.program[p], "\nKVF_FORMAT_VERSION_GLOBAL("));
+            assert_non_null(strstr(g.program[p], "\nKVF_KERNEL_ABI_GLOBAL("));
+        }
+        /* Every instantiation line of the whole in one program only, and no
+         * other line in the programs. */
+        int whole_lines = 0, program_lines = 0;
+        for (const char *l = g.cu; *l;) {
+            size_t len = strcspn(l, "\n");
+            if ((!strncmp(l, "KVF_", 4) || !strncmp(l, "typedef ", 8)) && strncmp(l, "KVF_FORMAT_VERSION_GLOBAL(", 26) &&
+                strncmp(l, "KVF_KERNEL_ABI_GLOBAL(", 22)) {
+                char line[1024];
+                snprintf(line, sizeof line, "%.*s", (int)len, l);
+                int in = 0;
+                for (int p = 0; p < g.n_programs; p++) in += count_line(g.program[p], line, len);
+                if (in != 1) fail_msg("%s: \"%s\" in %d programs", texts[i], line, in);
+                whole_lines++;
+            }
+            l += len + (l[len] == '\n');
+        }
+        for (int p = 0; p < g.n_programs; p++)
+            for (const char *l = g.program[p]; *l;) {
+                size_t len = strcspn(l, "\n");
+                program_lines += !strncmp(l, "KVF_", 4) || !strncmp(l, "typedef ", 8);
+                l += len + (l[len] == '\n');
+            }
+        assert_int_equal(program_lines, whole_lines + 2 * g.n_programs); /* + the two globals each */
+        kvf_gen_output_free(&g);
+        kvf_scheme_free(s);
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(generates_deterministically),
@@ -161,6 +230,7 @@ int main(void) {
         cmocka_unit_test(unimplemented_method_refused),
         cmocka_unit_test(value_qsac_refused),
         cmocka_unit_test(kmeans_kernels_shared_when_identical),
+        cmocka_unit_test(programs_split_the_whole_source),
     };
     return cmocka_run_group_tests_name("generator", tests, NULL, NULL);
 }
