@@ -652,8 +652,14 @@ static void list_entry(FILE *out, int archfd, const char *dir, const char *arch,
     struct tm tm;
     if (localtime_r(&e.mtime, &tm)) strftime(when, sizeof when, "%Y-%m-%d %H:%M:%S", &tm);
     json_t *meta = json_loadb((const char *)e.data, e.meta_len, 0, NULL);
-    fprintf(out, "%s %.32s %" PRIu64 " %s scheme=%s nvrtc=%s\n", arch, name, e.payload_len,
-            when, json_field(meta, "scheme"), json_field(meta, "nvrtc"));
+    /* A program of the JIT's (runtime/jit.c): which of how many; none for a whole source. */
+    char program[48] = "";
+    json_t *p = json_object_get(meta, "program"), *n = json_object_get(meta, "programs");
+    if (json_is_integer(p) && json_is_integer(n))
+        snprintf(program, sizeof program, " program=%lld/%lld", (long long)json_integer_value(p) + 1,
+                 (long long)json_integer_value(n));
+    fprintf(out, "%s %.32s %" PRIu64 " %s scheme=%s%s nvrtc=%s\n", arch, name, e.payload_len,
+            when, json_field(meta, "scheme"), program, json_field(meta, "nvrtc"));
     json_decref(meta);
     free(e.data);
 }

@@ -23,7 +23,8 @@ struct kvf_context {
     const kvf_cuda_api *cu;
     CUdevice dev;
     CUcontext cuctx;
-    CUmodule module;
+    CUmodule module[KVF_GEN_MAX_PROGRAMS]; /* the programs' modules (kvf_jit_programs), or an image's one */
+    int n_modules;
     CUfunction fn[KVF_ROLE_COUNT]; /* NULL where the scheme has no such kernel */
     int sms;                       /* multiprocessors (sizes the k-means assignment grid) */
     int smem_optin;                /* dynamic shared bytes a block may opt into on this device */
@@ -96,13 +97,23 @@ static int pop_ctx(const kvf_context *ctx, int rc) {
     return rc;
 }
 
+/* A global of whichever module defines it (each program defines its own
+ * globals; the format and interface globals are in every one):
+ * CUDA_ERROR_NOT_FOUND where none does. Inside push_ctx. */
+static CUresult module_global(const kvf_context *ctx, const char *name, CUdeviceptr *p, size_t *bytes) {
+    CUresult r = CUDA_ERROR_NOT_FOUND;
+    for (int m = 0; m < ctx->n_modules && r == CUDA_ERROR_NOT_FOUND; m++)
+        r = ctx->cu->cuModuleGetGlobal(p, bytes, ctx->module[m], name);
+    return r;
+}
+
 /* A k-means section's module global kvf_<id>_<k|v>_<sym> (templates/kvf_kmeans.cuh),
  * checked to have `want` bytes. Inside push_ctx. */
 static int kmeans_global(kvf_context *ctx, int t, const char *sym, size_t want, CUdeviceptr *p) {
     char name[160];
     size_t bytes;
     snprintf(name, sizeof name, "kvf_%s_%c_%s", ctx->scheme->id, t ? 'v' : 'k', sym);
-    CUresult r = ctx->cu->cuModuleGetGlobal(p, &bytes, ctx->module, name);
+    CUresult r = module_global(ctx, name, p, &bytes);
     if (r == CUDA_SUCCESS && bytes != want) r = CUDA_ERROR_INVALID_IMAGE;
     if (r != CUDA_SUCCESS)
         return kvf_wrap_error(kvf_cuda_fail(r, "cuModuleGetGlobal", __FILE__, __LINE__, ctx->device),
@@ -110,15 +121,16 @@ static int kmeans_global(kvf_context *ctx, int t, const char *sym, size_t want, 
     return KVF_OK;
 }
 
-/* A u32 module global the generator writes into every image (`name`),
- * which must equal `want`: KVF_EFORMAT naming `what` ("packed format") and
- * what this library does with it (`verb`: "reads"), and the remedy, when the
- * image has none or another value. Inside push_ctx. */
-static int check_image_u32(kvf_context *ctx, const char *name, unsigned want, const char *what, const char *verb) {
+/* A u32 global the generator writes into every image and program (`name`),
+ * which module m must hold equal to `want`: KVF_EFORMAT naming `what`
+ * ("packed format") and what this library does with it (`verb`: "reads"),
+ * and the remedy, when it has none or another value. Inside push_ctx. */
+static int check_image_u32(kvf_context *ctx, int m, const char *name, unsigned want, const char *what,
+                           const char *verb) {
     CUdeviceptr p;
     size_t bytes = 0;
     uint32_t v = 0;
-    CUresult r = ctx->cu->cuModuleGetGlobal(&p, &bytes, ctx->module, name);
+    CUresult r = ctx->cu->cuModuleGetGlobal(&p, &bytes, ctx->module[m], name);
     if (r != CUDA_SUCCESS && r != CUDA_ERROR_NOT_FOUND)
         return kvf_wrap_error(kvf_cuda_fail(r, "cuModuleGetGlobal", __FILE__, __LINE__, ctx->device), "reading %s",
                               name);
@@ -138,20 +150,35 @@ static int check_image_u32(kvf_context *ctx, const char *name, unsigned want, co
  * launches (kvf_kernel_abi: grids and arguments; another would run on the
  * wrong grid). Both are templates/kvf_common.cuh globals written by gen.c. */
 static int check_image_format(kvf_context *ctx) {
-    int rc = check_image_u32(ctx, "kvf_format_version", KVF_FORMAT_VERSION, "packed format", "reads");
-    return rc ? rc : check_image_u32(ctx, "kvf_kernel_abi", KVF_KERNEL_ABI, "kernel interface", "launches");
+    int rc = KVF_OK;
+    for (int m = 0; m < ctx->n_modules && rc == KVF_OK; m++)
+        if (!(rc = check_image_u32(ctx, m, "kvf_format_version", KVF_FORMAT_VERSION, "packed format", "reads")))
+            rc = check_image_u32(ctx, m, "kvf_kernel_abi", KVF_KERNEL_ABI, "kernel interface", "launches");
+    return rc;
 }
 
-/* remedy: what to do when the image's k-means assignment needs more shared
- * memory than the device allows (it depends on where the image came from). */
-static int load_module(kvf_context *ctx, const void *image, const char *remedy) {
+/* A kernel of whichever module defines it. Inside push_ctx. */
+static CUresult module_function(const kvf_context *ctx, const char *name, CUfunction *f) {
+    CUresult r = CUDA_ERROR_NOT_FOUND;
+    for (int m = 0; m < ctx->n_modules && r == CUDA_ERROR_NOT_FOUND; m++)
+        r = ctx->cu->cuModuleGetFunction(f, ctx->module[m], name);
+    return r;
+}
+
+/* images: n images, a module each (the programs of kvf_jit_programs, or an
+ * exported image). remedy: what to do when the k-means assignment needs more
+ * shared memory than the device allows (it depends on where the images came
+ * from). */
+static int load_modules(kvf_context *ctx, void *const *images, int n, const char *remedy) {
     const kvf_cuda_api *cu = ctx->cu;
     int rc = push_ctx(ctx);
     if (rc) return rc;
-    CUresult r = cu->cuModuleLoadData(&ctx->module, image);
-    if (r != CUDA_SUCCESS) {
-        rc = kvf_cuda_fail(r, "cuModuleLoadData(&module, image)", __FILE__, __LINE__, ctx->device);
-        ctx->module = NULL;
+    CUresult r;
+    for (int m = 0; m < n && rc == KVF_OK; m++) {
+        if ((r = cu->cuModuleLoadData(&ctx->module[m], images[m])) != CUDA_SUCCESS)
+            rc = kvf_cuda_fail(r, "cuModuleLoadData(&module, image)", __FILE__, __LINE__, ctx->device);
+        else
+            ctx->n_modules = m + 1;
     }
     if (rc == KVF_OK) rc = check_image_format(ctx);
     int present[KVF_ROLE_COUNT];
@@ -160,7 +187,7 @@ static int load_module(kvf_context *ctx, const void *image, const char *remedy) 
         if (!present[k]) continue;
         char name[160];
         kvf_gen_kernel_name(ctx->scheme, k, name, sizeof name);
-        r = cu->cuModuleGetFunction(&ctx->fn[k], ctx->module, name);
+        r = module_function(ctx, name, &ctx->fn[k]);
         if (r != CUDA_SUCCESS)
             rc = kvf_wrap_error(kvf_cuda_fail(r, "cuModuleGetFunction", __FILE__, __LINE__, ctx->device),
                                 "kernel %s not in the image (made for another scheme?)", name);
@@ -218,16 +245,17 @@ int kvf_context_create(const kvf_scheme *s, int device, kvf_context **out) {
     }
     int major = 0, minor = 0, ptx = 0;
     char arch[32];
-    void *image = NULL;
-    size_t size = 0;
+    kvf_jit_images im = {0};
     if (!(rc = open_device(ctx, &major, &minor)) && !(rc = kvf_nvrtc_pick_arch(major, minor, arch, sizeof arch, &ptx)) &&
-        !(rc = kvf_jit_image(ctx->scheme, arch, ptx, &image, &size, &ctx->origin)))
-        rc = load_module(ctx, image,
-                         ptx ? "this NVRTC compiled PTX for an older arch than the device's; use an NVRTC that "
-                               "knows the device's arch, or an image exported for it"
-                             : "the device allows less than templates/kvf_kmeans.cuh's smem_optin_bytes assumes "
-                               "for its arch");
-    free(image);
+        !(rc = kvf_jit_programs(ctx->scheme, arch, ptx, &im))) {
+        ctx->origin = im.origin;
+        rc = load_modules(ctx, im.image, im.n,
+                          ptx ? "this NVRTC compiled PTX for an older arch than the device's; use an NVRTC that "
+                                "knows the device's arch, or an image exported for it"
+                              : "the device allows less than templates/kvf_kmeans.cuh's smem_optin_bytes assumes "
+                                "for its arch");
+    }
+    kvf_jit_images_free(&im);
     if (rc) { kvf_context_destroy(ctx); return rc; }
     *out = ctx;
     return KVF_OK;
@@ -249,7 +277,8 @@ int kvf_context_create_from_image(const char *canonical, const void *image, size
     if (device == KVF_DEVICE_CPU) rc = kvf_set_error(KVF_EINVAL, "an image needs a CUDA device, not the CPU");
     else if (!(rc = open_device(ctx, &major, &minor))) {
         ctx->origin = "image";
-        rc = load_module(ctx, image, "use an image compiled for its arch");
+        void *const one[1] = {(void *)image};
+        rc = load_modules(ctx, one, 1, "use an image compiled for its arch");
     }
     if (rc) { kvf_context_destroy(ctx); return rc; }
     *out = ctx;
@@ -258,11 +287,11 @@ int kvf_context_create_from_image(const char *canonical, const void *image, size
 
 void kvf_context_destroy(kvf_context *ctx) {
     if (!ctx) return;
-    /* The module and the workspace belong to the context: free them with it
+    /* The modules and the workspace belong to the context: free them with it
      * current (the caller's thread may have none, or another). */
-    if ((ctx->module || ctx->ws) && ctx->cu->cuCtxPushCurrent(ctx->cuctx) == CUDA_SUCCESS) {
+    if ((ctx->n_modules || ctx->ws) && ctx->cu->cuCtxPushCurrent(ctx->cuctx) == CUDA_SUCCESS) {
         CUcontext popped;
-        if (ctx->module) ctx->cu->cuModuleUnload(ctx->module);
+        for (int m = 0; m < ctx->n_modules; m++) ctx->cu->cuModuleUnload(ctx->module[m]);
         if (ctx->ws) ctx->cu->cuMemFree(ctx->ws);
         ctx->cu->cuCtxPopCurrent(&popped);
     }

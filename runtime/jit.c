@@ -25,11 +25,14 @@ static void make_key(const char *source, const char *arch, const kvf_nvrtc_api *
     kvf_cache_make_key(arch, nv->major, nv->minor, opts, n_opts, parts, lens, n, key);
 }
 
-static void meta_json(const struct kvf_scheme *s, const char *arch, const kvf_nvrtc_api *nv, char *buf,
-                      size_t len) {
+/* program: the program's index of n_programs, or -1 for the whole source. */
+static void meta_json(const struct kvf_scheme *s, const char *arch, const kvf_nvrtc_api *nv, int program,
+                      int n_programs, char *buf, size_t len) {
+    char part[64] = "";
+    if (program >= 0) snprintf(part, sizeof part, ",\"program\":%d,\"programs\":%d", program, n_programs);
     snprintf(buf, len,
-             "{\"scheme\":\"%s\",\"arch\":\"%s\",\"nvrtc\":\"%d.%d\",\"kvforge\":\"%s\",\"created\":%lld}",
-             s->id, arch, nv->major, nv->minor, KVF_VERSION_STRING, (long long)time(NULL));
+             "{\"scheme\":\"%s\",\"arch\":\"%s\",\"nvrtc\":\"%d.%d\",\"kvforge\":\"%s\",\"created\":%lld%s}",
+             s->id, arch, nv->major, nv->minor, KVF_VERSION_STRING, (long long)time(NULL), part);
 }
 
 /* A cubin, and ptxas with it, needs a GPU arch: for a virtual one NVRTC
@@ -38,6 +41,39 @@ static int need_gpu_arch(const char *arch, const char *what) {
     if (!strncmp(arch, "sm_", 3)) return KVF_OK;
     return kvf_set_error(KVF_EINVAL, "arch %s is not a GPU arch (sm_XX), which %s needs (a virtual arch, compute_XX, "
                          "has PTX only)", arch, what);
+}
+
+/* One source's image (the whole, program = -1, or program `program` of
+ * n_programs) from the disk cache or NVRTC; safe to run on several threads
+ * at once for different sources. */
+static int image_of(const struct kvf_scheme *s, const kvf_nvrtc_api *nv, const char *source, const char *name,
+                    const char *arch, int want_ptx, int program, int n_programs, void **image, size_t *size,
+                    const char **origin) {
+    char cache_arch[40];
+    snprintf(cache_arch, sizeof cache_arch, "%s%s", arch, want_ptx ? "-ptx" : "");
+    kvf_cache_key key;
+    make_key(source, cache_arch, nv, &key);
+    if (kvf_cache_get(cache_arch, &key, image, size) == KVF_OK) {
+        *origin = "disk-cache";
+        return KVF_OK;
+    }
+    /* Another process may be compiling the same key: wait for it, look again. */
+    int rc = KVF_OK, lock = kvf_cache_lock(cache_arch, &key);
+    if (lock >= 0 && kvf_cache_get(cache_arch, &key, image, size) == KVF_OK) {
+        *origin = "disk-cache";
+    } else {
+        rc = kvf_nvrtc_compile(source, name, arch, want_ptx, image, size);
+        if (rc == KVF_OK) {
+            char meta[512];
+            meta_json(s, cache_arch, nv, program, n_programs, meta, sizeof meta);
+            kvf_cache_put(cache_arch, &key, meta, *image, *size); /* failures only warn */
+            *origin = "nvrtc";
+        } else {
+            kvf_wrap_error(rc, "scheme %s", s->name);
+        }
+    }
+    if (lock >= 0) kvf_cache_unlock(lock);
+    return rc;
 }
 
 int kvf_jit_image(const struct kvf_scheme *s, const char *arch, int want_ptx, void **image, size_t *size,
@@ -50,33 +86,66 @@ int kvf_jit_image(const struct kvf_scheme *s, const char *arch, int want_ptx, vo
     if ((rc = kvf_nvrtc_load(&nv))) return rc;
     kvf_gen_output g;
     if ((rc = kvf_gen(s, &g))) return rc;
-    char cache_arch[40];
-    snprintf(cache_arch, sizeof cache_arch, "%s%s", arch, want_ptx ? "-ptx" : "");
-    kvf_cache_key key;
-    make_key(g.cu, cache_arch, nv, &key);
-    if (kvf_cache_get(cache_arch, &key, image, size) == KVF_OK) {
-        *origin = "disk-cache";
-        kvf_gen_output_free(&g);
-        return KVF_OK;
-    }
-    /* Another process may be compiling the same key: wait for it, look again. */
-    int lock = kvf_cache_lock(cache_arch, &key);
-    if (lock >= 0 && kvf_cache_get(cache_arch, &key, image, size) == KVF_OK) {
-        *origin = "disk-cache";
-    } else {
-        rc = kvf_nvrtc_compile(g.cu, g.cu_name, arch, want_ptx, image, size);
-        if (rc == KVF_OK) {
-            char meta[512];
-            meta_json(s, cache_arch, nv, meta, sizeof meta);
-            kvf_cache_put(cache_arch, &key, meta, *image, *size); /* failures only warn */
-            *origin = "nvrtc";
-        } else {
-            kvf_wrap_error(rc, "scheme %s", s->name);
-        }
-    }
-    if (lock >= 0) kvf_cache_unlock(lock);
+    rc = image_of(s, nv, g.cu, g.cu_name, arch, want_ptx, -1, 0, image, size, origin);
     kvf_gen_output_free(&g);
     return rc;
+}
+
+/* The programs of kvf_jit_programs and kvf_jit_usage, one task each. */
+typedef struct programs_job {
+    const struct kvf_scheme *s;
+    const kvf_nvrtc_api *nv;
+    const kvf_gen_output *g;
+    const char *arch;
+    int want_ptx;
+    kvf_jit_images *out;
+    const char *origin[KVF_GEN_MAX_PROGRAMS];
+    char *report[KVF_GEN_MAX_PROGRAMS]; /* kvf_jit_usage's ptxas reports; NULL: kvf_jit_programs */
+    int with_report;
+} programs_job;
+
+static int program_task(void *arg, int p, int worker) {
+    (void)worker;
+    programs_job *j = arg;
+    if (j->with_report) {
+        int rc = kvf_nvrtc_compile_report(j->g->program[p], j->g->program_name[p], j->arch, &j->out->image[p],
+                                          &j->out->size[p], &j->report[p]);
+        return rc ? kvf_wrap_error(rc, "scheme %s", j->s->name) : KVF_OK;
+    }
+    return image_of(j->s, j->nv, j->g->program[p], j->g->program_name[p], j->arch, j->want_ptx, p, j->g->n_programs,
+                    &j->out->image[p], &j->out->size[p], &j->origin[p]);
+}
+
+/* Every program of the scheme on a thread of its own. */
+static int run_programs(programs_job *j) {
+    memset(j->out, 0, sizeof *j->out);
+    int rc = kvf_nvrtc_load(&j->nv);
+    if (rc) return rc;
+    kvf_gen_output g;
+    if ((rc = kvf_gen(j->s, &g))) return rc;
+    j->g = &g;
+    const kvf_tasks t = {.n_tasks = g.n_programs, .threads = g.n_programs, .arg = j, .run = program_task};
+    rc = kvf_parallel_for(&t);
+    j->out->n = g.n_programs;
+    j->out->origin = "disk-cache";
+    for (int p = 0; p < g.n_programs; p++)
+        if (j->origin[p] && strcmp(j->origin[p], "disk-cache")) j->out->origin = "nvrtc";
+    if (rc) kvf_jit_images_free(j->out);
+    kvf_gen_output_free(&g);
+    return rc;
+}
+
+int kvf_jit_programs(const struct kvf_scheme *s, const char *arch, int want_ptx, kvf_jit_images *out) {
+    memset(out, 0, sizeof *out);
+    int rc = want_ptx ? KVF_OK : need_gpu_arch(arch, "a cubin");
+    if (rc) return rc;
+    programs_job j = {.s = s, .arch = arch, .want_ptx = want_ptx, .out = out};
+    return run_programs(&j);
+}
+
+void kvf_jit_images_free(kvf_jit_images *im) {
+    for (int p = 0; p < KVF_GEN_MAX_PROGRAMS; p++) free(im->image[p]);
+    memset(im, 0, sizeof *im);
 }
 
 /* The number just before `what` in line (", 16512 bytes smem"), or -1. */
@@ -143,25 +212,45 @@ int kvf_ptxas_report_parse(const char *log, kvf_kernel_usage **out, int *n_out) 
     return KVF_OK;
 }
 
-int kvf_jit_usage(const struct kvf_scheme *s, const char *arch, kvf_kernel_usage **usage, int *n, void **image,
-                  size_t *size) {
-    void *img = NULL;
-    size_t bytes = 0;
-    if (image) *image = NULL;
+int kvf_jit_usage(const struct kvf_scheme *s, const char *arch, kvf_kernel_usage **usage, int *n,
+                  kvf_jit_images *images) {
+    *usage = NULL;
+    *n = 0;
+    kvf_jit_images own;
+    kvf_jit_images *im = images ? images : &own;
+    memset(im, 0, sizeof *im);
     int rc = need_gpu_arch(arch, "the register report");
     if (rc) return rc;
-    kvf_gen_output g;
-    if ((rc = kvf_gen(s, &g))) return rc;
-    char *report = NULL;
-    rc = kvf_nvrtc_compile_report(g.cu, g.cu_name, arch, &img, &bytes, &report);
-    if (rc == KVF_OK) rc = kvf_ptxas_report_parse(report, usage, n);
-    if (rc) kvf_wrap_error(rc, "scheme %s for %s", s->name, arch);
-    if (rc == KVF_OK && image) {
-        *image = img, *size = bytes;
-        img = NULL;
+    programs_job j = {.s = s, .arch = arch, .out = im, .with_report = 1};
+    rc = run_programs(&j);
+    /* The programs' reports in program order, one list. */
+    kvf_kernel_usage *all = NULL;
+    int total = 0;
+    for (int p = 0; p < KVF_GEN_MAX_PROGRAMS && rc == KVF_OK && j.report[p]; p++) {
+        kvf_kernel_usage *u;
+        int k;
+        if ((rc = kvf_ptxas_report_parse(j.report[p], &u, &k))) {
+            kvf_wrap_error(rc, "scheme %s for %s, program %d", s->name, arch, p);
+            break;
+        }
+        kvf_kernel_usage *grown = realloc(all, (size_t)(total + k) * sizeof *all);
+        if (!grown) {
+            free(u);
+            rc = kvf_set_error(KVF_ENOMEM, "out of memory for the ptxas report");
+            break;
+        }
+        all = grown;
+        memcpy(all + total, u, (size_t)k * sizeof *u);
+        total += k;
+        free(u);
     }
-    free(img);
-    free(report);
-    kvf_gen_output_free(&g);
-    return rc;
+    for (int p = 0; p < KVF_GEN_MAX_PROGRAMS; p++) free(j.report[p]);
+    if (rc || !images) kvf_jit_images_free(im);
+    if (rc) {
+        free(all);
+        return rc;
+    }
+    *usage = all;
+    *n = total;
+    return KVF_OK;
 }

@@ -86,19 +86,21 @@ static void check_usage(const char *label, const char *arch, const kvf_kernel_us
     }
 }
 
-/* Every shipped scheme compiles for sm_80 and sm_90 to a cubin, with
- * ptxas's report of its kernels (kvforge compile --resources): every kernel
- * listed with its registers. With NVRTC 13 (what docs/BENCHMARKS.md's report
- * and the H200 runs used), also the register allocation measured there: the
- * decode, which is bound by bandwidth, neither spills nor uses a stack frame,
- * and no kernel spills more than 64 bytes (qstats_eigen spills 8 bytes for
- * sm_90); the unrotated RTN encode (RTN, and KIVI's values) stays at 32
- * registers, 8 blocks of 256 threads an SM (kvf_rtn MIN_BLOCKS). Another
- * toolkit allocates registers its own way: there the report is printed.
- * One compile per scheme and arch serves both (the report's cubin differs
- * from the cache's only in the options recorded in it); rtn_int4 also goes
- * through kvf_jit_image, whose cubins jit_race compares its racers
- * against. */
+/* Every shipped scheme compiles for sm_80 and sm_90 to a cubin per program
+ * (what a context loads: kvf_jit_programs), with ptxas's report of its
+ * kernels (kvforge compile --resources): every kernel listed with its
+ * registers, in one program only. With NVRTC 13 (what docs/BENCHMARKS.md's
+ * report and the H200 runs used), also the register allocation measured
+ * there: the decode, which is bound by bandwidth, neither spills nor uses a
+ * stack frame, and no kernel spills more than 64 bytes (qstats_eigen spills 8
+ * bytes in some PSAC shapes for sm_90, psac_decode_shapes_do_not_spill); the
+ * unrotated RTN encode (RTN, and KIVI's values) stays at 32 registers, 8
+ * blocks of 256 threads an SM (kvf_rtn MIN_BLOCKS). Another toolkit
+ * allocates registers its own way: there the report is printed. One compile
+ * per scheme and arch serves both (the report's cubins differ from the
+ * cache's only in the options recorded in them); rtn_int4 also goes through
+ * kvf_jit_image (the whole source, one program, as the AOT export compiles
+ * it), whose cubins jit_race compares its racers against. */
 static void every_scheme_compiles(void **state) {
     (void)state;
     const kvf_nvrtc_api *nv;
@@ -108,23 +110,33 @@ static void every_scheme_compiles(void **state) {
     for (const char *const *n = kvf_builtin_schemes(); *n; n++) {
         kvf_scheme *s = tu_scheme(*n);
         for (int a = 0; a < 2; a++) {
-            void *image = NULL;
-            size_t size = 0;
+            kvf_jit_images im;
             kvf_kernel_usage *u;
             int k = 0;
-            if (kvf_jit_usage(s, archs[a], &u, &k, &image, &size))
+            if (kvf_jit_usage(s, archs[a], &u, &k, &im))
                 fail_msg("%s for %s: %s", *n, archs[a], kvf_last_error());
-            check_cubin(image, size);
-            free(image);
+            /* A cubin per program: the k-means schemes have more than one. */
+            assert_in_range(im.n, 1, KVF_GEN_MAX_PROGRAMS);
+            assert_true((im.n > 1) == (kvf_section_path(&s->key) == 'B' || kvf_section_path(&s->value) == 'B'));
+            for (int p = 0; p < im.n; p++) check_cubin(im.image[p], im.size[p]);
+            kvf_jit_images_free(&im);
             int decode, assign;
             check_usage(*n, archs[a], u, k, strict, 0, &decode, &assign);
             assert_int_equal(decode, 1); /* one kernel decodes K and V */
             /* One kernel per role the generator says the scheme has (a value
-             * section sharing the keys' k-means kernels adds none). */
+             * section sharing the keys' k-means kernels adds none), each in
+             * one program only. */
             int roles[KVF_ROLE_COUNT], assign_roles = 0;
             const int n_roles = kvf_gen_kernels(s, roles);
             for (int r = 0; r < n_roles; r++) assign_roles += strstr(kvf_role_names[roles[r]], "_assign") != NULL;
             assert_int_equal(k, n_roles);
+            for (int r = 0; r < n_roles; r++) {
+                char name[160];
+                int found = 0;
+                kvf_gen_kernel_name(s, roles[r], name, sizeof name);
+                for (int i = 0; i < k; i++) found += !strcmp(u[i].name, name);
+                if (found != 1) fail_msg("%s for %s: kernel %s in %d programs", *n, archs[a], name, found);
+            }
             assert_int_equal(assign, assign_roles);
             /* The unrotated RTN encode (kvf_rtn MIN_BLOCKS): RTN's, and KIVI's values'. */
             for (int i = 0; i < k && strict; i++)
@@ -134,6 +146,8 @@ static void every_scheme_compiles(void **state) {
             free(u);
             if (strcmp(*n, "rtn_int4")) continue;
             const char *origin = NULL;
+            void *image = NULL;
+            size_t size = 0;
             int rc = kvf_jit_image(s, archs[a], 0, &image, &size, &origin);
             if (rc) fail_msg("%s for %s: %s", *n, archs[a], kvf_last_error());
             assert_string_equal(origin, "nvrtc");
@@ -196,7 +210,7 @@ static void ptxas_report_parsed(void **state) {
     assert_non_null(strstr(kvf_last_error(), "no kernel"));
     /* A virtual arch has no ptxas report. */
     kvf_scheme *s = tu_scheme("rtn_int2");
-    assert_int_equal(kvf_jit_usage(s, "compute_90", &u, &n, NULL, NULL), KVF_EINVAL);
+    assert_int_equal(kvf_jit_usage(s, "compute_90", &u, &n, NULL), KVF_EINVAL);
     assert_non_null(
         strstr(kvf_last_error(), "arch compute_90 is not a GPU arch (sm_XX), which the register report needs"));
     kvf_scheme_free(s);
@@ -232,7 +246,7 @@ static void psac_decode_shapes_do_not_spill(void **state) {
         kvf_scheme *s = tu_scheme_text(shapes[i]);
         kvf_kernel_usage *u;
         int k = 0, decode, assign;
-        if (kvf_jit_usage(s, "sm_90", &u, &k, NULL, NULL)) fail_msg("%s: %s", shapes[i], kvf_last_error());
+        if (kvf_jit_usage(s, "sm_90", &u, &k, NULL)) fail_msg("%s: %s", shapes[i], kvf_last_error());
         check_usage(s->name, "sm_90", u, k, 1, strstr(shapes[i], "'pre'") ? 8 : 0, &decode, &assign);
         assert_int_equal(decode, 1);
         free(u);
@@ -295,6 +309,44 @@ static void jit_uses_disk_cache(void **state) {
     assert_int_equal(kvf_jit_image(s, "sm_80", 0, &c, &nc, &oc), KVF_OK);
     assert_string_equal(oc, "nvrtc"); /* another arch is another key */
     free(a); free(b); free(c);
+    kvf_scheme_free(s);
+}
+
+/* What a context loads: a k-means scheme with QSAC as its three programs,
+ * compiled at once, then each from the disk cache with the same bytes; as
+ * PTX too (a GPU newer than NVRTC), each program with the globals a context
+ * checks; a cubin of a virtual arch refused before anything is compiled. */
+static void jit_programs_use_disk_cache(void **state) {
+    (void)state;
+    kvf_scheme *s = tu_scheme_text("return { base = 'quantwm_int2', name = 'jp', head_dim = 64 }");
+    kvf_jit_images a, b, p;
+    assert_int_equal(kvf_jit_programs(s, "sm_90", 0, &a), KVF_OK);
+    assert_string_equal(a.origin, "nvrtc");
+    assert_int_equal(a.n, 3);
+    assert_int_equal(kvf_jit_programs(s, "sm_90", 0, &b), KVF_OK);
+    assert_string_equal(b.origin, "disk-cache");
+    assert_int_equal(b.n, a.n);
+    for (int i = 0; i < a.n; i++) {
+        check_cubin(a.image[i], a.size[i]);
+        assert_int_equal(a.size[i], b.size[i]);
+        assert_memory_equal(a.image[i], b.image[i], a.size[i]);
+        for (int j = 0; j < i; j++) assert_true(a.size[i] != a.size[j] || memcmp(a.image[i], a.image[j], a.size[i]));
+    }
+    assert_int_equal(kvf_jit_programs(s, "compute_90", 1, &p), KVF_OK);
+    assert_int_equal(p.n, 3);
+    char want[2][64];
+    snprintf(want[0], sizeof want[0], " kvf_format_version = %u;", KVF_FORMAT_VERSION);
+    snprintf(want[1], sizeof want[1], " kvf_kernel_abi = %u;", KVF_KERNEL_ABI);
+    for (int i = 0; i < p.n; i++) {
+        assert_non_null(strstr((const char *)p.image[i], ".entry"));
+        for (int w = 0; w < 2; w++) assert_non_null(strstr((const char *)p.image[i], want[w]));
+    }
+    kvf_jit_images_free(&a);
+    kvf_jit_images_free(&b);
+    kvf_jit_images_free(&p);
+    assert_int_equal(kvf_jit_programs(s, "compute_90", 0, &a), KVF_EINVAL);
+    assert_int_equal(a.n, 0);
+    assert_null(a.image[0]);
     kvf_scheme_free(s);
 }
 
@@ -496,7 +548,7 @@ static void kmeans_fits_arch_shared_memory(void **state) {
                                      "stages = 2 } }");
     kvf_kernel_usage *u;
     int k = 0, decode, assign;
-    if (kvf_jit_usage(wm8, "sm_90", &u, &k, NULL, NULL)) fail_msg("wm8 for sm_90: %s", kvf_last_error());
+    if (kvf_jit_usage(wm8, "sm_90", &u, &k, NULL)) fail_msg("wm8 for sm_90: %s", kvf_last_error());
     check_usage("wm8", "sm_90", u, k, nv->major == 13, 0, &decode, &assign);
     assert_int_equal(assign, 3); /* k_assign, k_assign_qsac, v_assign */
     free(u);
@@ -517,6 +569,7 @@ int main(void) {
         cmocka_unit_test_setup(psac_decode_shapes_do_not_spill, fresh_env),
         cmocka_unit_test_setup(bench_probe_compiles, fresh_env),
         cmocka_unit_test_setup(jit_uses_disk_cache, fresh_env),
+        cmocka_unit_test_setup(jit_programs_use_disk_cache, fresh_env),
         cmocka_unit_test_setup(ptx_fallback_compiles, fresh_env),
         cmocka_unit_test_setup(jit_race, fresh_env),
         cmocka_unit_test_setup(compile_error_reports_log, fresh_env),

@@ -94,8 +94,9 @@ static int print_usage_report(kvf_scheme *s, const arch_job *j) {
     for (int i = 0; i < j->n && !rc; i++) {
         kvf_kernel_usage *u;
         int n;
-        if ((rc = kvf_jit_usage(s, j->archs[i], &u, &n, NULL, NULL))) break;
-        printf("%s %s: %d kernels (ptxas report of an NVRTC compile)\n", kvf_scheme_id(s), j->archs[i], n);
+        if ((rc = kvf_jit_usage(s, j->archs[i], &u, &n, NULL))) break;
+        printf("%s %s: %d kernels (ptxas report of the NVRTC compile of its programs)\n", kvf_scheme_id(s),
+               j->archs[i], n);
         printf("  %-26s %9s %8s %12s %11s %12s\n", "kernel", "registers", "barriers", "spills st/ld", "stack bytes",
                "static smem");
         for (int k = 0; k < n; k++) {
@@ -122,18 +123,19 @@ static int cmd_compile(int argc, char **argv) {
         return rc ? fail(rc) : 0;
     }
     for (int i = 0; i < j.n && !rc; i++) {
-        void *image;
-        size_t size;
-        const char *origin;
+        kvf_jit_images im;
         struct timespec t0, t1;
         clock_gettime(CLOCK_MONOTONIC, &t0);
         const int ptx = !strncmp(j.archs[i], "compute_", 8); /* a virtual arch: PTX */
-        rc = kvf_jit_image(s, j.archs[i], ptx, &image, &size, &origin);
+        rc = kvf_jit_programs(s, j.archs[i], ptx, &im); /* what a context loads */
         clock_gettime(CLOCK_MONOTONIC, &t1);
         if (!rc) {
-            printf("%s %s: %zu-byte %s from %s in %.1f ms\n", kvf_scheme_id(s), j.archs[i], ptx ? strlen(image) : size,
-                   ptx ? "PTX" : "cubin", origin, (t1.tv_sec - t0.tv_sec) * 1e3 + (t1.tv_nsec - t0.tv_nsec) / 1e6);
-            free(image);
+            size_t bytes = 0;
+            for (int p = 0; p < im.n; p++) bytes += ptx ? strlen(im.image[p]) : im.size[p];
+            printf("%s %s: %d program%s, %zu bytes of %s from %s in %.1f ms\n", kvf_scheme_id(s), j.archs[i], im.n,
+                   im.n > 1 ? "s" : "", bytes, ptx ? "PTX" : "cubin", im.origin,
+                   (t1.tv_sec - t0.tv_sec) * 1e3 + (t1.tv_nsec - t0.tv_nsec) / 1e6);
+            kvf_jit_images_free(&im);
         }
     }
     kvf_scheme_free(s);
