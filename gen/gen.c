@@ -174,11 +174,12 @@ static void header_line(kvf_buf *b, const struct kvf_scheme *s, const char *comm
 enum { U_REST, U_KMEANS_K, U_KMEANS_V, U_QSAC, U_COUNT };
 
 static int programs_of(const struct kvf_scheme *s, int prog[U_COUNT]) {
-    int n = 0;
+    int present[KVF_ROLE_COUNT], n = 0;
+    kvf_gen_roles(s, present);
     prog[U_REST] = n++;
-    prog[U_KMEANS_K] = kvf_section_path(&s->key) == 'B' ? n++ : -1;
-    prog[U_KMEANS_V] = kvf_section_path(&s->value) == 'B' && kvf_gen_kmeans_owner(s, 1) == 1 ? n++ : -1;
-    prog[U_QSAC] = kvf_section_path(&s->key) == 'B' && s->key.qsac_candidates > 1 ? n++ : -1; /* kvf_gen_roles */
+    prog[U_KMEANS_K] = present[KVF_R_K_ASSIGN] ? n++ : -1;
+    prog[U_KMEANS_V] = present[KVF_R_V_ASSIGN] && kvf_gen_role_kernel(s, KVF_R_V_ASSIGN) == KVF_R_V_ASSIGN ? n++ : -1;
+    prog[U_QSAC] = present[KVF_R_K_ASSIGN_QSAC] ? n++ : -1;
     return n;
 }
 

@@ -116,9 +116,9 @@ static int program_task(void *arg, int p, int worker) {
                     &j->out->image[p], &j->out->size[p], &j->origin[p]);
 }
 
-/* Every program of the scheme on a thread of its own. */
+/* Every program of the scheme on a thread of its own, into j->out (zeroed
+ * by the caller). */
 static int run_programs(programs_job *j) {
-    memset(j->out, 0, sizeof *j->out);
     int rc = kvf_nvrtc_load(&j->nv);
     if (rc) return rc;
     kvf_gen_output g;
@@ -226,7 +226,7 @@ int kvf_jit_usage(const struct kvf_scheme *s, const char *arch, kvf_kernel_usage
     /* The programs' reports in program order, one list. */
     kvf_kernel_usage *all = NULL;
     int total = 0;
-    for (int p = 0; p < KVF_GEN_MAX_PROGRAMS && rc == KVF_OK && j.report[p]; p++) {
+    for (int p = 0; p < im->n && rc == KVF_OK; p++) {
         kvf_kernel_usage *u;
         int k;
         if ((rc = kvf_ptxas_report_parse(j.report[p], &u, &k))) {
