@@ -14,7 +14,15 @@ SDPA, decode alone, each timed with CUDA events, INNER calls per sample), and
 the overhead is the median of the per-round ratios, with its 10th-90th
 percentile spread. The same again with each step captured once in a CUDA
 graph (no launch gaps or Python in the timing), unless --no-graph.
-    KVFORGE_LIB=out/lib/libkvforge.so python3 bench/sdpa.py [--rounds N] [--inner N] [--no-graph] [SCHEME ...]
+
+With --pipe, also the decode issued one layer ahead ("pipe"): a model that
+decodes layer l+1's cache on a second stream while layer l's attention runs
+(two sets of K/V buffers, each layer's SDPA waiting for its decode) spends
+per layer the time of SDPA with the next decode beside it, and the overhead
+printed is that over SDPA alone. It is not the issue's measure (decode, then
+SDPA, on one stream: "eager" and "graph"). On the H200 it hid little of
+the decode (docs/BENCHMARKS.md, session 20).
+    KVFORGE_LIB=out/lib/libkvforge.so python3 bench/sdpa.py [--rounds N] [--inner N] [--no-graph] [--pipe] [SCHEME ...]
 """
 import argparse
 import ctypes as C
@@ -101,6 +109,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--inner", type=int, default=3)
     ap.add_argument("--no-graph", action="store_true")
+    ap.add_argument("--pipe", action="store_true")
     args = ap.parse_args()
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -159,6 +168,27 @@ def main():
                 print(f"{name:16s} graph  capture failed: {e}")
             else:
                 report(name, "graph", *interleaved(fns, args.rounds, args.inner))
+        if args.pipe:
+            # Layer l's SDPA on the current stream, layer l+1's decode on `side`
+            # into the other buffers; each step waits for the decode it reads.
+            bufs = [(k, v), (k.clone(), v.clone())]
+            side = torch.cuda.Stream()
+            step = [0]
+
+            def decode_into(kb, vb, st):
+                check(L, L.kvf_decode(ctx, C.c_void_p(packed.data_ptr()), C.c_size_t(nbytes.value), C.byref(out), None,
+                                      C.c_void_p(kb.data_ptr()), C.c_void_p(vb.data_ptr()), C.c_void_p(st.cuda_stream)))
+
+            def pipelined():
+                main = torch.cuda.current_stream()
+                (kc, vc), (kn, vn) = bufs[step[0]], bufs[1 - step[0]]
+                step[0] ^= 1
+                side.wait_stream(main)  # the step that last read (kn, vn) is done
+                decode_into(kn, vn, side)
+                F.scaled_dot_product_attention(q, kc, vc)
+                main.wait_stream(side)  # the next step reads (kn, vn)
+
+            report(name, "pipe", *interleaved([sdpa, pipelined, decode], args.rounds, args.inner))
         torch.cuda.synchronize()
         L.kvf_context_destroy(ctx)
         L.kvf_scheme_free(s)
