@@ -174,6 +174,22 @@ const char *kvf_context_origin(const kvf_context *ctx);
 int kvf_encode(kvf_context *ctx, const void *k, const void *v, const kvf_shape *shape,
                const void *qstats, void *packed, size_t packed_bytes, void *stream);
 /*
+ * kvf_encode with each k-means warm-started from the previous span's
+ * centroids (docs/METHODS.md section 3): `prev` is the packed cache of the
+ * previous span of this layer (same scheme and head count, prev_n_tokens
+ * tokens, prev_bytes at least its kvf_packed_size; NULL: kvf_encode). The
+ * initial table of each section, stage and head is the previous span's first
+ * min(centroids, prev_n_tokens, n_tokens) rows, the rest the strided sample as
+ * kvf_encode's; the Lloyd steps and every later step are kvf_encode's, so the
+ * result is as reproducible (the same inputs, the same bytes). Sections
+ * without centroids ignore it. `prev` must not overlap `packed`. On a device
+ * it is a device pointer, read on `stream`, and its header is not read
+ * (check it with kvf_packed_check); on the CPU its header is checked.
+ */
+int kvf_encode_warm(kvf_context *ctx, const void *k, const void *v, const kvf_shape *shape,
+                    const void *qstats, const void *prev, size_t prev_bytes, int64_t prev_n_tokens,
+                    void *packed, size_t packed_bytes, void *stream);
+/*
  * Decode a packed span back to BF16 K and V with the given shape and strides.
  * `positions` (int32 [n_tokens][n_axes], device memory on a device) is needed
  * only when the scheme caches keys before RoPE (rope.placement = "pre"): decode

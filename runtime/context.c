@@ -484,12 +484,31 @@ static int assign_plain(kvf_context *ctx, int t, const src_arg *src, int n, int 
                    (unsigned)ac[AC_SMEM], a, stream);
 }
 
+/* The first c_warm rows of every head's table at cent (c_alloc rows a head)
+ * from the previous span's table of the same shape at warm (kvf_encode_warm):
+ * one copy where they are whole tables, else one a head. Inside push_ctx. */
+static int warm_copy(kvf_context *ctx, CUdeviceptr cent, CUdeviceptr warm, int nh, int c_alloc, int c_warm,
+                     void *stream) {
+    const size_t row = (size_t)ctx->scheme->head_dim * 2, table = (size_t)c_alloc * row;
+    const int copies = c_warm == c_alloc ? 1 : nh;
+    const size_t bytes = c_warm == c_alloc ? (size_t)nh * table : (size_t)c_warm * row;
+    for (int h = 0; h < copies; h++) {
+        CUresult r = ctx->cu->cuMemcpyDtoDAsync(cent + h * table, warm + h * table, bytes, (CUstream)stream);
+        if (r != CUDA_SUCCESS)
+            return kvf_cuda_fail(r, "cuMemcpyDtoDAsync(centroids, previous span's centroids)", __FILE__, __LINE__,
+                                 ctx->device);
+    }
+    return KVF_OK;
+}
+
 /* k-means of one stage (METHODS.md 3): init, Lloyd steps, final assignment;
  * with kmeans_labels = "last_step" the last step's assignment writes the
- * index plane too, and there is no final assignment. */
+ * index plane too, and there is no final assignment. warm (0: none): the
+ * previous span's table of this stage, whose first min(its tokens, c_eff)
+ * rows replace the strided sample's (prev_tokens: its tokens). */
 static int kmeans_stage(kvf_context *ctx, int t, int stage, const kvf_shape *sh, const src_arg *src,
                         const ws_parts *ws, int parts, CUdeviceptr packed, const kvf_stage_layout *sl,
-                        CUdeviceptr weights, void *stream) {
+                        CUdeviceptr weights, CUdeviceptr warm, int64_t prev_tokens, void *stream) {
     const kvf_tensor_cfg *c = t ? &ctx->scheme->value : &ctx->scheme->key;
     const int base = t * KVF_R_SECTION_STRIDE, d = ctx->scheme->head_dim;
     int nh = sh->n_heads;
@@ -512,6 +531,8 @@ static int kmeans_stage(kvf_context *ctx, int t, int stage, const kvf_shape *sh,
                       &c_alloc};
     const bool last_step = kvf_labels_of_last_step(c);
     if ((rc = launch(ctx, KVF_R_K_INIT + base, g_cd, a_init, stream))) return rc;
+    if (warm && (rc = warm_copy(ctx, cent, warm, nh, c_alloc, prev_tokens < c_eff ? (int)prev_tokens : c_eff, stream)))
+        return rc;
     for (int it = 0; it < c->kmeans_iters; it++) {
         CUdeviceptr plane = last_step && it == c->kmeans_iters - 1 ? idx_plane : 0;
         void *a_ac[] = {(void *)&src->p, (void *)&src->ts, (void *)&src->hs, (void *)&ws->idx, &n, &c_eff, &chunk,
@@ -543,7 +564,7 @@ static int kmeans_stage(kvf_context *ctx, int t, int stage, const kvf_shape *sh,
  * where assign_cfg says so, else on the prepared f32 workspace), the residual,
  * then PSAC for keys. */
 static int encode_workspace(kvf_context *ctx, int t, const void *x, const kvf_shape *sh, const void *qstats,
-                            CUdeviceptr packed, const kvf_section_layout *l, void *stream) {
+                            const kvf_warm_src *warm, CUdeviceptr packed, const kvf_section_layout *l, void *stream) {
     const kvf_tensor_cfg *c = t ? &ctx->scheme->value : &ctx->scheme->key;
     const int base = t * KVF_R_SECTION_STRIDE, d = ctx->scheme->head_dim;
     const int bf = ctx->assign_cfg[t][AC_BF16_SOURCE], parts = sum_parts(ctx, sh);
@@ -573,7 +594,12 @@ static int encode_workspace(kvf_context *ctx, int t, const void *x, const kvf_sh
      * later stages (a BF16 source means one stage). */
     const int last = c->stages - 1;
     for (int s = 0; s < c->stages && c->centroids > 0; s++) {
-        if ((rc = kmeans_stage(ctx, t, s, sh, &src, &ws, parts, packed, &l->stage[s], ws.w, stream))) return rc;
+        CUdeviceptr w = 0;
+        if (warm->packed)
+            w = (CUdeviceptr)(uintptr_t)warm->packed + (t ? warm->L.value : warm->L.key).stage[s].centroids_off;
+        if ((rc = kmeans_stage(ctx, t, s, sh, &src, &ws, parts, packed, &l->stage[s], ws.w, w, warm->L.n_tokens,
+                               stream)))
+            return rc;
         if (s == last) break;
         stage_arg st = stage_of(&l->stage[s]);
         void *a_sub[] = {(void *)&ws.e, &n, &nh, &packed, &st};
@@ -607,7 +633,7 @@ static int check_qstats_arg(const kvf_context *ctx, const void *qstats) {
 
 /* kvf_encode's launches (inside push_ctx). */
 static int encode_device(kvf_context *ctx, const void *k, const void *v, const kvf_shape *sh, const kvf_layout *l,
-                         const void *qstats, void *packed, void *stream) {
+                         const void *qstats, const kvf_warm_src *warm, void *packed, void *stream) {
     kvf_packed_header hdr;
     kvf_header_fill(ctx->scheme, l, &hdr);
     int rc, n_tokens = (int)sh->n_tokens, n_heads = sh->n_heads, header_written = 0;
@@ -623,7 +649,7 @@ static int encode_device(kvf_context *ctx, const void *k, const void *v, const k
                 if ((rc = launch(ctx, KVF_R_HEADER, 1, a_h, stream))) return rc;
                 header_written = 1;
             }
-            if ((rc = encode_workspace(ctx, t, src[t], sh, qstats, dp, sec[t], stream))) return rc;
+            if ((rc = encode_workspace(ctx, t, src[t], sh, qstats, warm, dp, sec[t], stream))) return rc;
             continue;
         }
         stage_arg planes = stage_of(&sec[t]->stage[0]);
@@ -639,15 +665,41 @@ static int encode_device(kvf_context *ctx, const void *k, const void *v, const k
     return KVF_OK;
 }
 
-int kvf_encode(kvf_context *ctx, const void *k, const void *v, const kvf_shape *shape, const void *qstats,
-               void *packed, size_t packed_bytes, void *stream) {
+/* kvf_encode and kvf_encode_warm (fn: which, for messages). */
+static int encode(kvf_context *ctx, const void *k, const void *v, const kvf_shape *shape, const void *qstats,
+                  const void *prev, size_t prev_bytes, int64_t prev_n_tokens, void *packed, size_t packed_bytes,
+                  void *stream, const char *fn) {
     kvf_shape sh;
     kvf_layout l;
-    int rc = prepare(ctx, k, v, packed, packed_bytes, shape, &sh, &l, "kvf_encode");
+    int rc = prepare(ctx, k, v, packed, packed_bytes, shape, &sh, &l, fn);
     if (rc) return rc;
-    if (ctx->device == KVF_DEVICE_CPU) return kvf_ref_encode(ctx->scheme, k, v, &sh, qstats, packed, packed_bytes);
+    if (ctx->device == KVF_DEVICE_CPU)
+        return kvf_ref_encode_warm(ctx->scheme, k, v, &sh, qstats, prev, prev_bytes, prev_n_tokens, packed,
+                                   packed_bytes);
+    /* The previous span's header is not read on a device (kvf_decode does not
+     * read one either): its size and place are checked. */
+    kvf_warm_src warm = {prev, {0}};
+    if (prev) {
+        if ((rc = kvf_warm_check(ctx->scheme, prev_bytes, prev_n_tokens, sh.n_heads, &warm.L)))
+            return kvf_wrap_error(rc, "%s: the previous span's packed cache", fn);
+        const uintptr_t p = (uintptr_t)prev, o = (uintptr_t)packed; /* two buffers: compared as addresses */
+        if (p < o + l.total_bytes && o < p + warm.L.total_bytes)
+            return kvf_set_error(KVF_EINVAL, "%s: the previous span's packed cache overlaps the output", fn);
+    }
     if ((rc = check_qstats_arg(ctx, qstats)) || (rc = push_ctx(ctx))) return rc;
-    return pop_ctx(ctx, encode_device(ctx, k, v, &sh, &l, qstats, packed, stream));
+    return pop_ctx(ctx, encode_device(ctx, k, v, &sh, &l, qstats, &warm, packed, stream));
+}
+
+int kvf_encode(kvf_context *ctx, const void *k, const void *v, const kvf_shape *shape, const void *qstats,
+               void *packed, size_t packed_bytes, void *stream) {
+    return encode(ctx, k, v, shape, qstats, NULL, 0, 0, packed, packed_bytes, stream, "kvf_encode");
+}
+
+int kvf_encode_warm(kvf_context *ctx, const void *k, const void *v, const kvf_shape *shape, const void *qstats,
+                    const void *prev, size_t prev_bytes, int64_t prev_n_tokens, void *packed, size_t packed_bytes,
+                    void *stream) {
+    return encode(ctx, k, v, shape, qstats, prev, prev_bytes, prev_n_tokens, packed, packed_bytes, stream,
+                  "kvf_encode_warm");
 }
 
 static rope_arg rope_of(const kvf_scheme *s) {

@@ -179,6 +179,11 @@ typedef struct kvf_layout {
 int kvf_layout_compute(const struct kvf_scheme *s, int64_t n_tokens, int32_t n_heads,
                        kvf_layout *out);
 void kvf_header_fill(const struct kvf_scheme *s, const kvf_layout *l, kvf_packed_header *h);
+/* The previous span of a warm start (kvf_encode_warm): its layout for
+ * prev_n_tokens tokens of n_heads heads into *L; KVF_EINVAL for
+ * prev_n_tokens < 1, KVF_ERANGE when prev_bytes cannot hold that layout. */
+int kvf_warm_check(const struct kvf_scheme *s, size_t prev_bytes, int64_t prev_n_tokens, int32_t n_heads,
+                   kvf_layout *L);
 /* Check that a method is implemented for this scheme (KVF_ENOTIMPL names the field). */
 int kvf_scheme_check_supported(const struct kvf_scheme *s);
 
@@ -196,6 +201,17 @@ uint16_t kvf_f32_to_f16(float f);   /* round to nearest even; saturates to +-655
  * rope.placement = "pre". */
 int kvf_ref_encode(const struct kvf_scheme *s, const uint16_t *k, const uint16_t *v,
                    const kvf_shape *shape, const void *qstats, uint8_t *packed, size_t packed_bytes);
+/* A warm start's source: the previous span's packed cache and its layout. */
+typedef struct kvf_warm_src {
+    const uint8_t *packed; /* NULL: none */
+    kvf_layout L;
+} kvf_warm_src;
+/* kvf_ref_encode with the k-means warm-started from prev, the packed cache
+ * of prev_n_tokens tokens (same scheme and heads; its header is checked) of
+ * the previous span (kvf_encode_warm); prev NULL: kvf_ref_encode. */
+int kvf_ref_encode_warm(const struct kvf_scheme *s, const uint16_t *k, const uint16_t *v, const kvf_shape *shape,
+                        const void *qstats, const uint8_t *prev, size_t prev_bytes, int64_t prev_n_tokens,
+                        uint8_t *packed, size_t packed_bytes);
 int kvf_ref_decode(const struct kvf_scheme *s, const uint8_t *packed, size_t packed_bytes,
                    const kvf_shape *shape, const int32_t *positions, uint16_t *k_out, uint16_t *v_out);
 

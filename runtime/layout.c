@@ -223,6 +223,17 @@ int kvf_packed_size(const kvf_scheme *s, int64_t n_tokens, int32_t n_heads, size
     return KVF_OK;
 }
 
+int kvf_warm_check(const kvf_scheme *s, size_t prev_bytes, int64_t prev_n_tokens, int32_t n_heads, kvf_layout *L) {
+    if (prev_n_tokens < 1)
+        return kvf_set_error(KVF_EINVAL, "the previous span has %lld tokens: at least 1", (long long)prev_n_tokens);
+    int rc = kvf_layout_compute(s, prev_n_tokens, n_heads, L);
+    if (rc) return rc;
+    if (prev_bytes < L->total_bytes)
+        return kvf_set_error(KVF_ERANGE, "%zu bytes given, %zu needed for %lld tokens x %d heads", prev_bytes,
+                             L->total_bytes, (long long)prev_n_tokens, (int)n_heads);
+    return KVF_OK;
+}
+
 int kvf_footprint_of(const kvf_scheme *s, int64_t n_tokens, int32_t n_heads, kvf_footprint *out) {
     if (!s || !out) return kvf_set_error(KVF_EINVAL, "kvf_footprint_of: NULL argument");
     size_t packed;

@@ -200,16 +200,37 @@ static int qsac_weights(const void *qstats, int32_t h, int d, float *w) {
     return KVF_OK;
 }
 
+/* The previous span's centroid table of this section, stage and head as the
+ * warm start of kvf_ref_kmeans_warm: its first rows (as many as both spans
+ * have centroids: min(C, either span's tokens)) into warm (bf16), their
+ * count in *c_warm; 0 without a warm start. */
+static void warm_rows(const section_job *j, const kvf_warm_src *w, int stage, int32_t h, int c_eff, uint16_t *warm,
+                      int *c_warm) {
+    *c_warm = 0;
+    if (!w || !w->packed) return;
+    const kvf_section_layout *pl = j->cfg == &j->s->key ? &w->L.key : &w->L.value;
+    int d = j->L->head_dim, C = j->l->centroids;
+    int rows = w->L.n_tokens < c_eff ? (int)w->L.n_tokens : c_eff;
+    const uint8_t *table = w->packed + pl->stage[stage].centroids_off + (size_t)h * (size_t)C * (size_t)d * 2;
+    for (size_t i = 0; i < (size_t)rows * (size_t)d; i++) warm[i] = kvf_get_u16(table + 2 * i);
+    *c_warm = rows;
+}
+
 /* k-means of one stage: centroid table and indices of head h, residual r. */
-static int smooth_stage(const section_job *j, int stage, int32_t h, const void *qstats, head_buf *b,
-                        uint8_t *packed) {
+static int smooth_stage(const section_job *j, int stage, int32_t h, const void *qstats, const kvf_warm_src *w,
+                        head_buf *b, uint8_t *packed) {
     const kvf_stage_layout *st = &j->l->stage[stage];
     int64_t n = j->L->n_tokens;
-    int d = j->L->head_dim, C = j->l->centroids, Ceff = n < C ? (int)n : C;
+    int d = j->L->head_dim, C = j->l->centroids, Ceff = n < C ? (int)n : C, c_warm;
     /* "last_step": the labels are the last Lloyd step's (never with QSAC:
-     * scheme.c); "final": a final assignment. */
+     * scheme.c); "final": a final assignment. The table starts from the
+     * previous span's where there is a warm start (b->r is free until the
+     * residual below). */
     bool last = kvf_labels_of_last_step(j->cfg);
-    int rc = kvf_ref_kmeans(b->e, n, d, C, j->cfg->kmeans_iters, j->cfg->seed, stage, h, b->cent, last ? b->z : NULL);
+    uint16_t *warm = (uint16_t *)b->r;
+    warm_rows(j, w, stage, h, Ceff, warm, &c_warm); /* Ceff rows: within b->r's n rows */
+    int rc = kvf_ref_kmeans_warm(b->e, n, d, C, j->cfg->kmeans_iters, j->cfg->seed, stage, h, warm, c_warm, b->cent,
+                                 last ? b->z : NULL);
     if (rc) return rc;
     bool qsac = stage == 0 && j->cfg->qsac_candidates > 1;
     if (qsac && (rc = qsac_weights(qstats, h, d, b->w))) return rc;
@@ -276,8 +297,8 @@ static int psac_head(const section_job *j, int32_t h, const void *qstats, head_b
     return KVF_OK;
 }
 
-static int encode_head(const section_job *j, const uint16_t *x, int32_t h, const void *qstats, head_buf *b,
-                       uint8_t *packed) {
+static int encode_head(const section_job *j, const uint16_t *x, int32_t h, const void *qstats,
+                       const kvf_warm_src *w, head_buf *b, uint8_t *packed) {
     int64_t nd = j->L->n_tokens * j->L->head_dim;
     load_head(j, x, h, b);
     memcpy(b->e, b->x0, (size_t)nd * sizeof(float));
@@ -285,7 +306,7 @@ static int encode_head(const section_job *j, const uint16_t *x, int32_t h, const
      * its own centroids; only the last residual is quantized (METHODS.md 1). */
     const float *r = b->e;
     for (int s = 0; s < j->l->stages && j->l->centroids > 0; s++) {
-        int rc = smooth_stage(j, s, h, qstats, b, packed);
+        int rc = smooth_stage(j, s, h, qstats, w, b, packed);
         if (rc) return rc;
         if (s + 1 < j->l->stages) memcpy(b->e, b->r, (size_t)nd * sizeof(float));
         r = b->r;
@@ -296,11 +317,16 @@ static int encode_head(const section_job *j, const uint16_t *x, int32_t h, const
     return psac_head(j, h, qstats, b, packed);
 }
 
-typedef struct encode_arg { const uint16_t *x; const void *qstats; uint8_t *packed; } encode_arg;
+typedef struct encode_arg {
+    const uint16_t *x;
+    const void *qstats;
+    const kvf_warm_src *warm; /* NULL: the strided sample */
+    uint8_t *packed;
+} encode_arg;
 
 static int encode_pool_head(const section_job *j, int32_t h, head_buf *b, const void *arg) {
     const encode_arg *a = arg;
-    return encode_head(j, a->x, h, a->qstats, b, a->packed);
+    return encode_head(j, a->x, h, a->qstats, a->warm, b, a->packed);
 }
 
 /* Both sections: a BF16 one is copied, the others' heads go to the threads. */
@@ -399,6 +425,12 @@ static int check_qstats(const struct kvf_scheme *s, const void *qstats, int32_t 
 
 int kvf_ref_encode(const struct kvf_scheme *s, const uint16_t *k, const uint16_t *v,
                    const kvf_shape *shape, const void *qstats, uint8_t *packed, size_t packed_bytes) {
+    return kvf_ref_encode_warm(s, k, v, shape, qstats, NULL, 0, 0, packed, packed_bytes);
+}
+
+int kvf_ref_encode_warm(const struct kvf_scheme *s, const uint16_t *k, const uint16_t *v, const kvf_shape *shape,
+                        const void *qstats, const uint8_t *prev, size_t prev_bytes, int64_t prev_n_tokens,
+                        uint8_t *packed, size_t packed_bytes) {
     if (!s || !k || !v || !shape || !packed)
         return kvf_set_error(KVF_EINVAL, "kvf_ref_encode: NULL argument");
     kvf_layout L;
@@ -410,6 +442,15 @@ int kvf_ref_encode(const struct kvf_scheme *s, const uint16_t *k, const uint16_t
                              "packed buffer is %zu bytes, %zu needed for %lld tokens x %d heads",
                              packed_bytes, L.total_bytes, (long long)L.n_tokens, (int)L.n_heads);
     if (qstats && (rc = check_qstats(s, qstats, sh.n_heads))) return rc;
+    kvf_warm_src warm = {prev, {0}};
+    if (prev) {
+        if ((rc = kvf_warm_check(s, prev_bytes, prev_n_tokens, sh.n_heads, &warm.L)) ||
+            (rc = kvf_packed_check(s, prev, prev_bytes, prev_n_tokens, sh.n_heads)))
+            return kvf_wrap_error(rc, "kvf_encode_warm: the previous span's packed cache");
+        const uintptr_t p = (uintptr_t)prev, o = (uintptr_t)packed; /* two buffers: compared as addresses */
+        if (p < o + L.total_bytes && o < p + warm.L.total_bytes)
+            return kvf_set_error(KVF_EINVAL, "kvf_encode_warm: the previous span's packed cache overlaps the output");
+    }
 
     memset(packed, 0, L.total_bytes); /* padding between planes is zero */
     kvf_packed_header hdr;
@@ -417,7 +458,7 @@ int kvf_ref_encode(const struct kvf_scheme *s, const uint16_t *k, const uint16_t
     memcpy(packed, &hdr, sizeof hdr);
     section_job jk = job_of(s, &L, &sh, true), jv = job_of(s, &L, &sh, false);
     const section_job *sec[2] = {&jk, &jv};
-    const encode_arg arg[2] = {{k, qstats, packed}, {v, NULL, packed}}; /* values: no QSAC, no PSAC */
+    const encode_arg arg[2] = {{k, qstats, &warm, packed}, {v, NULL, &warm, packed}}; /* values: no QSAC, no PSAC */
     return encode_sections(sec, arg);
 }
 

@@ -112,8 +112,14 @@ static void lloyd_step(const float *e, int64_t n, int d, int c, uint16_t *cent, 
 
 int kvf_ref_kmeans(const float *e, int64_t n, int d, int c, int iters, int64_t seed, int stage,
                    int head, uint16_t *cent, int *last_z) {
+    return kvf_ref_kmeans_warm(e, n, d, c, iters, seed, stage, head, NULL, 0, cent, last_z);
+}
+
+int kvf_ref_kmeans_warm(const float *e, int64_t n, int d, int c, int iters, int64_t seed, int stage,
+                        int head, const uint16_t *warm, int c_warm, uint16_t *cent, int *last_z) {
     if (c > n) c = (int)n;
     strided_init(e, n, d, c, seed, stage, head, cent);
+    if (warm && c_warm > 0) memcpy(cent, warm, (size_t)(c_warm < c ? c_warm : c) * (size_t)d * sizeof *cent);
     if (iters <= 0) return KVF_OK;
     lloyd_work w = {last_z ? last_z : malloc((size_t)n * sizeof(int)), malloc((size_t)c * sizeof(double)),
                     malloc((size_t)c * (size_t)d * sizeof(int64_t)), malloc((size_t)c * sizeof(int64_t))};

@@ -1143,6 +1143,87 @@ static void context_from_cache_and_image(void **state) {
     kvf_scheme_free(s); kvf_scheme_free(other);
 }
 
+/* kvf_encode_warm on the GPU: the same bytes as the CPU reference's warm
+ * start, for the nearest centroid over the BF16 input (qvg_int2), QSAC and
+ * PSAC (quantwm_int2, with statistics) and four stages over the f32
+ * workspace (qvg_pro_int2); a previous span with fewer tokens than
+ * centroids (a copy a head) and one with more (one copy of all tables); and
+ * other centroids than a cold start's (the warm start took). A previous
+ * span on the device that overlaps the output is refused. */
+static void gpu_warm_start(void **state) {
+    (void)state;
+    SKIP_WITHOUT_GPU();
+    const char *names[] = {"qvg_int2", "quantwm_int2", "qvg_pro_int2"};
+    const int heads = small ? 2 : 3;
+    const int64_t n = small ? 40 : 900, prev_ns[2] = {small ? 20 : 200, small ? 40 : 1000};
+    for (int i = 0; i < 3; i++) {
+        if (!selected(names[i]) && !selected("warm_start")) continue;
+        kvf_scheme *s = tu_scheme(names[i]);
+        kvf_context *gpu, *cpu;
+        if (kvf_context_create(s, 0, &gpu)) fail_msg("%s: %s", names[i], kvf_last_error());
+        assert_int_equal(kvf_context_create(s, KVF_DEVICE_CPU, &cpu), KVF_OK);
+        const int d = kvf_scheme_head_dim(s);
+        qstats_pair q = {0};
+        const int stats = kvf_scheme_reads_qstats(s);
+        if (stats) qstats_prepare(gpu, cpu, heads, &q);
+        const size_t nel = (size_t)n * heads * d;
+        uint16_t *k = malloc(nel * 2), *v = malloc(nel * 2);
+        random_bf16(k, nel, 100 + i), random_bf16(v, nel, 200 + i);
+        CUdeviceptr dk = dalloc(nel * 2, 0), dv = dalloc(nel * 2, 0);
+        CK(cuMemcpyHtoD(dk, k, nel * 2));
+        CK(cuMemcpyHtoD(dv, v, nel * 2));
+        kvf_shape sh = {n, heads, 0, 0};
+        kvf_layout L;
+        assert_int_equal(kvf_layout_compute(s, n, heads, &L), KVF_OK);
+        size_t bytes = L.total_bytes;
+        uint8_t *pc = malloc(bytes), *pg = malloc(bytes), *cold = malloc(bytes);
+        CUdeviceptr dp = dalloc(bytes, 0);
+        assert_int_equal(kvf_encode(cpu, k, v, &sh, q.host, cold, bytes, NULL), KVF_OK);
+        for (int pi = 0; pi < 2; pi++) {
+            const int64_t pn = prev_ns[pi];
+            const size_t pel = (size_t)pn * heads * d;
+            uint16_t *kp = malloc(pel * 2), *vp = malloc(pel * 2);
+            kvf_synth_kv(kp, pn, heads, d, 300 + pi), kvf_synth_kv(vp, pn, heads, d, 400 + pi);
+            kvf_shape psh = {pn, heads, 0, 0};
+            size_t pb;
+            assert_int_equal(kvf_packed_size(s, pn, heads, &pb), KVF_OK);
+            uint8_t *prev = malloc(pb);
+            assert_int_equal(kvf_encode(cpu, kp, vp, &psh, q.host, prev, pb, NULL), KVF_OK);
+            CUdeviceptr dprev = dalloc(pb, 0);
+            CK(cuMemcpyHtoD(dprev, prev, pb));
+            assert_int_equal(kvf_encode_warm(cpu, k, v, &sh, q.host, prev, pb, pn, pc, bytes, NULL), KVF_OK);
+            CK(cuMemsetD8(dp, 0xa5, bytes));
+            if (kvf_encode_warm(gpu, (void *)dk, (void *)dv, &sh, (void *)q.dev, (void *)dprev, pb, pn, (void *)dp, bytes,
+                                NULL))
+                fail_msg("%s: %s", names[i], kvf_last_error());
+            CK(cuCtxSynchronize());
+            CK(cuMemcpyDtoH(pg, dp, bytes));
+            assert_same_stages(pg, pc, &L);
+            if (L.key.psac_rank > 0) assert_same_psac(pg, pc, &L.key);
+            assert_memory_not_equal(pc + L.key.stage[0].centroids_off, cold + L.key.stage[0].centroids_off,
+                                    L.key.stage[0].centroids_bytes);
+            printf("  %s: %lld tokens x %d heads, warm from %lld tokens: GPU = CPU, centroids not a cold start's\n",
+                   kvf_scheme_id(s), (long long)n, heads, (long long)pn);
+            if (pi == 0) { /* the output inside the previous span's buffer */
+                assert_int_equal(kvf_encode_warm(gpu, (void *)dk, (void *)dv, &sh, NULL, (void *)dprev, pb, pn,
+                                                 (void *)(dprev + 16), bytes, NULL),
+                                 KVF_EINVAL);
+                assert_int_equal(kvf_encode_warm(gpu, (void *)dk, (void *)dv, &sh, NULL, (void *)dprev, pb - 1, pn,
+                                                 (void *)dp, bytes, NULL),
+                                 KVF_ERANGE);
+            }
+            free(kp), free(vp), free(prev);
+            cu->cuMemFree(dprev);
+        }
+        free(k), free(v), free(pc), free(pg), free(cold);
+        cu->cuMemFree(dk), cu->cuMemFree(dv), cu->cuMemFree(dp);
+        if (stats) { free(q.host); cu->cuMemFree(q.dev); }
+        kvf_context_destroy(gpu);
+        kvf_context_destroy(cpu);
+        kvf_scheme_free(s);
+    }
+}
+
 static void bad_arguments_refused(void **state) {
     (void)state;
     SKIP_WITHOUT_GPU();
@@ -1180,6 +1261,7 @@ int main(void) {
         cmocka_unit_test(decode_special_values),
         cmocka_unit_test(gpu_corrupt_centroid_index),
         cmocka_unit_test(context_from_cache_and_image),
+        cmocka_unit_test(gpu_warm_start),
         cmocka_unit_test(bad_arguments_refused),
     };
     const char *only = getenv("KVF_TEST_ONLY"); /* one test by name, e.g. on a short device run */
