@@ -147,6 +147,8 @@ _PROTOTYPES = {
     "kvf_context_origin": (c_char_p, [_p_ctx]),
     "kvf_encode": (c_int, [_p_ctx, c_void_p, c_void_p, POINTER(KvfShape), c_void_p, c_void_p,
                            c_size_t, c_void_p]),
+    "kvf_encode_warm": (c_int, [_p_ctx, c_void_p, c_void_p, POINTER(KvfShape), c_void_p, c_void_p,
+                                c_size_t, c_int64, c_void_p, c_size_t, c_void_p]),
     "kvf_decode": (c_int, [_p_ctx, c_void_p, c_size_t, POINTER(KvfShape), c_void_p, c_void_p,
                            c_void_p, c_void_p]),
     "kvf_packed_check": (c_int, [_p_scheme, c_void_p, c_size_t, c_int64, c_int32]),

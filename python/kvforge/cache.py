@@ -57,6 +57,11 @@ class QuantizedKVCache:
     qstats: ``"auto"`` keeps per-layer query statistics when the scheme reads them
         (QSAC or PSAC keys); ``True`` always; ``False`` never (q is then checked
         and ignored, and such schemes encode from a cold start).
+    warm_start: ``True``: each span's k-means starts from the centroids of the
+        layer's previous packed span (``Context.encode(warm_from=...)``); the first
+        span, and schemes without centroids, as without it. ``False`` (default): a
+        sample of the span's own tokens. Whether it helps depends on how alike
+        consecutive spans are (docs/METHODS.md section 3).
 
     Chunk policy (the scheme's ``chunk`` section): chunk i of a layer is the i-th
     :meth:`append`. Chunks ``i < sink`` stay BF16 for ever. The ``recent`` newest
@@ -69,7 +74,8 @@ class QuantizedKVCache:
     """
 
     def __init__(self, scheme, num_layers: int, num_kv_heads: int, head_dim: int | None = None, *,
-                 device=None, layout: str = "hnd", num_q_heads: int | None = None, qstats="auto"):
+                 device=None, layout: str = "hnd", num_q_heads: int | None = None, qstats="auto",
+                 warm_start: bool = False):
         self.scheme = load_scheme(scheme)
         info = self.info = self.scheme.info
         if head_dim is None:
@@ -94,6 +100,9 @@ class QuantizedKVCache:
         elif qstats not in (True, False):
             raise ValueError(f"qstats must be 'auto', True or False, got {qstats!r}")
         self.uses_qstats = bool(qstats)
+        if warm_start not in (True, False):
+            raise ValueError(f"warm_start must be True or False, got {warm_start!r}")
+        self.warm_start = bool(warm_start)
         self._qstats_bytes = self.scheme.qstats_size(num_kv_heads) if self.uses_qstats else 0
         self._layers = [_Layer() for _ in range(num_layers)]
         if self.uses_qstats:
@@ -181,7 +190,7 @@ class QuantizedKVCache:
         elif span == 1 and recent == 0:
             # Packed at once, straight from the caller's tensors (no copy).
             packed = be.empty_u8(self.ctx.packed_size(n, self.num_kv_heads))
-            self.ctx.encode_args(ka, va, st.qstats, packed)
+            self.ctx.encode_args(ka, va, st.qstats, packed, warm=self._warm(st.entries))
             entries = st.entries + [_Entry("packed", idx, 1, n, packed=packed, positions=pos)]
         else:
             # Waits in BF16. The span it starts (if it does) is packed later with the
@@ -199,6 +208,13 @@ class QuantizedKVCache:
         if qa is not None and st.qstats is not None:
             self.ctx.qstats_update_arg(st.qstats, qa)
             st.q_chunks += 1
+
+    def _warm(self, entries):
+        """The warm start of the next span: the newest packed span before it, or None."""
+        if not self.warm_start:
+            return None
+        last = next((e for e in reversed(entries) if e.kind == "packed"), None)
+        return None if last is None else (last.packed, last.n_tokens)
 
     def _age(self, entries):
         """Pack the oldest waiting chunks, span by span, once more than `recent` wait."""
@@ -218,7 +234,7 @@ class QuantizedKVCache:
             va = be.kv(v, "v", "hnd", self.head_dim)
             n = sum(e.n_tokens for e in group)
             packed = be.empty_u8(self.ctx.packed_size(n, self.num_kv_heads))
-            self.ctx.encode_args(ka, va, group[0].qstats, packed)
+            self.ctx.encode_args(ka, va, group[0].qstats, packed, warm=self._warm(entries[:first]))
             packed_entry = _Entry("packed", group[0].first_chunk, len(group), n, packed=packed, positions=pos)
             entries = entries[:first] + [packed_entry] + waiting[info.chunk_span:]
 

@@ -115,9 +115,17 @@ class Context:
             return None
         return self._buffer(qstats, "qstats")[0]
 
-    def encode_args(self, k, v, qstats, packed, layout="hnd", n_heads=None, stream=None):
-        """Low-level: encode already resolved Args into a packed buffer."""
+    def encode_args(self, k, v, qstats, packed, layout="hnd", n_heads=None, stream=None, warm=None):
+        """Low-level: encode already resolved Args into a packed buffer.
+
+        warm: None, or (the previous span's packed buffer, its token count): the
+        k-means starts from that span's centroids (kvf_encode_warm)."""
         pptr, pbytes = self._buffer(packed, "packed")
+        if warm is not None:
+            wbuf, wtokens = warm
+            if not isinstance(wtokens, int) or isinstance(wtokens, bool) or wtokens < 1:
+                raise ValueError(f"warm_tokens must be a positive int (the previous span's tokens), got {wtokens!r}")
+            wptr, wbytes = self._buffer(wbuf, "warm_from")
         if (k.n_tokens, k.n_heads) != (v.n_tokens, v.n_heads):
             raise ValueError(f"k and v differ: k has {k.n_heads} heads x {k.n_tokens} tokens, "
                              f"v {v.n_heads} x {v.n_tokens}")
@@ -126,9 +134,13 @@ class Context:
             v = self.be.kv(self.be.hnd_copy(v), "v", "hnd", self.head_dim)
             k = self.be.kv(self.be.hnd_copy(k), "k", "hnd", self.head_dim)
         sh = k.shape()
-        check(lib().kvf_encode(self._c.ptr, k.ptr, v.ptr, byref(sh), self._qstats_ptr(qstats), pptr,
-                               pbytes, stream if stream is not None else self.be.stream()),
-              "kvf_encode")
+        st = stream if stream is not None else self.be.stream()
+        if warm is None:
+            check(lib().kvf_encode(self._c.ptr, k.ptr, v.ptr, byref(sh), self._qstats_ptr(qstats), pptr, pbytes, st),
+                  "kvf_encode")
+        else:
+            check(lib().kvf_encode_warm(self._c.ptr, k.ptr, v.ptr, byref(sh), self._qstats_ptr(qstats), wptr, wbytes,
+                                        wtokens, pptr, pbytes, st), "kvf_encode_warm")
         return k, v
 
     def decode_into(self, packed, n_tokens, n_heads, k_ptr, v_ptr, token_stride, head_stride,
@@ -152,14 +164,20 @@ class Context:
         return self.be.positions(positions, n_tokens, self.info.rope_axes)
 
     # ------------------------------------------------------------ public
-    def encode(self, k, v, *, qstats=None, layout: str = "hnd", out=None):
+    def encode(self, k, v, *, qstats=None, layout: str = "hnd", out=None, warm_from=None, warm_tokens=None):
         """Pack one span of K and V. Returns the packed buffer (uint8; ``out`` if given).
 
         k, v: ``[H, N, d]`` (layout ``"hnd"``) or ``[N, H, d]`` (``"nhd"``), optionally
         with a leading batch of 1; numpy uint16 (BF16 bits) / float32, or torch.bfloat16
         on this context's device. ``qstats``: the layer's query statistics
-        (:meth:`qstats_new`), read only; None is the cold start.
+        (:meth:`qstats_new`), read only; None is the cold start. ``warm_from``: the
+        previous span's packed buffer (this scheme, the same heads) and ``warm_tokens``
+        its token count: each k-means starts from its centroids instead of a sample of
+        this span's tokens (docs/METHODS.md section 3; sections without centroids
+        ignore it). Whether that helps depends on how alike the spans are.
         """
+        if (warm_from is None) != (warm_tokens is None):
+            raise ValueError("warm_from and warm_tokens go together (the previous span's packed buffer and tokens)")
         check_layout(layout)
         ka = self.be.kv(k, "k", layout, self.head_dim)
         va = self.be.kv(v, "v", layout, self.head_dim, n_heads=ka.n_heads)
@@ -168,7 +186,7 @@ class Context:
         size = self.packed_size(ka.n_tokens, ka.n_heads)
         if out is None:
             out = self.be.empty_u8(size)
-        self.encode_args(ka, va, qstats, out)
+        self.encode_args(ka, va, qstats, out, warm=None if warm_from is None else (warm_from, warm_tokens))
         return out
 
     def decode(self, packed, n_tokens: int, n_heads: int, *, positions=None, layout: str = "hnd",

@@ -310,3 +310,41 @@ def test_nonfinite_queries_are_skipped(rng):
     assert np.array_equal(count, [39.0, 40.0, 39.0, 40.0])  # query heads 1 and 5: KV heads 0 and 2
     msum = np.frombuffer(a[512:512 + 4 * H * D * D].tobytes(), np.float32)
     assert np.isfinite(msum).all()
+
+
+WARM = ('return { base = "qvg_int2", name = "warm", key = { centroids = 16 }, value = { centroids = 16 } }')
+
+
+def test_warm_start(rng):
+    """Context.encode(warm_from=...) starts each k-means from the previous span's
+    centroids (other bytes than a cold start, the same bytes twice), and
+    QuantizedKVCache(warm_start=True) chains its spans that way."""
+    s = kvforge.Scheme.from_string(WARM, "=warm")
+    ctx = kvforge.Context(s)
+    data = chunks(rng, 3, 50)
+    p0 = ctx.encode(*data[0])
+    cold = ctx.encode(*data[1])
+    warm = ctx.encode(*data[1], warm_from=p0, warm_tokens=50)
+    assert warm.shape == cold.shape and not np.array_equal(warm, cold)
+    assert np.array_equal(warm, ctx.encode(*data[1], warm_from=p0, warm_tokens=50))
+    cache = kvforge.QuantizedKVCache(s, num_layers=1, num_kv_heads=H, head_dim=D, warm_start=True)
+    for k, v in data:
+        cache.append(0, k, v)
+    K, V = cache.keys_values(0, bits=True)
+    p = [p0, warm, ctx.encode(*data[2], warm_from=warm, warm_tokens=50)]
+    for t in range(3):
+        kd, vd = ctx.decode(p[t], 50, H, bits=True)
+        assert np.array_equal(K[:, 50 * t:50 * (t + 1)], kd) and np.array_equal(V[:, 50 * t:50 * (t + 1)], vd)
+    # a cache without it packs every span from a cold start
+    plain = kvforge.QuantizedKVCache(s, num_layers=1, num_kv_heads=H, head_dim=D)
+    for k, v in data[:2]:
+        plain.append(0, k, v)
+    assert np.array_equal(plain.keys_values(0, bits=True)[0][:, 50:], ctx.decode(cold, 50, H, bits=True)[0])
+    with pytest.raises(ValueError, match="go together"):
+        ctx.encode(*data[1], warm_from=p0)
+    with pytest.raises(ValueError, match="warm_tokens"):
+        ctx.encode(*data[1], warm_from=p0, warm_tokens=0)
+    with pytest.raises(kvforge.KvforgeError, match="previous span"):
+        ctx.encode(*data[1], warm_from=p0, warm_tokens=51)  # its buffer holds 50 tokens
+    with pytest.raises(ValueError, match="warm_start"):
+        kvforge.QuantizedKVCache(s, num_layers=1, num_kv_heads=H, head_dim=D, warm_start="yes")

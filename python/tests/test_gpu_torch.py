@@ -273,6 +273,26 @@ def test_cache_policy_on_gpu_and_side_stream():
     assert gc.nbytes == cc.nbytes
 
 
+@gpu
+def test_gpu_warm_start_bit_identical_to_cpu():
+    """Context.encode(warm_from=...) on torch tensors of the device: the CPU
+    reference's bytes (qvg_int2: the previous span's centroid tables copied on
+    the device before the Lloyd steps)."""
+    dev = torch.device("cuda", 0) if ON_CUDA else torch.device(DEV)
+    g = torch.Generator().manual_seed(3)
+    ctx, cpu = kvforge.Context("qvg_int2", dev), kvforge.Context("qvg_int2")
+    k0, v0 = video_like(g, (2, 500, D), dev), video_like(g, (2, 500, D), dev)
+    k1, v1 = video_like(g, (2, 700, D), dev), video_like(g, (2, 700, D), dev)
+    p0 = ctx.encode(k0, v0)
+    p1 = ctx.encode(k1, v1, warm_from=p0, warm_tokens=500)
+    if ON_CUDA:
+        torch.cuda.synchronize()
+    c0 = cpu.encode(to_bits(k0), to_bits(v0))
+    c1 = cpu.encode(to_bits(k1), to_bits(v1), warm_from=c0, warm_tokens=500)
+    assert np.array_equal(p0.cpu().numpy(), c0) and np.array_equal(p1.cpu().numpy(), c1)
+    assert not np.array_equal(c1, cpu.encode(to_bits(k1), to_bits(v1)))
+
+
 if __name__ == "__main__":
     if pytest is not None:
         sys.exit(pytest.main([__file__, "-q", "-rs", "-s"]))
