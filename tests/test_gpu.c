@@ -1146,7 +1146,8 @@ static void context_from_cache_and_image(void **state) {
 /* kvf_encode_warm on the GPU: the same bytes as the CPU reference's warm
  * start, for the nearest centroid over the BF16 input (qvg_int2), QSAC and
  * PSAC (quantwm_int2, with statistics) and four stages over the f32
- * workspace (qvg_pro_int2); a previous span with fewer tokens than
+ * workspace (qvg_pro_int2; the CPU's statistics on both sides, as
+ * compare_case's second encode); a previous span with fewer tokens than
  * centroids (a copy a head) and one with more (one copy of all tables); and
  * other centroids than a cold start's (the warm start took). A previous
  * span on the device that overlaps the output is refused. */
@@ -1165,7 +1166,10 @@ static void gpu_warm_start(void **state) {
         const int d = kvf_scheme_head_dim(s);
         qstats_pair q = {0};
         const int stats = kvf_scheme_reads_qstats(s);
-        if (stats) qstats_prepare(gpu, cpu, heads, &q);
+        if (stats) { /* the CPU's statistics on both sides: PSAC's basis from the same eigenvectors */
+            qstats_prepare(gpu, cpu, heads, &q);
+            CK(cuMemcpyHtoD(q.dev, q.host, q.bytes));
+        }
         const size_t nel = (size_t)n * heads * d;
         uint16_t *k = malloc(nel * 2), *v = malloc(nel * 2);
         random_bf16(k, nel, 100 + i), random_bf16(v, nel, 200 + i);
