@@ -10,7 +10,10 @@
  * nothing past the packed size; encoding twice gives the same bytes; decode
  * succeeds; 16-bit sections come back bit for bit; a group of finite values
  * of magnitude <= 60000 decodes to finite values (with centroids, whose
- * means mix a head's tokens: when every value of the head is).
+ * means mix a head's tokens: when every value of the head is). The same
+ * again for V and K swapped, encoded with the k-means warm-started from the
+ * first encode (kvf_encode_warm: its centroids may hold anything the values
+ * did).
  */
 #include "fuzz_common.h"
 
@@ -84,6 +87,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     FUZZ_CHECK(kvf_decode(ctx, p1, bytes, &sh, NULL, ko, vo, NULL) == KVF_OK);
     fr_check_section(&s->key, d, kv, ko, (size_t)sh.n_tokens, (size_t)sh.n_heads);
     fr_check_section(&s->value, d, kv + elems, vo, (size_t)sh.n_tokens, (size_t)sh.n_heads);
-    free(kv), free(ko), free(vo), free(p1), free(p2);
+    uint8_t *p3 = fuzz_patterned(bytes + 64, 0x3C);
+    FUZZ_CHECK(kvf_encode_warm(ctx, kv + elems, kv, &sh, NULL, p1, bytes, sh.n_tokens, p3, bytes + 64, NULL) == KVF_OK);
+    FUZZ_CHECK(fuzz_all_equal(p3 + bytes, 64, 0x3C));
+    FUZZ_CHECK(kvf_packed_check(s, p3, bytes, sh.n_tokens, sh.n_heads) == KVF_OK);
+    FUZZ_CHECK(kvf_decode(ctx, p3, bytes, &sh, NULL, ko, vo, NULL) == KVF_OK);
+    fr_check_section(&s->key, d, kv + elems, ko, (size_t)sh.n_tokens, (size_t)sh.n_heads);
+    fr_check_section(&s->value, d, kv, vo, (size_t)sh.n_tokens, (size_t)sh.n_heads);
+    free(kv), free(ko), free(vo), free(p1), free(p2), free(p3);
     return 0;
 }

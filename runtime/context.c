@@ -484,28 +484,12 @@ static int assign_plain(kvf_context *ctx, int t, const src_arg *src, int n, int 
                    (unsigned)ac[AC_SMEM], a, stream);
 }
 
-/* The first c_warm rows of every head's table at cent (c_alloc rows a head)
- * from the previous span's table of the same shape at warm (kvf_encode_warm):
- * one copy where they are whole tables, else one a head. Inside push_ctx. */
-static int warm_copy(kvf_context *ctx, CUdeviceptr cent, CUdeviceptr warm, int nh, int c_alloc, int c_warm,
-                     void *stream) {
-    const size_t row = (size_t)ctx->scheme->head_dim * 2, table = (size_t)c_alloc * row;
-    const int copies = c_warm == c_alloc ? 1 : nh;
-    const size_t bytes = c_warm == c_alloc ? (size_t)nh * table : (size_t)c_warm * row;
-    for (int h = 0; h < copies; h++) {
-        CUresult r = ctx->cu->cuMemcpyDtoDAsync(cent + h * table, warm + h * table, bytes, (CUstream)stream);
-        if (r != CUDA_SUCCESS)
-            return kvf_cuda_fail(r, "cuMemcpyDtoDAsync(centroids, previous span's centroids)", __FILE__, __LINE__,
-                                 ctx->device);
-    }
-    return KVF_OK;
-}
-
 /* k-means of one stage (METHODS.md 3): init, Lloyd steps, final assignment;
  * with kmeans_labels = "last_step" the last step's assignment writes the
  * index plane too, and there is no final assignment. warm (0: none): the
  * previous span's table of this stage, whose first min(its tokens, c_eff)
- * rows replace the strided sample's (prev_tokens: its tokens). */
+ * rows replace the strided sample's where they hold no NaN or Inf
+ * (prev_tokens: its tokens; kvf_kmeans::init). */
 static int kmeans_stage(kvf_context *ctx, int t, int stage, const kvf_shape *sh, const src_arg *src,
                         const ws_parts *ws, int parts, CUdeviceptr packed, const kvf_stage_layout *sl,
                         CUdeviceptr weights, CUdeviceptr warm, int64_t prev_tokens, void *stream) {
@@ -527,12 +511,11 @@ static int kmeans_stage(kvf_context *ctx, int t, int stage, const kvf_shape *sh,
     }
     unsigned g_cd = blocks_for((int64_t)nh * c_eff * d, BLOCK);
     int chunk = (int)((n + parts - 1) / parts);
+    int c_warm = !warm ? 0 : prev_tokens < c_eff ? (int)prev_tokens : c_eff;
     void *a_init[] = {(void *)&src->p, (void *)&src->ts, (void *)&src->hs, &n, &nh, &c_eff, &seed, &stage, &cent,
-                      &c_alloc};
+                      &c_alloc, &warm, &c_warm};
     const bool last_step = kvf_labels_of_last_step(c);
     if ((rc = launch(ctx, KVF_R_K_INIT + base, g_cd, a_init, stream))) return rc;
-    if (warm && (rc = warm_copy(ctx, cent, warm, nh, c_alloc, prev_tokens < c_eff ? (int)prev_tokens : c_eff, stream)))
-        return rc;
     for (int it = 0; it < c->kmeans_iters; it++) {
         CUdeviceptr plane = last_step && it == c->kmeans_iters - 1 ? idx_plane : 0;
         void *a_ac[] = {(void *)&src->p, (void *)&src->ts, (void *)&src->hs, (void *)&ws->idx, &n, &c_eff, &chunk,

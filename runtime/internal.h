@@ -126,7 +126,7 @@ const kvf_embedded_file *kvf_find_embedded(const kvf_embedded_file *table, const
  * QSAC assignment counts its filter statistics in a global of its own
  * (assign_qsac_stats), so the JIT can compile it as a program of its own;
  * both statistics globals hold 5 values. */
-#define KVF_KERNEL_ABI 6u
+#define KVF_KERNEL_ABI 7u
 #define KVF_HEADER_BYTES 64u
 #define KVF_PLANE_ALIGN 256u
 

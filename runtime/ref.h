@@ -29,9 +29,10 @@ void kvf_ref_rope(float *x, int d, const kvf_rope_cfg *rope, const int32_t *pos)
  * work space. */
 int kvf_ref_kmeans(const float *e, int64_t n, int d, int c, int iters, int64_t seed, int stage,
                    int head, uint16_t *cent, int *last_z);
-/* The same, warm-started: the first c_warm (<= C) rows of the initial table
- * are warm[c_warm][d] (bf16; the previous span's centroids), the rest the
- * strided sample's (kvf_encode_warm, METHODS.md 3). warm NULL or c_warm 0:
+/* The same, warm-started: row j < c_warm (<= C) of the initial table is
+ * warm[j] (bf16; the previous span's centroids) where that row holds no NaN
+ * or Inf, the strided sample's otherwise, and the rows past c_warm are the
+ * sample's (kvf_encode_warm, METHODS.md 3). warm NULL or c_warm 0:
  * kvf_ref_kmeans. */
 int kvf_ref_kmeans_warm(const float *e, int64_t n, int d, int c, int iters, int64_t seed, int stage,
                         int head, const uint16_t *warm, int c_warm, uint16_t *cent, int *last_z);

@@ -119,7 +119,12 @@ int kvf_ref_kmeans_warm(const float *e, int64_t n, int d, int c, int iters, int6
                         int head, const uint16_t *warm, int c_warm, uint16_t *cent, int *last_z) {
     if (c > n) c = (int)n;
     strided_init(e, n, d, c, seed, stage, head, cent);
-    if (warm && c_warm > 0) memcpy(cent, warm, (size_t)(c_warm < c ? c_warm : c) * (size_t)d * sizeof *cent);
+    for (int j = 0; warm && j < c_warm && j < c; j++) { /* a previous row with a NaN or Inf is not taken */
+        const uint16_t *w = warm + (size_t)j * d;
+        int finite = 1;
+        for (int k = 0; k < d; k++) finite &= (w[k] & 0x7f80u) != 0x7f80u;
+        if (finite) memcpy(cent + (size_t)j * d, w, (size_t)d * sizeof *cent);
+    }
     if (iters <= 0) return KVF_OK;
     lloyd_work w = {last_z ? last_z : malloc((size_t)n * sizeof(int)), malloc((size_t)c * sizeof(double)),
                     malloc((size_t)c * (size_t)d * sizeof(int64_t)), malloc((size_t)c * sizeof(int64_t))};

@@ -75,13 +75,37 @@ __device__ __forceinline__ void prep(const u16 *__restrict__ x, i64 ts, i64 hs, 
     dst[1] = make_float4(v[4], v[5], v[6], v[7]);
 }
 
+// Whether a bf16 row of D values (16-byte aligned) holds no NaN or Inf.
+template <int D> __device__ __forceinline__ bool finite_row(const u16 *row) {
+    bool ok = true;
+#pragma unroll 4
+    for (int k = 0; k < D; k += 8) {
+        const uint4 v = *(const uint4 *)(row + k);
+        const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int e = 0; e < 4; e++) ok &= (w[e] & 0x7f80u) != 0x7f80u && (w[e] & 0x7f800000u) != 0x7f800000u;
+    }
+    return ok;
+}
+
 // Seeded strided sample: centroid j of head h = the row of token (o + j*N/C) % N.
+// Warm start (kvf_encode_warm; warm 0: none): rows j < c_warm are instead the
+// previous span's table's (warm, c_alloc rows a head), each where it holds no
+// NaN or Inf (ref_kmeans.c kvf_ref_kmeans_warm's rule).
 template <int D, bool BF>
 __device__ __forceinline__ void init(const void *src, i64 ts, i64 hs, int n_tokens, int n_heads, int c_eff,
-                                     long long seed, int stage, u16 *cent, int c_alloc) {
+                                     long long seed, int stage, u16 *cent, int c_alloc, const u16 *warm,
+                                     int c_warm) {
     const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; // one (h, j, c)
     if (i >= (i64)n_heads * c_eff * D) return;
     const int c = (int)(i % D), j = (int)((i / D) % c_eff), h = (int)(i / ((i64)D * c_eff));
+    if (j < c_warm) {
+        const u16 *w = warm + ((i64)h * c_alloc + j) * D;
+        if (finite_row<D>(w)) {
+            cent[((i64)h * c_alloc + j) * D + c] = w[c];
+            return;
+        }
+    }
     const u64 o = splitmix64((u64)seed ^ ((u64)stage << 32) ^ ((u64)h << 40)) % (u64)n_tokens;
     const int t = (int)((o + (u64)j * (u64)n_tokens / (u64)c_eff) % (u64)n_tokens);
     cent[((i64)h * c_alloc + j) * D + c] = kvf_f32_to_bf16(ld1<BF>(src_row<BF>(src, ts, hs, h, t), c));
@@ -1161,8 +1185,9 @@ __device__ __forceinline__ void residual(const void *src, i64 ts, i64 hs, float 
         kvf_kmeans::prep<D, ROT>(x, ts, hs, n, nh, e);                                                         \
     }                                                                                                          \
     extern "C" __global__ void PREFIX##_init(const void *src, i64 ts, i64 hs, int n, int nh, int c_eff,        \
-                                             long long seed, int stage, u16 *cent, int c_alloc) {              \
-        kvf_kmeans::init<D, BF>(src, ts, hs, n, nh, c_eff, seed, stage, cent, c_alloc);                        \
+                                             long long seed, int stage, u16 *cent, int c_alloc,                \
+                                             const u16 *warm, int c_warm) {                                    \
+        kvf_kmeans::init<D, BF>(src, ts, hs, n, nh, c_eff, seed, stage, cent, c_alloc, warm, c_warm);          \
     }                                                                                                          \
     /* What runtime/context.c launches the k-means kernels with: the            */                        \
     /* assignment's dynamic shared bytes (plain, QSAC), threads per block       */                        \

@@ -1148,9 +1148,10 @@ static void context_from_cache_and_image(void **state) {
  * PSAC (quantwm_int2, with statistics) and four stages over the f32
  * workspace (qvg_pro_int2; the CPU's statistics on both sides, as
  * compare_case's second encode); a previous span with fewer tokens than
- * centroids (a copy a head) and one with more (one copy of all tables); and
- * other centroids than a cold start's (the warm start took). A previous
- * span on the device that overlaps the output is refused. */
+ * centroids and one with more, each with a NaN in one row and an Inf in
+ * another (rows the warm start does not take); and other centroids than a
+ * cold start's (the warm start took). A previous span on the device that
+ * overlaps the output is refused. */
 static void gpu_warm_start(void **state) {
     (void)state;
     SKIP_WITHOUT_GPU();
@@ -1193,6 +1194,11 @@ static void gpu_warm_start(void **state) {
             assert_int_equal(kvf_packed_size(s, pn, heads, &pb), KVF_OK);
             uint8_t *prev = malloc(pb);
             assert_int_equal(kvf_encode(cpu, kp, vp, &psh, q.host, prev, pb, NULL), KVF_OK);
+            kvf_layout PL; /* a NaN in key row 1 of head 0, an Inf in value row 2 of the last head: not taken */
+            assert_int_equal(kvf_layout_compute(s, pn, heads, &PL), KVF_OK);
+            kvf_put_u16(prev + PL.key.stage[0].centroids_off + (size_t)(1 * d + 3) * 2, 0x7fc0);
+            kvf_put_u16(prev + PL.value.stage[0].centroids_off + (((size_t)(heads - 1) * PL.value.centroids + 2) * d) * 2,
+                        0x7f80);
             CUdeviceptr dprev = dalloc(pb, 0);
             CK(cuMemcpyHtoD(dprev, prev, pb));
             assert_int_equal(kvf_encode_warm(cpu, k, v, &sh, q.host, prev, pb, pn, pc, bytes, NULL), KVF_OK);

@@ -757,7 +757,8 @@ static const uint8_t *table_row(const uint8_t *p, const kvf_section_layout *l, i
 
 /* With no Lloyd step the table is its start: the previous span's first rows
  * (as many as it has centroids: 100 of its tokens, or all 256), then the
- * strided sample's, row for row those of a cold start. */
+ * strided sample's, row for row those of a cold start; a previous row with a
+ * NaN or an Inf is not taken (the sample's row instead). */
 static void test_warm_start_table(void **state) {
     (void)state;
     enum { D = 128, H = 2, N = 300 };
@@ -784,14 +785,21 @@ static void test_warm_start_table(void **state) {
         assert_int_equal(kvf_packed_size(s, pn, H, &pb), KVF_OK);
         uint8_t *prev = malloc(pb);
         assert_int_equal(kvf_encode(c, kp, vp, &psh, NULL, prev, pb, NULL), KVF_OK);
+        /* rows 5 of head 1's keys and 7 of head 0's values: one NaN, one -Inf */
+        kvf_put_u16((uint8_t *)table_row(prev, &PL.key, 1, 5, D) + 2 * 17, 0x7fc0);
+        kvf_put_u16((uint8_t *)table_row(prev, &PL.value, 0, 7, D) + 2 * 100, 0xff80);
         uint8_t *warm = encode_warm_with(c, k, v, N, H, prev, pb, pn, &wb);
         const int from_prev = pn < 256 ? (int)pn : 256;
         for (int t = 0; t < 2; t++) {
             const kvf_section_layout *l = t ? &L.value : &L.key, *pl = t ? &PL.value : &PL.key;
             for (int h = 0; h < H; h++)
-                for (int j = 0; j < 256; j++)
+                for (int j = 0; j < 256; j++) {
+                    const int poisoned = (t == 0 && h == 1 && j == 5) || (t == 1 && h == 0 && j == 7);
                     assert_memory_equal(table_row(warm, l, h, j, D),
-                                        j < from_prev ? table_row(prev, pl, h, j, D) : table_row(cold, l, h, j, D), D * 2);
+                                        j < from_prev && !poisoned ? table_row(prev, pl, h, j, D)
+                                                                   : table_row(cold, l, h, j, D),
+                                        D * 2);
+                }
         }
         /* and the indices are the nearest of that table: not the cold start's */
         assert_memory_not_equal(warm + L.key.stage[0].index_off, cold + L.key.stage[0].index_off, L.key.stage[0].index_bytes);
