@@ -179,12 +179,14 @@ int kvf_encode(kvf_context *ctx, const void *k, const void *v, const kvf_shape *
  * previous span of this layer (same scheme and head count, prev_n_tokens
  * tokens, prev_bytes at least its kvf_packed_size; NULL: kvf_encode). The
  * initial table of each section, stage and head is the previous span's first
- * min(centroids, prev_n_tokens, n_tokens) rows, the rest the strided sample as
+ * min(centroids, prev_n_tokens, n_tokens) rows (each that holds no NaN or
+ * Inf; the strided sample's row otherwise), the rest the strided sample as
  * kvf_encode's; the Lloyd steps and every later step are kvf_encode's, so the
  * result is as reproducible (the same inputs, the same bytes). Sections
  * without centroids ignore it. `prev` must not overlap `packed`. On a device
- * it is a device pointer, read on `stream`, and its header is not read
- * (check it with kvf_packed_check); on the CPU its header is checked.
+ * it is a device pointer, 16-byte aligned (as `packed`), read on `stream`, and
+ * its header is not read (check it with kvf_packed_check); on the CPU its
+ * header is checked.
  */
 int kvf_encode_warm(kvf_context *ctx, const void *k, const void *v, const kvf_shape *shape,
                     const void *qstats, const void *prev, size_t prev_bytes, int64_t prev_n_tokens,

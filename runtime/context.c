@@ -665,6 +665,8 @@ static int encode(kvf_context *ctx, const void *k, const void *v, const kvf_shap
     if (prev) {
         if ((rc = kvf_warm_check(ctx->scheme, prev_bytes, prev_n_tokens, sh.n_heads, &warm.L)))
             return kvf_wrap_error(rc, "%s: the previous span's packed cache", fn);
+        if ((uintptr_t)prev & 15u) /* the init kernel reads its rows 16 bytes at a time */
+            return kvf_set_error(KVF_EINVAL, "%s: the previous span's packed cache must be 16-byte aligned", fn);
         const uintptr_t p = (uintptr_t)prev, o = (uintptr_t)packed; /* two buffers: compared as addresses */
         if (p < o + l.total_bytes && o < p + warm.L.total_bytes)
             return kvf_set_error(KVF_EINVAL, "%s: the previous span's packed cache overlaps the output", fn);

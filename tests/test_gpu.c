@@ -1221,6 +1221,11 @@ static void gpu_warm_start(void **state) {
                 assert_int_equal(kvf_encode_warm(gpu, (void *)dk, (void *)dv, &sh, NULL, (void *)dprev, pb - 1, pn,
                                                  (void *)dp, bytes, NULL),
                                  KVF_ERANGE);
+                /* misaligned (refused before any launch, so the size it claims is not read) */
+                assert_int_equal(kvf_encode_warm(gpu, (void *)dk, (void *)dv, &sh, NULL, (void *)(dprev + 8), pb, pn,
+                                                 (void *)dp, bytes, NULL),
+                                 KVF_EINVAL);
+                assert_non_null(strstr(kvf_last_error(), "16-byte aligned"));
             }
             free(kp), free(vp), free(prev);
             cu->cuMemFree(dprev);

@@ -277,7 +277,7 @@ def test_cache_policy_on_gpu_and_side_stream():
 def test_gpu_warm_start_bit_identical_to_cpu():
     """Context.encode(warm_from=...) on torch tensors of the device: what the
     CPU reference's warm start decodes to, bit for bit (qvg_int2: the previous
-    span's centroid tables copied on the device before the Lloyd steps; the
+    span's centroid tables taken by the device's init kernel; the
     packed buffers are compared through their decode, the device leaving the
     padding between planes as it was)."""
     dev = torch.device("cuda", 0) if ON_CUDA else torch.device(DEV)
