@@ -220,6 +220,11 @@ template <int D, int M> struct assign_layout {
     static constexpr int WARPS = LIM + 32;
 };
 
+// The block's shared bytes with `warps` warps' scratch (K keys a list).
+template <int D, int M, int K> __host__ __device__ constexpr int assign_smem_with(int warps) {
+    return assign_layout<D, M>::WARPS + warps * assign_warp_bytes<M, K>();
+}
+
 // Warps per block with K keys a list: 16 up to D = 128 (the registers stay
 // within the launch bounds of 512 threads without a spill on sm_90: 123 for
 // the nearest centroid over a BF16 source (8 filter tiles; 120 with 2 keys a
@@ -233,9 +238,6 @@ template <int D, int M> struct assign_layout {
 // sm_80 and 99 KiB archs; 0: none fits, refused below). test_nvrtc requires
 // the assignment kernels to compile without a spill (QSAC M = 8 over an f32
 // source included).
-template <int D, int M, int K> __host__ __device__ constexpr int assign_smem_with(int warps) {
-    return assign_layout<D, M>::WARPS + warps * assign_warp_bytes<M, K>();
-}
 template <int D, int M, int K> __host__ __device__ constexpr int assign_warps_with() {
     int w = D <= 128 ? 16 : 4;
     while (w > 0 && assign_smem_with<D, M, K>(w) > smem_optin_bytes()) w--;
