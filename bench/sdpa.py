@@ -151,10 +151,12 @@ def main():
         torch.cuda.synchronize()
         out = Shape(CACHED, H, D, total * D)  # rows 0..CACHED-1 of the [H, total, D] buffers
 
-        def decode():  # on the current stream (the capture stream inside a graph capture)
-            st = C.c_void_p(torch.cuda.current_stream().cuda_stream)
+        def decode_into(kb, vb, st):  # into rows 0..CACHED-1 of kb, vb, queued on torch stream st
             check(L, L.kvf_decode(ctx, C.c_void_p(packed.data_ptr()), C.c_size_t(nbytes.value), C.byref(out), None,
-                                  C.c_void_p(k.data_ptr()), C.c_void_p(v.data_ptr()), st))
+                                  C.c_void_p(kb.data_ptr()), C.c_void_p(vb.data_ptr()), C.c_void_p(st.cuda_stream)))
+
+        def decode():  # on the current stream (the capture stream inside a graph capture)
+            decode_into(k, v, torch.cuda.current_stream())
 
         def both():
             decode()
@@ -174,10 +176,6 @@ def main():
             bufs = [(k, v), (k.clone(), v.clone())]
             side = torch.cuda.Stream()
             step = [0]
-
-            def decode_into(kb, vb, st):
-                check(L, L.kvf_decode(ctx, C.c_void_p(packed.data_ptr()), C.c_size_t(nbytes.value), C.byref(out), None,
-                                      C.c_void_p(kb.data_ptr()), C.c_void_p(vb.data_ptr()), C.c_void_p(st.cuda_stream)))
 
             def pipelined():
                 main = torch.cuda.current_stream()

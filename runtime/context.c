@@ -663,13 +663,11 @@ static int encode(kvf_context *ctx, const void *k, const void *v, const kvf_shap
      * read one either): its size and place are checked. */
     kvf_warm_src warm = {prev, {0}};
     if (prev) {
-        if ((rc = kvf_warm_check(ctx->scheme, prev_bytes, prev_n_tokens, sh.n_heads, &warm.L)))
+        if ((rc = kvf_warm_check(ctx->scheme, prev, prev_bytes, prev_n_tokens, sh.n_heads, packed, l.total_bytes,
+                                 &warm.L)))
             return kvf_wrap_error(rc, "%s: the previous span's packed cache", fn);
         if ((uintptr_t)prev & 15u) /* the init kernel reads its rows 16 bytes at a time */
             return kvf_set_error(KVF_EINVAL, "%s: the previous span's packed cache must be 16-byte aligned", fn);
-        const uintptr_t p = (uintptr_t)prev, o = (uintptr_t)packed; /* two buffers: compared as addresses */
-        if (p < o + l.total_bytes && o < p + warm.L.total_bytes)
-            return kvf_set_error(KVF_EINVAL, "%s: the previous span's packed cache overlaps the output", fn);
     }
     if ((rc = check_qstats_arg(ctx, qstats)) || (rc = push_ctx(ctx))) return rc;
     return pop_ctx(ctx, encode_device(ctx, k, v, &sh, &l, qstats, &warm, packed, stream));

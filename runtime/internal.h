@@ -179,11 +179,12 @@ typedef struct kvf_layout {
 int kvf_layout_compute(const struct kvf_scheme *s, int64_t n_tokens, int32_t n_heads,
                        kvf_layout *out);
 void kvf_header_fill(const struct kvf_scheme *s, const kvf_layout *l, kvf_packed_header *h);
-/* The previous span of a warm start (kvf_encode_warm): its layout for
- * prev_n_tokens tokens of n_heads heads into *L; KVF_EINVAL for
- * prev_n_tokens < 1, KVF_ERANGE when prev_bytes cannot hold that layout. */
-int kvf_warm_check(const struct kvf_scheme *s, size_t prev_bytes, int64_t prev_n_tokens, int32_t n_heads,
-                   kvf_layout *L);
+/* The previous span of a warm start (kvf_encode_warm), checked on the CPU and
+ * a device alike: its layout for prev_n_tokens tokens of n_heads heads into
+ * *L; KVF_EINVAL for prev_n_tokens < 1 or where its bytes overlap the output's
+ * first packed_bytes, KVF_ERANGE when prev_bytes cannot hold that layout. */
+int kvf_warm_check(const struct kvf_scheme *s, const void *prev, size_t prev_bytes, int64_t prev_n_tokens,
+                   int32_t n_heads, const void *packed, size_t packed_bytes, kvf_layout *L);
 /* Check that a method is implemented for this scheme (KVF_ENOTIMPL names the field). */
 int kvf_scheme_check_supported(const struct kvf_scheme *s);
 

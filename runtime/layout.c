@@ -223,7 +223,8 @@ int kvf_packed_size(const kvf_scheme *s, int64_t n_tokens, int32_t n_heads, size
     return KVF_OK;
 }
 
-int kvf_warm_check(const kvf_scheme *s, size_t prev_bytes, int64_t prev_n_tokens, int32_t n_heads, kvf_layout *L) {
+int kvf_warm_check(const kvf_scheme *s, const void *prev, size_t prev_bytes, int64_t prev_n_tokens, int32_t n_heads,
+                   const void *packed, size_t packed_bytes, kvf_layout *L) {
     if (prev_n_tokens < 1)
         return kvf_set_error(KVF_EINVAL, "the previous span has %lld tokens: at least 1", (long long)prev_n_tokens);
     int rc = kvf_layout_compute(s, prev_n_tokens, n_heads, L);
@@ -231,6 +232,8 @@ int kvf_warm_check(const kvf_scheme *s, size_t prev_bytes, int64_t prev_n_tokens
     if (prev_bytes < L->total_bytes)
         return kvf_set_error(KVF_ERANGE, "%zu bytes given, %zu needed for %lld tokens x %d heads", prev_bytes,
                              L->total_bytes, (long long)prev_n_tokens, (int)n_heads);
+    const uintptr_t p = (uintptr_t)prev, o = (uintptr_t)packed; /* two buffers: compared as addresses */
+    if (p < o + packed_bytes && o < p + L->total_bytes) return kvf_set_error(KVF_EINVAL, "it overlaps the output");
     return KVF_OK;
 }
 

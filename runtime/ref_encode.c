@@ -444,12 +444,9 @@ int kvf_ref_encode_warm(const struct kvf_scheme *s, const uint16_t *k, const uin
     if (qstats && (rc = check_qstats(s, qstats, sh.n_heads))) return rc;
     kvf_warm_src warm = {prev, {0}};
     if (prev) {
-        if ((rc = kvf_warm_check(s, prev_bytes, prev_n_tokens, sh.n_heads, &warm.L)) ||
+        if ((rc = kvf_warm_check(s, prev, prev_bytes, prev_n_tokens, sh.n_heads, packed, L.total_bytes, &warm.L)) ||
             (rc = kvf_packed_check(s, prev, prev_bytes, prev_n_tokens, sh.n_heads)))
             return kvf_wrap_error(rc, "kvf_encode_warm: the previous span's packed cache");
-        const uintptr_t p = (uintptr_t)prev, o = (uintptr_t)packed; /* two buffers: compared as addresses */
-        if (p < o + L.total_bytes && o < p + warm.L.total_bytes)
-            return kvf_set_error(KVF_EINVAL, "kvf_encode_warm: the previous span's packed cache overlaps the output");
     }
 
     memset(packed, 0, L.total_bytes); /* padding between planes is zero */
