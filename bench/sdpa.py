@@ -15,13 +15,15 @@ the overhead is the median of the per-round ratios, with its 10th-90th
 percentile spread. The same again with each step captured once in a CUDA
 graph (no launch gaps or Python in the timing), unless --no-graph.
 
-With --pipe, also the decode issued one layer ahead ("pipe"): a model that
-decodes layer l+1's cache on a second stream while layer l's attention runs
-(two sets of K/V buffers, each layer's SDPA waiting for its decode) spends
-per layer the time of SDPA with the next decode beside it, and the overhead
-printed is that over SDPA alone. It is not the issue's measure (decode, then
-SDPA, on one stream: "eager" and "graph"). On the H200 it hid little of
-the decode (docs/BENCHMARKS.md, session 20).
+With --pipe, also the decode issued one layer ahead: a model that decodes
+layer l+1's cache on a second stream while layer l's attention runs (two
+sets of K/V buffers, each layer's SDPA waiting for its decode) spends per
+layer the time of SDPA with the next decode beside it, and the overhead
+printed is that over SDPA alone. Three orders: "pipe" queues the decode
+before the SDPA, "pipe-a" after it, "pipe-hi" after it on a high-priority
+stream. None is the issue's measure (decode, then SDPA, on one stream:
+"eager" and "graph"). On the H200, "pipe" hid little of the decode
+(docs/BENCHMARKS.md, session 20).
     KVFORGE_LIB=out/lib/libkvforge.so python3 bench/sdpa.py [--rounds N] [--inner N] [--no-graph] [--pipe] [SCHEME ...]
 """
 import argparse
@@ -171,22 +173,32 @@ def main():
             else:
                 report(name, "graph", *interleaved(fns, args.rounds, args.inner))
         if args.pipe:
-            # Layer l's SDPA on the current stream, layer l+1's decode on `side`
-            # into the other buffers; each step waits for the decode it reads.
+            # Layer l's SDPA on the current stream, layer l+1's decode on a side
+            # stream into the other buffers; each step waits for the decode it
+            # reads. "pipe": the decode queued before the SDPA, at the default
+            # priority; "pipe-a": queued after it; "pipe-hi": queued after it on
+            # a high-priority stream, so the decode's blocks take each SM that
+            # SDPA's blocks leave (and any room beside them) before SDPA's next
+            # wave does.
             bufs = [(k, v), (k.clone(), v.clone())]
-            side = torch.cuda.Stream()
-            step = [0]
+            for mode, prio, after in (("pipe", 0, False), ("pipe-a", 0, True), ("pipe-hi", -1, True)):
+                side = torch.cuda.Stream(priority=prio)
+                step = [0]
 
-            def pipelined():
-                main = torch.cuda.current_stream()
-                (kc, vc), (kn, vn) = bufs[step[0]], bufs[1 - step[0]]
-                step[0] ^= 1
-                side.wait_stream(main)  # the step that last read (kn, vn) is done
-                decode_into(kn, vn, side)
-                F.scaled_dot_product_attention(q, kc, vc)
-                main.wait_stream(side)  # the next step reads (kn, vn)
+                def pipelined(side=side, after=after, step=step):
+                    main = torch.cuda.current_stream()
+                    (kc, vc), (kn, vn) = bufs[step[0]], bufs[1 - step[0]]
+                    step[0] ^= 1
+                    done = main.record_event()  # the step that last read (kn, vn) is done
+                    if after:
+                        F.scaled_dot_product_attention(q, kc, vc)
+                    side.wait_event(done)
+                    decode_into(kn, vn, side)
+                    if not after:
+                        F.scaled_dot_product_attention(q, kc, vc)
+                    main.wait_stream(side)  # the next step reads (kn, vn)
 
-            report(name, "pipe", *interleaved([sdpa, pipelined, decode], args.rounds, args.inner))
+                report(name, mode, *interleaved([sdpa, pipelined, decode], args.rounds, args.inner))
         torch.cuda.synchronize()
         L.kvf_context_destroy(ctx)
         L.kvf_scheme_free(s)
