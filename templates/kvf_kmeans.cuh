@@ -360,6 +360,39 @@ __device__ __forceinline__ double plain_dist(const void *x, const u16 *crow, dou
     return __dsub_rn(nn, __dmul_rn(2.0, dot));
 }
 
+// An f32 estimate of plain_dist, for the certified pick (assign): products
+// by FFMA over 4 chains, so each product meets at most 34 roundings. With
+// u = 2^-24, |estimate - (nn - 2 <x, mu>)| <= u nn + 2 gamma_34 sum |x_c mu_c|
+// + u (nn + 2 |x| |mu|) (1 + 2^-13) < 2^-16.9 (nn + |x| |mu|) (gamma_n =
+// n u / (1 - n u)), plus 2^-140 for subnormal products and sums; the CPU's
+// f64 value is within 2^-45 (nn + |x| |mu|) of the exact one. So both lie
+// within E = 2^-15 (max N + |x| max |mu|) + 2^-101 of each other, with
+// room to spare (cert_margin). Rows reach it only with a finite filter
+// bound: |x| max |mu| + max N / 2 < 2^125, so nothing here overflows.
+template <int D, bool BF>
+__device__ __forceinline__ float plain_dist_f32(const void *x, const u16 *crow, double nn) {
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 1
+    for (int kb = 0; kb < D / 16; kb++) {
+        float xv[16], mv[16];
+        ld16<BF>(x, kb * 16, xv);
+        mu16(crow, kb, mv);
+#pragma unroll
+        for (int i = 0; i < 16; i++) acc[i & 3] = __fmaf_rn(xv[i], mv[i], acc[i & 3]);
+    }
+    const float dot = __fadd_rn(__fadd_rn(acc[0], acc[1]), __fadd_rn(acc[2], acc[3]));
+    return __fmaf_rn(-2.0f, dot, __double2float_rn(nn));
+}
+
+// 2E (plain_dist_f32), rounded up, for a row with |a| = an (sqrtf of an f32
+// sum of squares: within 2^-17 of |x|, so an * 1.0001 >= |x|) and the head's
+// cmax >= max |mu|, nmax >= max N (assign rounds both up). Two candidates
+// whose estimates differ by more than 2E have the CPU's distances in the
+// same strict order.
+__device__ __forceinline__ float cert_margin(float an, float cmax, float nmax) {
+    return __fadd_ru(__fmul_ru(0x1p-14f, __fmaf_ru(__fmul_ru(an, 1.0001f), cmax, nmax)), 0x1p-100f);
+}
+
 template <int D, bool BF>
 __device__ __forceinline__ double weighted_dist(const void *x, const u16 *crow, const float *w) {
     double acc = 0.0;
@@ -529,6 +562,7 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
     // A BF16 source is its own high half: no low half, no second mma (plain distances only;
     // QSAC's w * x is not BF16).
     constexpr bool NO_LO = BF && M == 1;
+    constexpr bool CERT = BF && M == 1; // the certified pick (below)
     extern __shared__ __align__(16) unsigned char smem[];
     u32 have;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(have));
@@ -743,30 +777,64 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
                 if (lane < TPW && wa.nc[lane] > CAP) wa.nc[lane] = -1;
                 __syncwarp();
             }
-            // The candidates of all 16 tokens, spread over the lanes (offsets by a scan).
-            // A token with exactly MF candidates needs no f64 distance: they are its
-            // MF nearest (for the nearest centroid, the answer; for QSAC their order
-            // matters only to break a tie of scores, settled below).
-            const int mine = lane < TPW && wa.nc[lane] > MF ? wa.nc[lane] : 0;
-            int off = mine;
+            // Distances of the candidates of the rows with `mine` > 0 of them (row
+            // `lane`), spread over the lanes (offsets by a scan): the f32 estimates
+            // (plain_dist_f32) when EST, else the CPU's f64 values.
+            auto distances = [&](int mine, bool est) {
+                int off = mine;
 #pragma unroll
-            for (int o = 1; o < TPW; o <<= 1) {
-                const int v = __shfl_up_sync(0xffffffffu, off, o);
-                if (lane >= o) off += v;
+                for (int o = 1; o < TPW; o <<= 1) {
+                    const int v = __shfl_up_sync(0xffffffffu, off, o);
+                    if (lane >= o) off += v;
+                }
+                const int total = __shfl_sync(0xffffffffu, off, TPW - 1);
+                if (lane < TPW) wa.off[lane] = mine ? off - mine : 0x7fffffff; // rows without: never found below
+                __syncwarp();
+                for (int f = lane; f < total; f += 32) {
+                    int tl = 0; // the last token whose first candidate is at or before f
+                    for (int i = 1; i < TPW; i++)
+                        if (wa.off[i] <= f) tl = i;
+                    const int k = f - wa.off[tl];
+                    const void *x = src_row<BF>(src, ts, hs, cur[0], tw0 + tl);
+                    const int j = wa.cj[tl][k];
+                    if constexpr (CERT)
+                        if (est) { wa.cd[tl][k] = (double)plain_dist_f32<D, BF>(x, cs + j * DP, nn64[j]); continue; }
+                    wa.cd[tl][k] = exact_dist<D, M, BF>(x, cs + j * DP, wv, nn64, j);
+                }
+                __syncwarp();
+            };
+            // A token with exactly MF candidates needs no distance: they are its MF
+            // nearest (for the nearest centroid, the answer; for QSAC their order
+            // matters only to break a tie of scores, settled below). The nearest
+            // centroid over a BF16 source first compares f32 estimates: a row whose
+            // smallest estimate is below every other by more than 2E (cert_margin)
+            // has the CPU's answer there (its f64 distances in the same strict
+            // order), the `pick` of lane `lane`; only the other rows take the f64
+            // distances. On the H200 (docs/BENCHMARKS.md, session 21) this took
+            // qvg_int2's encode from 2.120-2.132 to 2.092-2.106 ms; over the f32
+            // workspace (qvg_pro_int2's later stages) the same made its encode 2%
+            // slower, so those rows take the f64 distances directly.
+            int pick = -1;
+            if constexpr (CERT) {
+                distances(lane < TPW && wa.nc[lane] > 1 ? wa.nc[lane] : 0, true);
+                if (lane < TPW && wa.nc[lane] > 1) {
+                    const int n = wa.nc[lane];
+                    int b = 0;
+                    float bd = (float)wa.cd[lane][0];
+                    for (int k = 1; k < n; k++) {
+                        const float d = (float)wa.cd[lane][k];
+                        if (d < bd) { bd = d; b = k; }
+                    }
+                    const float lim = __fadd_ru(bd, cert_margin(wa.an[lane], cmax, nmax));
+                    bool sure = lim - lim == 0.0f; // finite (so is every estimate it is compared with)
+                    for (int k = 0; k < n && sure; k++) sure = k == b || (float)wa.cd[lane][k] > lim;
+                    if (sure) pick = wa.cj[lane][b];
+                }
+                const int rest = lane < TPW && wa.nc[lane] > 1 && pick < 0 ? wa.nc[lane] : 0;
+                if (__any_sync(0xffffffffu, rest > 0)) distances(rest, false);
+            } else {
+                distances(lane < TPW && wa.nc[lane] > MF ? wa.nc[lane] : 0, false);
             }
-            const int total = __shfl_sync(0xffffffffu, off, TPW - 1);
-            if (lane < TPW) wa.off[lane] = off - mine;
-            __syncwarp();
-            for (int f = lane; f < total; f += 32) {
-                int tl = 0; // the last token whose first candidate is at or before f, and that has some
-                for (int i = 1; i < TPW; i++)
-                    if (wa.off[i] <= f && wa.nc[i] > MF) tl = i;
-                const int k = f - wa.off[tl];
-                const void *x = src_row<BF>(src, ts, hs, cur[0], tw0 + tl);
-                const int j = wa.cj[tl][k];
-                wa.cd[tl][k] = exact_dist<D, M, BF>(x, cs + j * DP, wv, nn64, j);
-            }
-            __syncwarp();
             // The CPU's rule over the candidates: the smallest (distance, j); for QSAC
             // the M smallest (distance, j), then the first smallest sensitivity score.
             // Both are independent of the candidates' order.
@@ -774,6 +842,8 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
                 const int n = wa.nc[lane];
                 if (M > 1 && n == MF) { // the MF nearest, unordered
                     for (int i = 0; i < MF; i++) wa.pk[lane][i] = wa.cj[lane][i];
+                } else if (M == 1 && pick >= 0) {
+                    wa.pk[lane][0] = pick;
                 } else if (M == 1) {
                     int bj = wa.cj[lane][0];
                     double bd = n > 1 ? wa.cd[lane][0] : 0.0;
