@@ -361,10 +361,11 @@ __device__ __forceinline__ double plain_dist(const void *x, const u16 *crow, dou
 }
 
 // An f32 estimate of plain_dist, for the certified pick (assign): products
-// by FFMA over 4 chains, so each product meets at most 34 roundings. With
-// u = 2^-24, |estimate - (nn - 2 <x, mu>)| <= u nn + 2 gamma_34 sum |x_c mu_c|
-// + u (nn + 2 |x| |mu|) (1 + 2^-13) < 2^-16.9 (nn + |x| |mu|) (gamma_n =
-// n u / (1 - n u)), plus 2^-140 for subnormal products and sums; the CPU's
+// by FFMA over 4 chains, so each product meets at most n = D / 4 + 2 <= 66
+// roundings. With u = 2^-24, |estimate - (nn - 2 <x, mu>)| <= u nn +
+// 2 gamma_n sum |x_c mu_c| + u (nn + 2 |x| |mu|) (1 + 2^-13) < 2^-16.9 (nn +
+// |x| |mu|) (gamma_n = n u / (1 - n u); 2 gamma_66 + 2u < 2^-16.9), plus
+// 2^-140 for subnormal products and sums; the CPU's
 // f64 value is within 2^-45 (nn + |x| |mu|) of the exact one. So both lie
 // within E = 2^-15 (max N + |x| max |mu|) + 2^-101 of each other, with
 // room to spare (cert_margin). Rows reach it only with a finite filter
