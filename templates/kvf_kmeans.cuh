@@ -332,6 +332,20 @@ __device__ __forceinline__ void mu16(const u16 *crow, int kb, float (&m)[16]) {
     }
 }
 
+// f(kb, xv, mv) for each 16-channel block kb of row x (from the source) and
+// of the permuted shared centroid row crow, in channel order; U: the loop's
+// unroll factor.
+template <int D, bool BF, int U = 1, typename F>
+__device__ __forceinline__ void row_blocks(const void *x, const u16 *crow, F &&f) {
+#pragma unroll U
+    for (int kb = 0; kb < D / 16; kb++) {
+        float xv[16], mv[16];
+        ld16<BF>(x, kb * 16, xv);
+        mu16(crow, kb, mv);
+        f(kb, xv, mv);
+    }
+}
+
 // ||mu||^2, the CPU's value (kvf_ref_centroid_norms): f64 in channel order.
 template <int D> __device__ __forceinline__ double norm2(const u16 *crow) {
     double nn = 0.0;
@@ -349,14 +363,10 @@ template <int D> __device__ __forceinline__ double norm2(const u16 *crow) {
 template <int D, bool BF>
 __device__ __forceinline__ double plain_dist(const void *x, const u16 *crow, double nn) {
     double dot = 0.0;
-#pragma unroll 1
-    for (int kb = 0; kb < D / 16; kb++) {
-        float xv[16], mv[16];
-        ld16<BF>(x, kb * 16, xv);
-        mu16(crow, kb, mv);
+    row_blocks<D, BF>(x, crow, [&](int, const float (&xv)[16], const float (&mv)[16]) {
 #pragma unroll
         for (int i = 0; i < 16; i++) dot = __fma_rn((double)xv[i], (double)mv[i], dot);
-    }
+    });
     return __dsub_rn(nn, __dmul_rn(2.0, dot));
 }
 
@@ -373,14 +383,10 @@ __device__ __forceinline__ double plain_dist(const void *x, const u16 *crow, dou
 template <int D, bool BF>
 __device__ __forceinline__ float plain_dist_f32(const void *x, const u16 *crow, double nn) {
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll 1
-    for (int kb = 0; kb < D / 16; kb++) {
-        float xv[16], mv[16];
-        ld16<BF>(x, kb * 16, xv);
-        mu16(crow, kb, mv);
+    row_blocks<D, BF>(x, crow, [&](int, const float (&xv)[16], const float (&mv)[16]) {
 #pragma unroll
         for (int i = 0; i < 16; i++) acc[i & 3] = __fmaf_rn(xv[i], mv[i], acc[i & 3]);
-    }
+    });
     const float dot = __fadd_rn(__fadd_rn(acc[0], acc[1]), __fadd_rn(acc[2], acc[3]));
     return __fmaf_rn(-2.0f, dot, __double2float_rn(nn));
 }
@@ -397,17 +403,13 @@ __device__ __forceinline__ float cert_margin(float an, float cmax, float nmax) {
 template <int D, bool BF>
 __device__ __forceinline__ double weighted_dist(const void *x, const u16 *crow, const float *w) {
     double acc = 0.0;
-#pragma unroll 1
-    for (int kb = 0; kb < D / 16; kb++) {
-        float xv[16], mv[16];
-        ld16<BF>(x, kb * 16, xv);
-        mu16(crow, kb, mv);
+    row_blocks<D, BF>(x, crow, [&](int kb, const float (&xv)[16], const float (&mv)[16]) {
 #pragma unroll
         for (int i = 0; i < 16; i++) {
             const double d = __dsub_rn((double)xv[i], (double)mv[i]);
             acc = __dadd_rn(acc, __dmul_rn((double)w[kb * 16 + i], __dmul_rn(d, d)));
         }
-    }
+    });
     return acc;
 }
 
@@ -417,11 +419,7 @@ template <int D, int G, bool BF>
 __device__ __forceinline__ double sensitivity(const void *x, const u16 *crow, const double *gw) {
     double score = 0.0;
     float lo = 0.0f, hi = 0.0f;
-#pragma unroll 2
-    for (int kb = 0; kb < D / 16; kb++) {
-        float xv[16], mv[16];
-        ld16<BF>(x, kb * 16, xv);
-        mu16(crow, kb, mv);
+    row_blocks<D, BF, 2>(x, crow, [&](int kb, const float (&xv)[16], const float (&mv)[16]) {
 #pragma unroll
         for (int i = 0; i < 16; i++) {
             const int c = kb * 16 + i;
@@ -433,7 +431,7 @@ __device__ __forceinline__ double sensitivity(const void *x, const u16 *crow, co
                 score = __dadd_rn(score, __dmul_rn(gw[c / G], __dmul_rn(range, range)));
             }
         }
-    }
+    });
     return score;
 }
 
