@@ -62,8 +62,8 @@ if has sanitizer && command -v compute-sanitizer >/dev/null; then
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Invalid|out of bounds|hazard|PASSED|FAILED" "${OUT:-/tmp}/san_$1.txt" | head -6
   }
   san race_kmeans_qstats qvg_int2,quantwm_int2,assign_ranges racecheck 200
-  [ -n "${KVF_SAN_ALL:-}" ] && san race_all "" racecheck 220 # KVF_SAN_ALL=1: every scheme (about 4 min)
-  san mem_all "" memcheck 160 "--report-api-errors no"
+  [ -n "${KVF_SAN_ALL:-}" ] && san race_all "" racecheck 240 # KVF_SAN_ALL=1: every scheme (about 4 min)
+  san mem_all "" memcheck 140 "--report-api-errors no"
 fi
 if has python; then
   echo "== python binding on the GPU"
