@@ -7,8 +7,9 @@ tools/h200_validate.sh's `source` part writes it. Output: the kernel's stall
 reasons, its opcode mix (by executed warp instructions and by stall
 samples), the straight-line regions of the code (consecutive instructions
 run the same number of times) that hold at least 1% of the samples, and the
-instructions with the most samples. Standard library only (the GPU machine
-has no package registry).
+instructions with the most samples; for the regions with at least 5% of the
+samples, their samples by opcode and by stall reason. Standard library only
+(the GPU machine has no package registry).
 
     python3 tools/ncu_source.py FILE.csv [--top N]
 """
@@ -78,13 +79,22 @@ def main():
             regions[-1][3] += s
         else:
             regions.append([i, i, e, s])
-    print("regions with at least 1% of the samples (index range, times run, samples, instructions):")
+    print("regions with at least 1% of the samples (index range, times run, samples, instructions;")
+    print("  then, for regions with at least 5%, their samples by opcode and by stall reason):")
     for first_i, last_i, times, s in regions:
         e = times * (last_i - first_i + 1)
         if s / total_s >= 0.01:
             src = code[first_i][col["Source"]].strip()[:44]
             print(f"  [{first_i}-{last_i}] x{times:.0f}: {100 * s / total_s:5.1f}% samples, "
                   f"{100 * e / total_e:5.1f}% instructions, {last_i - first_i + 1} static  ({src} ..)")
+        if s / total_s >= 0.05:
+            ops, why = collections.Counter(), collections.Counter()
+            for i in range(first_i, last_i + 1):
+                ops[opcode(code[i][col["Source"]])] += samples[i]
+                for c, name in stalls:
+                    why[name] += number(code[i], c)
+            print("      " + ", ".join(f"{k} {100 * v / s:.0f}%" for k, v in ops.most_common(6))
+                  + " | " + ", ".join(f"{k} {100 * v / s:.0f}%" for k, v in why.most_common(5)))
 
     print(f"top {args.top} instructions by samples (index, samples, times run, source, main stalls):")
     order = sorted(range(len(code)), key=lambda i: -samples[i])[:args.top]
