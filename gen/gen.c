@@ -388,15 +388,21 @@ static int gpu_check(const struct kvf_scheme *s) {
     return KVF_OK;
 }
 
-int kvf_gen(const struct kvf_scheme *s, kvf_gen_output *out) {
-    memset(out, 0, sizeof *out);
+/* The checks every output needs: methods, the GPU's limits, a layout. */
+static int gen_check(const struct kvf_scheme *s, kvf_layout *l) {
     int rc = kvf_scheme_check_supported(s);
     if (!rc) rc = gpu_check(s);
-    if (rc) return rc;
-    kvf_layout l;
-    if ((rc = kvf_layout_compute(s, 1, 1, &l))) return rc;
-    out->cu = gen_cuda(s, -1);
-    out->c = out->cu ? gen_c(s, out->cu) : NULL;
+    if (!rc) rc = kvf_layout_compute(s, 1, 1, l);
+    return rc;
+}
+
+static int out_of_memory(const struct kvf_scheme *s, kvf_gen_output *out) {
+    kvf_gen_output_free(out);
+    return kvf_set_error(KVF_ENOMEM, "generator: out of memory for scheme %s", s->name);
+}
+
+/* out->program and out->program_name (the JIT's programs). */
+static int gen_programs(const struct kvf_scheme *s, kvf_gen_output *out) {
     int prog[U_COUNT], bad = 0;
     out->n_programs = programs_of(s, prog);
     for (int p = 0; p < out->n_programs; p++) {
@@ -406,14 +412,28 @@ int kvf_gen(const struct kvf_scheme *s, kvf_gen_output *out) {
         out->program_name[p] = file_name(s, ext);
         bad |= !out->program[p] || !out->program_name[p];
     }
+    return bad ? out_of_memory(s, out) : KVF_OK;
+}
+
+int kvf_gen_programs(const struct kvf_scheme *s, kvf_gen_output *out) {
+    memset(out, 0, sizeof *out);
+    kvf_layout l;
+    int rc = gen_check(s, &l);
+    return rc ? rc : gen_programs(s, out);
+}
+
+int kvf_gen(const struct kvf_scheme *s, kvf_gen_output *out) {
+    memset(out, 0, sizeof *out);
+    kvf_layout l;
+    int rc = gen_check(s, &l);
+    if (rc || (rc = gen_programs(s, out))) return rc;
+    out->cu = gen_cuda(s, -1);
+    out->c = out->cu ? gen_c(s, out->cu) : NULL;
     out->h = gen_h(s, &l);
     out->cu_name = file_name(s, ".cu");
     out->c_name = file_name(s, ".c");
     out->h_name = file_name(s, ".h");
-    if (bad || !out->cu || !out->c || !out->h || !out->cu_name || !out->c_name || !out->h_name) {
-        kvf_gen_output_free(out);
-        return kvf_set_error(KVF_ENOMEM, "generator: out of memory for scheme %s", s->name);
-    }
+    if (!out->cu || !out->c || !out->h || !out->cu_name || !out->c_name || !out->h_name) return out_of_memory(s, out);
     return KVF_OK;
 }
 

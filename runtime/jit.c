@@ -122,7 +122,7 @@ static int run_programs(programs_job *j) {
     int rc = kvf_nvrtc_load(&j->nv);
     if (rc) return rc;
     kvf_gen_output g;
-    if ((rc = kvf_gen(j->s, &g))) return rc;
+    if ((rc = kvf_gen_programs(j->s, &g))) return rc;
     j->g = &g;
     const kvf_tasks t = {.n_tasks = g.n_programs, .threads = g.n_programs, .arg = j, .run = program_task};
     rc = kvf_parallel_for(&t);

@@ -100,6 +100,8 @@ static void expect_gen_refused(const char *text, const char *field) {
     kvf_gen_output g;
     assert_int_equal(kvf_gen(s, &g), KVF_ENOTIMPL);
     assert_non_null(strstr(kvf_last_error(), field));
+    assert_int_equal(kvf_gen_programs(s, &g), KVF_ENOTIMPL); /* the JIT's entry makes the same checks */
+    assert_non_null(strstr(kvf_last_error(), field));
     kvf_scheme_free(s);
 }
 
@@ -217,6 +219,18 @@ static void programs_split_the_whole_source(void **state) {
                 l += len + (l[len] == '\n');
             }
         assert_int_equal(program_lines, whole_lines + 2 * g.n_programs); /* + the two globals each */
+        /* kvf_gen_programs (the JIT's): the same programs, and nothing else. */
+        kvf_gen_output only;
+        assert_int_equal(kvf_gen_programs(s, &only), KVF_OK);
+        assert_int_equal(only.n_programs, g.n_programs);
+        for (int p = 0; p < g.n_programs; p++) {
+            assert_string_equal(only.program[p], g.program[p]);
+            assert_string_equal(only.program_name[p], g.program_name[p]);
+        }
+        assert_null(only.cu);
+        assert_null(only.c);
+        assert_null(only.h);
+        kvf_gen_output_free(&only);
         kvf_gen_output_free(&g);
         kvf_scheme_free(s);
     }
