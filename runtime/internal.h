@@ -125,7 +125,8 @@ const kvf_embedded_file *kvf_find_embedded(const kvf_embedded_file *table, const
  * tiles; the decode no longer takes the head count (its grid's y). 6: the
  * QSAC assignment counts its filter statistics in a global of its own
  * (assign_qsac_stats), so the JIT can compile it as a program of its own;
- * both statistics globals hold 5 values. */
+ * both statistics globals hold 5 values. 7: the k-means init kernel takes the
+ * warm start's previous table and its row count (kvf_encode_warm). */
 #define KVF_KERNEL_ABI 7u
 #define KVF_HEADER_BYTES 64u
 #define KVF_PLANE_ALIGN 256u
