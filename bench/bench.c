@@ -129,7 +129,9 @@ static int do_decode(void *p) {
 
 /* The INT2 decode probe (bench/kvf_probe.cuh, embedded by the Makefile): an
  * INT2 decode's bytes with no arithmetic to speak of, without and with a
- * centroid gather. */
+ * centroid gather; the same bytes read and written by separate blocks; the
+ * rows' stores alone. */
+enum { PROBE_PLAIN, PROBE_GATHER, PROBE_SPLIT, PROBE_WRITE, PROBE_N };
 typedef struct probe_arg {
     CUfunction fn;
     CUdeviceptr codes, sz, idx, table, out;
@@ -161,9 +163,9 @@ static void probe_free(probe_state *st) {
 }
 
 /* probe_ceilings' work: compile and load the probe, fill its inputs, time
- * both kernels. */
-static int probe_run(probe_state *st, CUdevice dev, int64_t tokens, int heads, int reps, double bw[2],
-                     float ms[2]) {
+ * its kernels. */
+static int probe_run(probe_state *st, CUdevice dev, int64_t tokens, int heads, int reps, double bw[PROBE_N],
+                     float ms[PROBE_N]) {
     int major, minor, ptx, rc;
     char arch[32];
     size_t size;
@@ -178,7 +180,7 @@ static int probe_run(probe_state *st, CUdevice dev, int64_t tokens, int heads, i
     KVF_CU(cu, 0, cuModuleLoadData(&st->mod, st->image));
     CUdeviceptr geometry;
     size_t geometry_bytes;
-    unsigned g[6]; /* kvf_probe::BLOCK, TILE, CODE_BYTES, SZ_BYTES, ROW_BYTES, TABLE_ROWS */
+    unsigned g[7]; /* kvf_probe::BLOCK, TILE, CODE_BYTES, SZ_BYTES, ROW_BYTES, TABLE_ROWS, SPLIT */
     KVF_CU(cu, 0, cuModuleGetGlobal(&geometry, &geometry_bytes, st->mod, "kvf_probe_geometry"));
     if (geometry_bytes != sizeof g)
         return kvf_set_error(KVF_EFORMAT, "kvf_bench: probe: kvf_probe_geometry has %zu bytes", geometry_bytes);
@@ -188,7 +190,10 @@ static int probe_run(probe_state *st, CUdevice dev, int64_t tokens, int heads, i
         return kvf_set_error(KVF_EFORMAT, "kvf_bench: probe: rows of %u bytes and tables of %u rows, not 256 and 256",
                              g[4], g[5]);
     a->block = g[0];
-    a->grid_x = (unsigned)((tokens + g[1] - 1) / g[1]);
+    const int64_t tiles = (tokens + g[1] - 1) / g[1];
+    const unsigned grid_x[PROBE_N] = {(unsigned)tiles, (unsigned)tiles,
+                                      (unsigned)((tiles + g[6] - 1) / g[6] * (g[6] + 1)),
+                                      (unsigned)((tokens * (g[4] / 16) + g[0] - 1) / g[0])};
     const size_t code_bytes = g[2], sz_bytes = g[3], table_bytes = (size_t)heads * 2 * g[5] * g[4];
     KVF_CU(cu, 0, cuMemAlloc(&a->codes, rows * code_bytes));
     KVF_CU(cu, 0, cuMemAlloc(&a->sz, rows * sz_bytes));
@@ -199,23 +204,27 @@ static int probe_run(probe_state *st, CUdevice dev, int64_t tokens, int heads, i
     KVF_CU(cu, 0, cuMemsetD8(a->table, 0x3f, table_bytes));
     for (size_t r = 0; r < rows; r++) st->idx[r] = (unsigned char)((r * 2654435761u) >> 13); /* scattered */
     KVF_CU(cu, 0, cuMemcpyHtoD(a->idx, st->idx, rows));
-    const char *names[2] = {"kvf_probe_int2", "kvf_probe_int2_gather"};
-    for (int k = 0; k < 2; k++) {
+    const char *names[PROBE_N] = {"kvf_probe_int2", "kvf_probe_int2_gather", "kvf_probe_int2_split",
+                                  "kvf_probe_write"};
+    for (int k = 0; k < PROBE_N; k++) {
         KVF_CU(cu, 0, cuModuleGetFunction(&a->fn, st->mod, names[k]));
+        a->grid_x = grid_x[k];
         if ((rc = time_try(do_probe, a, reps, &ms[k]))) return rc;
-        const double bytes = (double)rows * (code_bytes + sz_bytes + g[4]) + (k ? rows + (double)table_bytes : 0.0);
+        double bytes = (double)rows * (code_bytes + sz_bytes + g[4]);
+        if (k == PROBE_GATHER) bytes += rows + (double)table_bytes;
+        if (k == PROBE_WRITE) bytes = (double)rows * g[4];
         bw[k] = bytes / (ms[k] * 1e-3) / 1e9;
     }
     return KVF_OK;
 }
 
-/* Times both probes over K and V of the layer into out (2 x heads x tokens
- * rows of 256 bytes: the decode's output size). *bw: GB/s counting the bytes
- * read (each head's 64 KiB table once, as the decode's packed bytes count its
- * centroids) and written; *ms: median times. KVF_OK, or why the probe could
- * not run (the bench then goes on without it). */
-static int probe_ceilings(CUdevice dev, int64_t tokens, int heads, CUdeviceptr out, int reps, double bw[2],
-                          float ms[2]) {
+/* Times the probe's kernels (PROBE_*) over K and V of the layer into out (2
+ * x heads x tokens rows of 256 bytes: the decode's output size). bw: GB/s
+ * counting the bytes read (the gather's each head's 64 KiB table once, as the
+ * decode's packed bytes count its centroids) and written; ms: median times.
+ * KVF_OK, or why the probe could not run (the bench then goes on without it). */
+static int probe_ceilings(CUdevice dev, int64_t tokens, int heads, CUdeviceptr out, int reps, double bw[PROBE_N],
+                          float ms[PROBE_N]) {
     probe_state st = {.a = {.n = (unsigned)tokens, .grid_y = (unsigned)heads, .out = out}};
     int rc = probe_run(&st, dev, tokens, heads, reps, bw, ms);
     probe_free(&st);
@@ -348,6 +357,14 @@ int main(int argc, char **argv) {
     CK(cuMemsetD8(cp.src, 1, cp.n));
     float copy_ms = time_median(do_copy, &cp, reps);
     double copy_bw = 2.0 * cp.n / (copy_ms * 1e-3) / 1e9;
+    /* The same copy at an INT2 decode's size: half of what the probe moves
+     * (codes, scales and BF16 rows: 296 bytes a row of K and V) each way, so
+     * the ceiling's own loss at that size is printed beside it. */
+    copy_arg cs = cp;
+    cs.n = (size_t)tokens * heads * 296;
+    if (cs.n > cp.n) cs.n = cp.n;
+    float copy_s_ms = time_median(do_copy, &cs, reps);
+    double copy_s_bw = 2.0 * cs.n / (copy_s_ms * 1e-3) / 1e9;
     cu->cuMemFree(cp.src);
     cu->cuMemFree(cp.dst);
 
@@ -388,14 +405,16 @@ int main(int argc, char **argv) {
     CK(cuMemAlloc(&fill.dst, fill.n));
     float fill_ms = time_median(do_fill, &fill, reps);
     double fill_bw = fill.n / (fill_ms * 1e-3) / 1e9;
-    double probe_bw[2];
-    float probe_ms[2];
+    double probe_bw[PROBE_N];
+    float probe_ms[PROBE_N];
     int probe_rc = probe ? probe_ceilings(dev, tokens, heads, fill.dst, reps, probe_bw, probe_ms) : KVF_OK;
     cu->cuMemFree(fill.dst);
 
     printf("GPU: %s; layer: K and V of %d heads x %lld tokens x d=%d (BF16 %.1f MB each)\n", name, heads,
            (long long)tokens, d, n * 2 / 1e6);
     printf("copy ceiling: %.0f GB/s (2 GiB device-to-device, read + write, median of %d)\n", copy_bw, reps);
+    printf("copy of %.0f MB (an INT2 decode's bytes, half each way): %.0f GB/s = %.1f%% of the copy ceiling\n",
+           cs.n / 1e6, copy_s_bw, 100.0 * copy_s_bw / copy_bw);
     printf("write ceiling: %.0f GB/s (cuMemsetD32 of the decode's %.0f MB of BF16 output: %.3f ms, median of %d)\n",
            fill_bw, fill.n / 1e6, fill_ms, reps);
     if (!probe)
@@ -403,9 +422,13 @@ int main(int argc, char **argv) {
     else if (probe_rc == KVF_OK)
         printf("INT2 decode probe (bench/kvf_probe.cuh: qvg_int2's bytes a row, no arithmetic, one launch):\n"
                "  codes and scales: %.0f GB/s = %.1f%% of copy (%.3f ms); with the centroid gather: %.0f GB/s = "
-               "%.1f%% of copy (%.3f ms)\n\n",
+               "%.1f%% of copy (%.3f ms)\n"
+               "  codes and scales read and rows written by separate blocks (no load feeds a store): %.0f GB/s = "
+               "%.1f%% of copy (%.3f ms)\n"
+               "  the rows' 16-byte stores alone: %.0f GB/s = %.1f%% of copy (%.3f ms)\n\n",
                probe_bw[0], 100.0 * probe_bw[0] / copy_bw, probe_ms[0], probe_bw[1], 100.0 * probe_bw[1] / copy_bw,
-               probe_ms[1]);
+               probe_ms[1], probe_bw[2], 100.0 * probe_bw[2] / copy_bw, probe_ms[2], probe_bw[3],
+               100.0 * probe_bw[3] / copy_bw, probe_ms[3]);
     else
         printf("INT2 decode probe: not run (%s)\n\n", kvf_last_error());
     printf("%-16s %8s %9s %9s %9s %10s %7s %8s %9s %9s %9s\n", "scheme", "ratio", "encode", "vs QVG", "decode",
