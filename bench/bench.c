@@ -471,17 +471,21 @@ int main(int argc, char **argv) {
         }
         c.pos = s->rope.placement == KVF_ROPE_PRE ? dpos : 0;
         float enc = time_median(do_encode, &c, reps5);
-        unsigned long long st[2][8];
+        unsigned long long st[2][2 * KVF_AS_N];
         const int kmeans = kvf_section_path(&s->key) == 'B' || kvf_section_path(&s->value) == 'B';
         if (kmeans && !kvf_context_assign_stats(c.ctx, 1, st) && !do_encode(&c) &&
             !kvf_context_assign_stats(c.ctx, 0, st))
             for (int t = 0; t < 2; t++)
-                for (int k = 0; k < 2; k++)
-                    if (st[t][4 * k])
-                        fprintf(stderr, "  %s %s assign%s: %llu tokens, %.2f candidates/token (f64 for those with more than M), %.3f%% full scans, "
-                                "%.3f%% filtered twice\n", names[i], t ? "V" : !k && !kvf_gen_kmeans_owner(s, 1) ? "K+V" : "K", k ? " (QSAC)" : "",
-                                st[t][4 * k], (double)st[t][4 * k + 1] / st[t][4 * k],
-                                100.0 * st[t][4 * k + 2] / st[t][4 * k], 100.0 * st[t][4 * k + 3] / st[t][4 * k]);
+                for (int k = 0; k < 2; k++) {
+                    const unsigned long long *a = st[t] + KVF_AS_N * k;
+                    const double tok = (double)a[KVF_AS_TOKENS];
+                    if (a[KVF_AS_TOKENS])
+                        fprintf(stderr, "  %s %s assign%s: %llu tokens, %.2f candidates/token, %.3f%% with f64 distances, "
+                                "%.3f%% full scans, %.3f%% filtered twice\n", names[i],
+                                t ? "V" : !k && !kvf_gen_kmeans_owner(s, 1) ? "K+V" : "K", k ? " (QSAC)" : "",
+                                a[KVF_AS_TOKENS], a[KVF_AS_CANDIDATES] / tok, 100.0 * a[KVF_AS_EXACT] / tok,
+                                100.0 * a[KVF_AS_FULL] / tok, 100.0 * a[KVF_AS_AGAIN] / tok);
+                }
         float dec = time_median(do_decode, &c, reps);
         double moved = (double)c.packed_bytes + 2.0 * n * 2;
         double bw = moved / (dec * 1e-3) / 1e9;

@@ -300,8 +300,8 @@ void kvf_context_destroy(kvf_context *ctx) {
     free(ctx);
 }
 
-int kvf_context_assign_stats(kvf_context *ctx, int enable, unsigned long long out[2][8]) {
-    memset(out, 0, sizeof(unsigned long long) * 16);
+int kvf_context_assign_stats(kvf_context *ctx, int enable, unsigned long long out[2][2 * KVF_AS_N]) {
+    memset(out, 0, sizeof(unsigned long long) * 2 * 2 * KVF_AS_N);
     if (!ctx || ctx->device == KVF_DEVICE_CPU) return kvf_set_error(KVF_EINVAL, "assign stats: no GPU context");
     const kvf_cuda_api *cu = ctx->cu;
     int rc = push_ctx(ctx);
@@ -314,10 +314,10 @@ int kvf_context_assign_stats(kvf_context *ctx, int enable, unsigned long long ou
         for (int k = 0; k < 2 && r == CUDA_SUCCESS && rc == KVF_OK; k++) {
             if (!ctx->fn[KVF_R_K_ASSIGN + k + t * KVF_R_SECTION_STRIDE]) continue;
             CUdeviceptr p;
-            unsigned long long v[5], z[5] = {(unsigned long long)(enable > 0)};
+            unsigned long long v[1 + KVF_AS_N], z[1 + KVF_AS_N] = {(unsigned long long)(enable > 0)};
             if ((rc = kmeans_global(ctx, t, k ? "assign_qsac_stats" : "assign_stats", sizeof v, &p))) break;
             if ((r = cu->cuMemcpyDtoH(v, p, sizeof v)) != CUDA_SUCCESS) break;
-            memcpy(out[t] + 4 * k, v + 1, 4 * sizeof v[0]);
+            memcpy(out[t] + KVF_AS_N * k, v + 1, KVF_AS_N * sizeof v[0]);
             if (enable >= 0) r = cu->cuMemcpyHtoD(p, z, sizeof z);
         }
     }

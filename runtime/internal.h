@@ -126,8 +126,9 @@ const kvf_embedded_file *kvf_find_embedded(const kvf_embedded_file *table, const
  * QSAC assignment counts its filter statistics in a global of its own
  * (assign_qsac_stats), so the JIT can compile it as a program of its own;
  * both statistics globals hold 5 values. 7: the k-means init kernel takes the
- * warm start's previous table and its row count (kvf_encode_warm). */
-#define KVF_KERNEL_ABI 7u
+ * warm start's previous table and its row count (kvf_encode_warm). 8: the
+ * statistics globals hold 6 values (the rows that took f64 distances). */
+#define KVF_KERNEL_ABI 8u
 #define KVF_HEADER_BYTES 64u
 #define KVF_PLANE_ALIGN 256u
 
@@ -356,9 +357,16 @@ int kvf_cache_list(FILE *out);
 /* The k-means assignment's filter statistics (templates/kvf_kmeans.cuh
  * assign_stats and assign_qsac_stats), for bench/: enable = 1 zeroes and
  * starts counting, 0 stops, -1 only reads. out[t] for K (t = 0) and V: per
- * kernel (plain, QSAC) tokens, f64 candidates, full scans, second filters.
- * Where V runs K's kernels (kvf_gen_kmeans_owner), out[0] counts both and
- * out[1] stays 0. */
-int kvf_context_assign_stats(struct kvf_context *ctx, int enable, unsigned long long out[2][8]);
+ * kernel (plain at 0, QSAC at KVF_AS_N) the KVF_AS_* counts. Where V runs
+ * K's kernels (kvf_gen_kmeans_owner), out[0] counts both and out[1] stays 0. */
+enum {
+    KVF_AS_TOKENS,     /* tokens assigned */
+    KVF_AS_CANDIDATES, /* their candidates after the filter (1 for a quick pick) */
+    KVF_AS_FULL,       /* tokens that took the full scan */
+    KVF_AS_AGAIN,      /* tokens filtered twice */
+    KVF_AS_EXACT,      /* tokens that took their candidates' f64 distances */
+    KVF_AS_N
+};
+int kvf_context_assign_stats(struct kvf_context *ctx, int enable, unsigned long long out[2][2 * KVF_AS_N]);
 
 #endif

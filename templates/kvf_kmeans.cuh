@@ -548,7 +548,9 @@ template <int E> __device__ __forceinline__ i64 range_at(int n_heads, int tiles)
 
 // Blocks over ranges of the (head, 16-token tile) pairs. M = 1: nearest centroid; M > 1:
 // QSAC over the M nearest by the weighted distance (weights[h][D], or ones).
-// stats (optional, [4]): tokens, candidates, full scans, second filters.
+// stats (optional, [5]): tokens, candidates, full scans, second filters, and
+// rows that took their candidates' f64 distances (more than M candidates, not
+// settled by the certified pick; full scans not counted).
 template <int D, int G, int M, bool BF>
 __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64 hs, int n_tokens, int n_heads,
                                        int c_eff, const u16 *__restrict__ cent, int c_alloc, int *idx_ws,
@@ -830,9 +832,12 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
                     if (sure) pick = wa.cj[lane][b];
                 }
                 const int rest = lane < TPW && wa.nc[lane] > 1 && pick < 0 ? wa.nc[lane] : 0;
+                if (stats && rest > 0 && tw0 + lane < n_tokens) atomicAdd(&stats[4], 1ull);
                 if (__any_sync(0xffffffffu, rest > 0)) distances(rest, false);
             } else {
-                distances(lane < TPW && wa.nc[lane] > MF ? wa.nc[lane] : 0, false);
+                const int mine = lane < TPW && wa.nc[lane] > MF ? wa.nc[lane] : 0;
+                if (stats && mine > 0 && tw0 + lane < n_tokens) atomicAdd(&stats[4], 1ull);
+                distances(mine, false);
             }
             // The CPU's rule over the candidates: the smallest (distance, j); for QSAC
             // the M smallest (distance, j), then the first smallest sensitivity score.
@@ -1271,8 +1276,9 @@ __device__ __forceinline__ void residual(const void *src, i64 ts, i64 hs, float 
         kvf_kmeans::assign_warps<D, QSAC>() * kvf_kmeans::TPW, BF, kvf_kmeans::RES_RPT,              \
         kvf_kmeans::SUM_THREADS};                                                                              \
     /* Filter statistics, counted while [0] != 0 (bench/bench.c sets it):       */                      \
-    /* tokens, candidates, full scans, second filters. QSAC's are its own.      */                      \
-    extern "C" __device__ unsigned long long PREFIX##_assign_stats[5] = {};                                  \
+    /* tokens, candidates, full scans, second filters, rows with f64 distances  */                      \
+    /* (assign's stats). QSAC's are its own.                                     */                      \
+    extern "C" __device__ unsigned long long PREFIX##_assign_stats[6] = {};                                  \
     extern "C" __global__ void __launch_bounds__(kvf_kmeans::assign_warps<D, 1>() * 32, 1)              \
     PREFIX##_assign(const void *src, i64 ts, i64 hs, int n, int nh, int c_eff, const u16 *cent, int c_alloc,   \
                     int *idx_ws, u8 *idx_plane) {                                                              \
@@ -1307,7 +1313,7 @@ __device__ __forceinline__ void residual(const void *src, i64 ts, i64 hs, float 
 // shape from that one's assign_cfg), so the JIT compiles it as a program of
 // its own (gen/gen.c); its filter statistics are its own global, as above.
 #define KVF_KMEANS_QSAC_KERNEL(PREFIX, D, G, QSAC, BF)                                                        \
-    extern "C" __device__ unsigned long long PREFIX##_assign_qsac_stats[5] = {};                             \
+    extern "C" __device__ unsigned long long PREFIX##_assign_qsac_stats[6] = {};                             \
     extern "C" __global__ void __launch_bounds__(kvf_kmeans::assign_warps<D, QSAC>() * 32, 1)           \
     PREFIX##_assign_qsac(const void *src, i64 ts, i64 hs, int n, int nh, int c_eff, const u16 *cent,           \
                          int c_alloc, u8 *idx_plane, const float *weights) {                                   \

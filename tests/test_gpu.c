@@ -372,7 +372,7 @@ static void compare_case(kvf_context *gpu, kvf_context *cpu, const run_case *c, 
     CK(cuMemcpyHtoD(dk2, k, n * 2)); /* so padding holds the same as on the CPU side */
     CK(cuMemcpyHtoD(dv2, v, n * 2));
     const int kmeans = s->key.centroids > 0 || s->value.centroids > 0;
-    unsigned long long astats[2][8];
+    unsigned long long astats[2][2 * KVF_AS_N];
     const int counted = (data == 3 || data == 4) && kmeans; /* the assignment's statistics of this encode */
     if (counted) assert_int_equal(kvf_context_assign_stats(gpu, 1, astats), KVF_OK);
     gpu_encode(gpu, dk, dv, &sh, q.dev, dp, packed_bytes, 0xa5, pg);
@@ -380,18 +380,29 @@ static void compare_case(kvf_context *gpu, kvf_context *cpu, const run_case *c, 
     /* QSAC's final assignment (its own program and statistics global since
      * KVF_KERNEL_ABI 6) takes every key token of every head once. */
     if (counted && s->key.qsac_candidates > 1 && !kvf_labels_of_last_step(&s->key))
-        assert_int_equal(astats[0][4], (unsigned long long)c->tokens * (unsigned long long)c->heads);
+        assert_int_equal(astats[0][KVF_AS_N + KVF_AS_TOKENS], (unsigned long long)c->tokens * (unsigned long long)c->heads);
+    /* A row that took f64 distances (full scans aside) had at least two
+     * candidates, every other row of the filter's path at least one. */
+    for (int t = 0; counted && t < 2; t++)
+        for (int k = 0; k < 2; k++) {
+            const unsigned long long *a = astats[t] + KVF_AS_N * k;
+            assert_true(a[KVF_AS_FULL] + a[KVF_AS_EXACT] <= a[KVF_AS_TOKENS]);
+            assert_true(a[KVF_AS_CANDIDATES] >= a[KVF_AS_TOKENS] - a[KVF_AS_FULL] + a[KVF_AS_EXACT]);
+        }
     if (data == 3 && kmeans) {
         unsigned long long full = 0;
-        for (int t = 0; t < 2; t++) full += astats[t][2] + astats[t][6];
+        for (int t = 0; t < 2; t++) full += astats[t][KVF_AS_FULL] + astats[t][KVF_AS_N + KVF_AS_FULL];
         /* Head 1's tokens at least once (its first assignment), whatever else. */
         if (c->heads > 1) assert_true(full >= (unsigned long long)c->tokens);
         printf("  rows near the filter's 2^125 guard: %llu full scans\n", full);
     }
     if (data == 4 && kmeans) {
-        unsigned long long twice = 0;
-        for (int t = 0; t < 2; t++) twice += astats[t][3] + astats[t][7];
-        printf("  16 distinct rows a head: %llu tokens filtered twice\n", twice);
+        unsigned long long twice = 0, exact = 0;
+        for (int t = 0; t < 2; t++) {
+            twice += astats[t][KVF_AS_AGAIN] + astats[t][KVF_AS_N + KVF_AS_AGAIN];
+            exact += astats[t][KVF_AS_EXACT] + astats[t][KVF_AS_N + KVF_AS_EXACT];
+        }
+        printf("  16 distinct rows a head: %llu tokens filtered twice, %llu with f64 distances\n", twice, exact);
         if (c->tokens >= 1024) assert_true(twice > 0); /* the full-size cases' first shape */
     }
     /* Bytes between planes are padding nobody writes: compare the planes. */
