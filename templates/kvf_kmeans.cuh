@@ -832,12 +832,9 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
                     if (sure) pick = wa.cj[lane][b];
                 }
                 const int rest = lane < TPW && wa.nc[lane] > 1 && pick < 0 ? wa.nc[lane] : 0;
-                if (stats && rest > 0 && tw0 + lane < n_tokens) atomicAdd(&stats[4], 1ull);
                 if (__any_sync(0xffffffffu, rest > 0)) distances(rest, false);
             } else {
-                const int mine = lane < TPW && wa.nc[lane] > MF ? wa.nc[lane] : 0;
-                if (stats && mine > 0 && tw0 + lane < n_tokens) atomicAdd(&stats[4], 1ull);
-                distances(mine, false);
+                distances(lane < TPW && wa.nc[lane] > MF ? wa.nc[lane] : 0, false);
             }
             // The CPU's rule over the candidates: the smallest (distance, j); for QSAC
             // the M smallest (distance, j), then the first smallest sensitivity score.
@@ -924,6 +921,8 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
                 atomicAdd(&stats[0], 1ull);
                 atomicAdd(&stats[wa.nc[lane] >= 0 ? 1 : 2], (unsigned long long)(wa.nc[lane] >= 0 ? wa.nc[lane] : 1));
                 if (wa.again[lane]) atomicAdd(&stats[3], 1ull);
+                // the rows that took their candidates' f64 distances above
+                if (wa.nc[lane] > MF && !(CERT && pick >= 0)) atomicAdd(&stats[4], 1ull);
             }
             // Full scans, one token at a time: every distance, then ref_kmeans.c's
             // sequential rules verbatim (a NaN distance never wins, except at j = 0).
