@@ -220,8 +220,8 @@ static int probe_run(probe_state *st, CUdevice dev, int64_t tokens, int heads, i
 
 /* Times the probe's kernels (PROBE_*) over K and V of the layer into out (2
  * x heads x tokens rows of 256 bytes: the decode's output size). bw: GB/s
- * counting the bytes read (the gather's each head's 64 KiB table once, as the
- * decode's packed bytes count its centroids) and written; ms: median times.
+ * counting the bytes read (with the gather, each head's 64 KiB table once, as
+ * the decode's packed bytes count its centroids) and written; ms: median times.
  * KVF_OK, or why the probe could not run (the bench then goes on without it). */
 static int probe_ceilings(CUdevice dev, int64_t tokens, int heads, CUdeviceptr out, int reps, double bw[PROBE_N],
                           float ms[PROBE_N]) {
