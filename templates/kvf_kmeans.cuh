@@ -550,7 +550,8 @@ template <int E> __device__ __forceinline__ i64 range_at(int n_heads, int tiles)
 // QSAC over the M nearest by the weighted distance (weights[h][D], or ones).
 // stats (optional, [5]): tokens, candidates, full scans, second filters, and
 // rows that took their candidates' f64 distances (more than M candidates, not
-// settled by the certified pick; full scans not counted).
+// settled by the certified pick; full scans not counted): the order of
+// runtime/internal.h's KVF_AS_*, which reads them.
 template <int D, int G, int M, bool BF>
 __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64 hs, int n_tokens, int n_heads,
                                        int c_eff, const u16 *__restrict__ cent, int c_alloc, int *idx_ws,
