@@ -561,10 +561,10 @@ static void gpu_rope_pre(void **state) {
 /* PSAC at the ranks and head sizes the GPU takes besides the shipped rank 8
  * at head_dim 128: ranks below 4 (byte loads of the basis codes and
  * coefficients), 16 and 32 (more coefficient words in registers), head_dim 64 and
- * 256 (statistics tiles, basis blocks). QSAC's scores (their lanes'
- * reductions over a group, kvf_kmeans::sensitivity_lanes) at key groups of 16
- * and 128 channels besides 64, and over 1 and 4 groups at head_dim 64 and
- * 256. 300 tokens: more than the 256 centroids. */
+ * 256 (statistics tiles, basis blocks). QSAC's scores (kvf_kmeans::
+ * sensitivity: a range per group of channels) at key groups of 16 and 128
+ * channels besides 64, and over 1 and 4 groups at head_dim 64 and 256. 300
+ * tokens: more than the 256 centroids. */
 static void gpu_psac_shapes(void **state) {
     (void)state;
     SKIP_WITHOUT_GPU();
