@@ -24,7 +24,7 @@
 #include <xxhash.h>
 
 #define SB_MEM_CAP (32u << 20)        /* bytes one scheme's Lua state may hold */
-#define SB_INSN_LIMIT 20000000LL      /* VM instructions one scheme may run */
+#define SB_INSN_LIMIT 5000000LL       /* VM instructions one scheme may run */
 #define SB_INSN_STEP 100              /* count hook period */
 #define SB_TIME_LIMIT 1.0             /* CPU seconds a load (a scheme and its bases) may take */
 #define SB_MAX_FILE (1u << 20)        /* largest scheme file */
