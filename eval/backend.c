@@ -16,14 +16,19 @@ struct kvf_eval_backend {
     void *qs_host;
     size_t qs_bytes, qs_cap;
     int qs_ready;
-    void *packed_host;
-    size_t packed_cap;
+    /* packed spans: [cur] is written, [cur ^ 1] holds the layer's previous
+     * span (prev_tokens of them, prev_bytes; 0: none) for the warm start */
+    int warm, cur;
+    int64_t prev_tokens;
+    size_t prev_bytes;
+    void *packed_host[2];
+    size_t packed_cap[2];
     /* device state */
     const kvf_cuda_api *cu;
     CUdevice dev;
     CUcontext pctx;
     int retained, pushed;
-    dbuf k, v, k_out, v_out, packed, pos, q, qs_dev;
+    dbuf k, v, k_out, v_out, packed[2], pos, q, qs_dev;
 };
 
 static size_t bf16_bytes(const kvf_shape *sh, int d) { return (size_t)sh->n_tokens * sh->n_heads * d * 2; }
@@ -71,7 +76,7 @@ static int dev_open(kvf_eval_backend *b) {
 }
 
 static void dev_close(kvf_eval_backend *b) {
-    dbuf *all[] = {&b->k, &b->v, &b->k_out, &b->v_out, &b->packed, &b->pos, &b->q, &b->qs_dev};
+    dbuf *all[] = {&b->k, &b->v, &b->k_out, &b->v_out, &b->packed[0], &b->packed[1], &b->pos, &b->q, &b->qs_dev};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
         if (all[i]->p) b->cu->cuMemFree(all[i]->p);
     if (b->pushed) {
@@ -81,21 +86,32 @@ static void dev_close(kvf_eval_backend *b) {
     if (b->retained) b->cu->cuDevicePrimaryCtxRelease(b->dev);
 }
 
+/* Encode one span: kvf_encode_warm from the layer's previous span (prev, in
+ * the backend's memory) when the backend is warm and the layer has one, else
+ * kvf_encode. */
+static int encode_span(kvf_eval_backend *b, const void *k, const void *v, const kvf_shape *sh, const void *qs,
+                       const void *prev, void *out, size_t bytes) {
+    if (b->warm && b->prev_bytes)
+        return kvf_encode_warm(b->ctx, k, v, sh, qs, prev, b->prev_bytes, b->prev_tokens, out, bytes, NULL);
+    return kvf_encode(b->ctx, k, v, sh, qs, out, bytes, NULL);
+}
+
 static int dev_roundtrip(kvf_eval_backend *b, const uint16_t *k, const uint16_t *v, const kvf_shape *sh,
                          const int32_t *positions, int n_axes, uint16_t *k_out, uint16_t *v_out, size_t packed) {
     const size_t bytes = bf16_bytes(sh, kvf_scheme_head_dim(kvf_context_scheme(b->ctx)));
+    dbuf *out = &b->packed[b->cur];
     int rc;
     if ((rc = dev_upload(b, &b->k, k, bytes)) || (rc = dev_upload(b, &b->v, v, bytes)) ||
         (rc = dev_reserve(b, &b->k_out, bytes)) || (rc = dev_reserve(b, &b->v_out, bytes)) ||
-        (rc = dev_reserve(b, &b->packed, packed)))
+        (rc = dev_reserve(b, out, packed)))
         return rc;
     if (positions && (rc = dev_upload(b, &b->pos, positions, (size_t)sh->n_tokens * n_axes * sizeof *positions)))
         return rc;
     void *qs = b->qs_ready ? (void *)(uintptr_t)b->qs_dev.p : NULL;
     const int32_t *dpos = positions ? (const int32_t *)(uintptr_t)b->pos.p : NULL;
-    if ((rc = kvf_encode(b->ctx, (void *)(uintptr_t)b->k.p, (void *)(uintptr_t)b->v.p, sh, qs,
-                         (void *)(uintptr_t)b->packed.p, packed, NULL)) ||
-        (rc = kvf_decode(b->ctx, (void *)(uintptr_t)b->packed.p, packed, sh, dpos, (void *)(uintptr_t)b->k_out.p,
+    if ((rc = encode_span(b, (void *)(uintptr_t)b->k.p, (void *)(uintptr_t)b->v.p, sh, qs,
+                          (const void *)(uintptr_t)b->packed[b->cur ^ 1].p, (void *)(uintptr_t)out->p, packed)) ||
+        (rc = kvf_decode(b->ctx, (void *)(uintptr_t)out->p, packed, sh, dpos, (void *)(uintptr_t)b->k_out.p,
                          (void *)(uintptr_t)b->v_out.p, NULL)))
         return rc;
     KVF_CU(b->cu, b->device, cuCtxSynchronize());
@@ -106,12 +122,13 @@ static int dev_roundtrip(kvf_eval_backend *b, const uint16_t *k, const uint16_t 
 
 /* ------------------------------------------------------------ common */
 
-int kvf_eval_backend_open(const kvf_scheme *s, int device, kvf_eval_backend **out) {
+int kvf_eval_backend_open(const kvf_scheme *s, int device, int warm, kvf_eval_backend **out) {
     if (!s || !out) return kvf_set_error(KVF_EINVAL, "kvf_eval_backend_open: NULL argument");
     *out = NULL;
     kvf_eval_backend *b = calloc(1, sizeof *b);
     if (!b) return kvf_set_error(KVF_ENOMEM, "out of memory for an evaluation backend");
     b->device = device;
+    b->warm = warm != 0;
     int rc = kvf_context_create(s, device, &b->ctx);
     if (!rc && device != KVF_DEVICE_CPU) rc = dev_open(b);
     if (rc) { kvf_eval_backend_close(b); return rc; }
@@ -128,7 +145,8 @@ void kvf_eval_backend_close(kvf_eval_backend *b) {
     if (b->cu) dev_close(b);
     kvf_context_destroy(b->ctx);
     free(b->qs_host);
-    free(b->packed_host);
+    free(b->packed_host[0]);
+    free(b->packed_host[1]);
     free(b);
 }
 
@@ -162,6 +180,20 @@ int kvf_eval_backend_qstats_update(kvf_eval_backend *b, const uint16_t *q, const
     return KVF_OK;
 }
 
+void kvf_eval_backend_new_layer(kvf_eval_backend *b) {
+    b->prev_tokens = 0;
+    b->prev_bytes = 0;
+}
+
+static int host_roundtrip(kvf_eval_backend *b, const uint16_t *k, const uint16_t *v, const kvf_shape *shape,
+                          const int32_t *positions, uint16_t *k_out, uint16_t *v_out, size_t need) {
+    int rc = host_reserve(&b->packed_host[b->cur], &b->packed_cap[b->cur], need, "a packed span");
+    if (rc) return rc;
+    void *qs = b->qs_ready ? b->qs_host : NULL, *out = b->packed_host[b->cur];
+    if ((rc = encode_span(b, k, v, shape, qs, b->packed_host[b->cur ^ 1], out, need))) return rc;
+    return kvf_decode(b->ctx, out, need, shape, positions, k_out, v_out, NULL);
+}
+
 int kvf_eval_backend_roundtrip(kvf_eval_backend *b, const uint16_t *k, const uint16_t *v, const kvf_shape *shape,
                                const int32_t *positions, int n_axes, uint16_t *k_out, uint16_t *v_out,
                                size_t *packed_bytes) {
@@ -169,9 +201,15 @@ int kvf_eval_backend_roundtrip(kvf_eval_backend *b, const uint16_t *k, const uin
     int rc = kvf_packed_size(kvf_context_scheme(b->ctx), shape->n_tokens, shape->n_heads, &need);
     if (rc) return rc;
     *packed_bytes = need;
-    if (b->device != KVF_DEVICE_CPU) return dev_roundtrip(b, k, v, shape, positions, n_axes, k_out, v_out, need);
-    if ((rc = host_reserve(&b->packed_host, &b->packed_cap, need, "a packed span"))) return rc;
-    void *qs = b->qs_ready ? b->qs_host : NULL;
-    if ((rc = kvf_encode(b->ctx, k, v, shape, qs, b->packed_host, need, NULL))) return rc;
-    return kvf_decode(b->ctx, b->packed_host, need, shape, positions, k_out, v_out, NULL);
+    rc = b->device != KVF_DEVICE_CPU ? dev_roundtrip(b, k, v, shape, positions, n_axes, k_out, v_out, need)
+                                     : host_roundtrip(b, k, v, shape, positions, k_out, v_out, need);
+    if (rc) {
+        kvf_eval_backend_new_layer(b); /* the written buffer may hold a partial span */
+        return rc;
+    }
+    /* this span is the next one's previous */
+    b->prev_tokens = shape->n_tokens;
+    b->prev_bytes = need;
+    b->cur ^= 1;
+    return KVF_OK;
 }

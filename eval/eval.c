@@ -218,6 +218,7 @@ static int run_layer(layer_run *r, int layer, kvf_eval_sums *overall) {
     kvf_eval_sums total = {0}, bytes = {0}, *steps = calloc((size_t)d->chunks, sizeof *steps);
     if (!steps) return kvf_set_error(KVF_ENOMEM, "out of memory for %d steps", d->chunks);
     load_layer(r, layer);
+    kvf_eval_backend_new_layer(r->be);
     int rc = KVF_OK;
     if (rep->uses_qstats) {
         size_t qs = 0;
@@ -266,6 +267,7 @@ static void describe(kvf_eval_report *rep, const kvf_scheme *s, const kvf_dump *
     rep->sink = s->chunk.sink;
     rep->recent = s->chunk.recent;
     rep->span = s->chunk.span > 0 ? s->chunk.span : 1;
+    rep->has_centroids = s->key.centroids > 0 || s->value.centroids > 0;
     for (int l = 0; l < d->layers; l++)
         for (int c = 0; c < d->chunks; c++) {
             int64_t nq = kvf_dump_tensor(d, l, c, KVF_DUMP_Q)->shape[1];
@@ -280,8 +282,9 @@ int kvf_eval_run(const kvf_scheme *s, const kvf_dump *d, const kvf_eval_options 
     if (rc) return rc;
     const double t0 = now_s();
     kvf_eval_backend *be;
-    if ((rc = kvf_eval_backend_open(s, opt->device, &be))) return rc;
+    if ((rc = kvf_eval_backend_open(s, opt->device, opt->warm, &be))) return rc;
     describe(rep, s, d, be);
+    rep->warm = opt->warm != 0;
     layer_run r = {.s = s, .d = d, .be = be, .rep = rep, .threads = opt->threads > 0 ? opt->threads : kvf_cpu_count(),
                    .key_role = rep->pre_rope ? KVF_DUMP_K_PRE : KVF_DUMP_K, .q_role = q_role_of(s, d),
                    .n_axes = kvf_rope_sections(s, NULL), .rows = (int64_t)d->chunks * d->tokens};

@@ -15,6 +15,7 @@
 typedef struct kvf_eval_options {
     int device;  /* KVF_DEVICE_CPU or a CUDA ordinal */
     int threads; /* metric threads; <= 0: the online CPUs */
+    int warm;    /* k-means of each span warm-started from the layer's previous span (kvf_encode_warm) */
 } kvf_eval_options;
 
 typedef struct kvf_eval_report {
@@ -23,6 +24,7 @@ typedef struct kvf_eval_report {
     int layers, chunks, q_heads, kv_heads, head_dim;
     int64_t tokens, max_queries;
     int uses_qstats, pre_rope, q_pre_used;
+    int warm, has_centroids;         /* warm start asked; a section has k-means (else warm changes nothing) */
     int sink, recent, span;
     size_t qstats_bytes;             /* per layer, counted in stored_bytes */
     kvf_eval_metrics overall;

@@ -43,6 +43,9 @@ void kvf_eval_print_table(const kvf_eval_report *r, FILE *out) {
                 r->q_pre_used ? "pre-RoPE (q_pre)" : "post-RoPE (q)", r->qstats_bytes);
     else
         fprintf(out, "no query statistics\n");
+    if (r->warm)
+        fprintf(out, "         k-means warm-started from the layer's previous span%s\n",
+                r->has_centroids ? "" : " (asked; the scheme has no k-means, so nothing changes)");
     fprintf(out, "backend: %s, %.2f s\n\n", r->backend, r->seconds);
     fprintf(out, "%-8s %12s %12s %16s %12s %12s %12s %12s\n", "layer", "top1_shift", "top5_overlap", "attn_out_rel_err",
             "key_mse", "value_mse", "qk_err", "compression");
@@ -97,13 +100,13 @@ char *kvf_eval_report_json(const kvf_eval_report *r) {
         if (json_array_append_new(layers, layer_json(r, l))) { json_decref(layers); layers = NULL; }
     if (!layers) return NULL;
     json_t *root = json_pack(
-        "{s:s, s:s, s:s, s:s, s:f, s:{s:i, s:i, s:i, s:i, s:i, s:I, s:I, s:s, s:s}, s:{s:i, s:i, s:i, s:s, s:s, s:I}, s:o, s:o}",
+        "{s:s, s:s, s:s, s:s, s:f, s:{s:i, s:i, s:i, s:i, s:i, s:I, s:I, s:s, s:s}, s:{s:i, s:i, s:i, s:s, s:s, s:I, s:b}, s:o, s:o}",
         "scheme", r->scheme_id, "scheme_source", r->scheme_source, "data", r->data, "backend", r->backend,
         "seconds", r->seconds, "dump", "layers", r->layers, "chunks", r->chunks, "q_heads", r->q_heads, "kv_heads",
         r->kv_heads, "head_dim", r->head_dim, "tokens_per_chunk", (json_int_t)r->tokens, "max_queries",
         (json_int_t)r->max_queries, "source", r->source, "q_subsample", r->q_subsample, "policy", "sink", r->sink, "recent", r->recent, "span", r->span, "keys",
         r->pre_rope ? "k_pre" : "k", "query_statistics", !r->uses_qstats ? "none" : r->q_pre_used ? "q_pre" : "q",
-        "qstats_bytes_per_layer", (json_int_t)(r->uses_qstats ? r->qstats_bytes : 0), "overall",
+        "qstats_bytes_per_layer", (json_int_t)(r->uses_qstats ? r->qstats_bytes : 0), "warm_start", r->warm, "overall",
         metrics_json(&r->overall, 1), "layers", layers);
     if (!root) return NULL;
     char *text = json_dumps(root, JSON_INDENT(2) | JSON_REAL_PRECISION(10));

@@ -531,15 +531,19 @@ static void test_dump_corrupted(void **state) {
 
 /* ============================================================ runs */
 
-static kvf_eval_report run_eval(const kvf_scheme *s, const char *path, int device) {
+static kvf_eval_report run_eval_opt(const kvf_scheme *s, const char *path, int device, int warm) {
     kvf_dump *d;
     assert_int_equal(kvf_dump_open(path, &d), KVF_OK);
-    kvf_eval_options opt = {device, 0};
+    kvf_eval_options opt = {device, 0, warm};
     kvf_eval_report r;
     int rc = kvf_eval_run(s, d, &opt, &r);
     if (rc) fail_msg("kvf_eval_run: %s: %s", kvf_status_name(rc), kvf_last_error());
     kvf_dump_close(d);
     return r;
+}
+
+static kvf_eval_report run_eval(const kvf_scheme *s, const char *path, int device) {
+    return run_eval_opt(s, path, device, 0);
 }
 
 static double packed_bytes(const kvf_scheme *s, int64_t tokens, int heads) {
@@ -677,6 +681,99 @@ static void test_chunk_policy(void **state) {
     synth_free(sd);
 }
 
+/* Squared error of chunk c's K (key = 1) or V of layer l after decoding
+ * `packed` (one chunk, all KV heads), added to *sum. */
+static void add_sq_err(kvf_context *ctx, const synth_dump *sd, int l, int c, const void *packed, size_t bytes,
+                       double sum[2]) {
+    const synth_cfg *g = &sd->c;
+    const size_t n = (size_t)g->kv_heads * g->tokens * g->d;
+    uint16_t *k = malloc(n * 2), *v = malloc(n * 2);
+    kvf_shape sh = {g->tokens, g->kv_heads, 0, 0};
+    assert_int_equal(kvf_decode(ctx, packed, bytes, &sh, NULL, k, v, NULL), KVF_OK);
+    const uint16_t *rk = sd->k[l * g->chunks + c], *rv = sd->v[l * g->chunks + c];
+    for (size_t i = 0; i < n; i++) {
+        double ek = (double)kvf_bf16_to_f32(rk[i]) - kvf_bf16_to_f32(k[i]);
+        double ev = (double)kvf_bf16_to_f32(rv[i]) - kvf_bf16_to_f32(v[i]);
+        sum[0] += ek * ek;
+        sum[1] += ev * ev;
+    }
+    free(k);
+    free(v);
+}
+
+/* --warm: each span's k-means starts from the previous span of its layer
+ * (kvf_encode_warm). A layer's first span is encoded cold, and a scheme
+ * without k-means gives the cold run's numbers. */
+static void test_warm_start(void **state) {
+    (void)state;
+    synth_cfg c = small_cfg;
+    c.chunks = 4;
+    c.layers = 2;
+    synth_dump *sd = synth_make(&c);
+    const char *path = tmp_file("warm.safetensors");
+    synth_write(sd, path, NULL);
+    /* 16 centroids for 64 tokens a chunk: the start matters */
+    kvf_scheme *s = tu_scheme_text("return { base = 'qvg_int2', key = { centroids = 16 }, value = { centroids = 16 } }");
+    kvf_eval_report cold = run_eval_opt(s, path, KVF_DEVICE_CPU, 0), warm = run_eval_opt(s, path, KVF_DEVICE_CPU, 1);
+    assert_true(!cold.warm && warm.warm && warm.has_centroids);
+    print_metrics("cold", &cold.overall);
+    print_metrics("warm", &warm.overall);
+    for (int l = 0; l < 2; l++) {
+        /* step 1 sees chunk 0 packed, the layer's first span: cold in both runs */
+        assert_memory_equal(&cold.step[l * 4 + 1], &warm.step[l * 4 + 1], sizeof cold.step[0]);
+        for (int t = 2; t < 4; t++)
+            if (cold.step[l * 4 + t].key_mse == warm.step[l * 4 + t].key_mse ||
+                cold.step[l * 4 + t].value_mse == warm.step[l * 4 + t].value_mse)
+                fail_msg("layer %d, step %d: the warm start changed nothing", l, t);
+    }
+    /* Step 2 of layer 1 is chunk 0 encoded cold and chunk 1 warm-started from
+     * chunk 0's packed cache, through the API. */
+    kvf_context *ctx;
+    assert_int_equal(kvf_context_create(s, KVF_DEVICE_CPU, &ctx), KVF_OK);
+    size_t bytes;
+    assert_int_equal(kvf_packed_size(s, c.tokens, c.kv_heads, &bytes), KVF_OK);
+    uint8_t *p0 = malloc(bytes), *p1 = malloc(bytes);
+    kvf_shape sh = {c.tokens, c.kv_heads, 0, 0};
+    const int l = 1;
+    assert_int_equal(kvf_encode(ctx, sd->k[l * 4], sd->v[l * 4], &sh, NULL, p0, bytes, NULL), KVF_OK);
+    assert_int_equal(kvf_encode_warm(ctx, sd->k[l * 4 + 1], sd->v[l * 4 + 1], &sh, NULL, p0, bytes, c.tokens, p1,
+                                     bytes, NULL),
+                     KVF_OK);
+    double sum[2] = {0, 0};
+    add_sq_err(ctx, sd, l, 0, p0, bytes, sum);
+    add_sq_err(ctx, sd, l, 1, p1, bytes, sum);
+    const double values = 2.0 * c.kv_heads * c.tokens * c.d;
+    const kvf_eval_metrics *m = &warm.step[l * 4 + 2];
+    assert_true(m->kv_values == values);
+    assert_float_equal(m->key_mse, sum[0] / values, 1e-12 * m->key_mse);
+    assert_float_equal(m->value_mse, sum[1] / values, 1e-12 * m->value_mse);
+    free(p0);
+    free(p1);
+    kvf_context_destroy(ctx);
+    /* the report says so */
+    char *json = kvf_eval_report_json(&warm);
+    json_error_t err;
+    json_t *root = json_loads(json, 0, &err);
+    assert_non_null(root);
+    assert_true(json_is_true(json_object_get(json_object_get(root, "policy"), "warm_start")));
+    json_decref(root);
+    free(json);
+    kvf_eval_report_free(&cold);
+    kvf_eval_report_free(&warm);
+    kvf_scheme_free(s);
+
+    /* no k-means: the same numbers */
+    s = tu_scheme("rtn_int2");
+    cold = run_eval_opt(s, path, KVF_DEVICE_CPU, 0);
+    warm = run_eval_opt(s, path, KVF_DEVICE_CPU, 1);
+    assert_false(warm.has_centroids);
+    assert_memory_equal(&cold.overall, &warm.overall, sizeof cold.overall);
+    kvf_eval_report_free(&cold);
+    kvf_eval_report_free(&warm);
+    kvf_scheme_free(s);
+    synth_free(sd);
+}
+
 static void test_mismatch_errors(void **state) {
     (void)state;
     synth_dump *sd = synth_make(&small_cfg);
@@ -684,7 +781,7 @@ static void test_mismatch_errors(void **state) {
     synth_write(sd, path, NULL);
     kvf_dump *d;
     assert_int_equal(kvf_dump_open(path, &d), KVF_OK);
-    kvf_eval_options opt = {KVF_DEVICE_CPU, 1};
+    kvf_eval_options opt = {KVF_DEVICE_CPU, 1, 0};
     kvf_eval_report r;
     kvf_scheme *s = tu_scheme_text("return { base = 'rtn_int2', head_dim = 64 }");
     assert_error_has(kvf_eval_run(s, d, &opt, &r), KVF_EINVAL, "head_dim = 128, scheme scheme has head_dim = 64");
@@ -697,7 +794,8 @@ static void test_mismatch_errors(void **state) {
     synth_free(sd);
 }
 
-/* The GPU gives the CPU's numbers (RTN decode is bit-identical). */
+/* The GPU gives the CPU's numbers (RTN decode is bit-identical; so are
+ * QVG's encode and decode, also warm-started). */
 static void test_gpu_matches_cpu(void **state) {
     (void)state;
     int n = 0;
@@ -715,6 +813,13 @@ static void test_gpu_matches_cpu(void **state) {
     kvf_eval_report_free(&c);
     kvf_eval_report_free(&g);
     kvf_scheme_free(s);
+    s = tu_scheme_text("return { base = 'qvg_int2', key = { centroids = 16 }, value = { centroids = 16 } }");
+    c = run_eval_opt(s, path, KVF_DEVICE_CPU, 1);
+    g = run_eval_opt(s, path, 0, 1);
+    assert_memory_equal(&c.overall, &g.overall, sizeof c.overall);
+    kvf_eval_report_free(&c);
+    kvf_eval_report_free(&g);
+    kvf_scheme_free(s);
     synth_free(sd);
 }
 
@@ -726,16 +831,21 @@ static void test_cli_json(void **state) {
     synth_dump *sd = synth_make(&small_cfg);
     const char *path = tmp_file("cli.safetensors"), *json_path = tmp_file("cli.json");
     synth_write(sd, path, NULL);
-    snprintf(cmd, sizeof cmd, "'%s' eval --scheme rtn_int4 --data '%s' --json --threads 2 > '%s'", bin, path, json_path);
-    assert_int_equal(system(cmd), 0);
     json_error_t err;
-    json_t *root = json_load_file(json_path, 0, &err);
-    if (!root) fail_msg("%s: %s", json_path, err.text);
-    json_t *ov = json_object_get(root, "overall");
-    assert_metrics_json(ov);
-    assert_string_equal(json_string_value(json_object_get(root, "backend")), "CPU reference");
-    assert_int_equal(json_array_size(json_object_get(root, "layers")), 1);
-    json_decref(root);
+    for (int warm = 0; warm < 2; warm++) {
+        snprintf(cmd, sizeof cmd, "'%s' eval --scheme qvg_int2 --data '%s' --json --threads 2%s > '%s'", bin, path,
+                 warm ? " --warm" : "", json_path);
+        assert_int_equal(system(cmd), 0);
+        json_t *root = json_load_file(json_path, 0, &err);
+        if (!root) fail_msg("%s: %s", json_path, err.text);
+        json_t *ov = json_object_get(root, "overall");
+        assert_metrics_json(ov);
+        assert_string_equal(json_string_value(json_object_get(root, "backend")), "CPU reference");
+        assert_int_equal(json_array_size(json_object_get(root, "layers")), 1);
+        assert_true(json_is_boolean(json_object_get(json_object_get(root, "policy"), "warm_start")));
+        assert_int_equal(json_is_true(json_object_get(json_object_get(root, "policy"), "warm_start")), warm);
+        json_decref(root);
+    }
     /* a bad dump: exit status 1 and the tensor named on stderr */
     synth_write_opts bad = {.wrong_dtype = "l0.c1.v"};
     synth_write(sd, path, &bad);
@@ -790,6 +900,7 @@ int main(void) {
         cmocka_unit_test(test_int4_beats_int2),
         cmocka_unit_test(test_bf16_scheme_exact),
         cmocka_unit_test(test_chunk_policy),
+        cmocka_unit_test(test_warm_start),
         cmocka_unit_test(test_mismatch_errors),
         cmocka_unit_test(test_gpu_matches_cpu),
         cmocka_unit_test(test_cli_json),

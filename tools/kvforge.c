@@ -21,8 +21,9 @@ static int usage(void) {
           "  kvforge info SCHEME.lua                         canonical configuration and footprint\n"
           "  kvforge cache list | cache clear | cache dir    the JIT disk cache\n"
           "  kvforge demo [SCHEME.lua] [--cpu]                encode/decode a synthetic chunk\n"
-          "  kvforge eval --scheme SCHEME.lua --data DUMP.safetensors [--gpu] [--json] [--threads N]\n"
-          "                                                  attention-level quality on a KV dump\n"
+          "  kvforge eval --scheme SCHEME.lua --data DUMP.safetensors [--gpu] [--json] [--threads N] [--warm]\n"
+          "                                                  attention-level quality on a KV dump; --warm:\n"
+          "                                                  k-means warm-started from the previous span\n"
           "A SCHEME is a file path, or the name of a shipped scheme (rtn_int2).\n",
           stderr);
     return 2;
@@ -325,7 +326,7 @@ static int cmd_demo(int argc, char **argv) {
 
 /* ------------------------------------------------------------------ eval */
 
-typedef struct eval_args { const char *scheme, *data; int gpu, json, threads; } eval_args;
+typedef struct eval_args { const char *scheme, *data; int gpu, json, threads, warm; } eval_args;
 
 static int parse_eval_args(int argc, char **argv, eval_args *a) {
     memset(a, 0, sizeof *a);
@@ -333,6 +334,7 @@ static int parse_eval_args(int argc, char **argv, eval_args *a) {
         const char *o = argv[i];
         if (!strcmp(o, "--gpu")) a->gpu = 1;
         else if (!strcmp(o, "--json")) a->json = 1;
+        else if (!strcmp(o, "--warm")) a->warm = 1;
         else if (i + 1 < argc && !strcmp(o, "--scheme")) a->scheme = argv[++i];
         else if (i + 1 < argc && !strcmp(o, "--data")) a->data = argv[++i];
         else if (i + 1 < argc && !strcmp(o, "--threads")) {
@@ -374,7 +376,7 @@ static int cmd_eval(int argc, char **argv) {
     if ((rc = load_scheme(a.scheme, &s))) return fail(rc);
     kvf_dump *d;
     if ((rc = kvf_dump_open(a.data, &d))) { kvf_scheme_free(s); return fail(rc); }
-    kvf_eval_options opt = {a.gpu ? 0 : KVF_DEVICE_CPU, a.threads};
+    kvf_eval_options opt = {a.gpu ? 0 : KVF_DEVICE_CPU, a.threads, a.warm};
     kvf_eval_report r;
     rc = kvf_eval_run(s, d, &opt, &r);
     kvf_dump_close(d);
