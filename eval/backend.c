@@ -203,10 +203,7 @@ int kvf_eval_backend_roundtrip(kvf_eval_backend *b, const uint16_t *k, const uin
     *packed_bytes = need;
     rc = b->device != KVF_DEVICE_CPU ? dev_roundtrip(b, k, v, shape, positions, n_axes, k_out, v_out, need)
                                      : host_roundtrip(b, k, v, shape, positions, k_out, v_out, need);
-    if (rc) {
-        kvf_eval_backend_new_layer(b); /* the written buffer may hold a partial span */
-        return rc;
-    }
+    if (rc) return rc; /* not swapped: the previous span stays the previous */
     /* this span is the next one's previous */
     b->prev_tokens = shape->n_tokens;
     b->prev_bytes = need;
