@@ -16,8 +16,9 @@ struct kvf_eval_backend {
     void *qs_host;
     size_t qs_bytes, qs_cap;
     int qs_ready;
-    /* packed spans: [cur] is written, [cur ^ 1] holds the layer's previous
-     * span (prev_tokens of them, prev_bytes; 0: none) for the warm start */
+    /* packed spans: [cur] is written; when warm, [cur ^ 1] holds the layer's
+     * previous span (prev_tokens of them, prev_bytes; 0: none), and a cold
+     * backend uses [0] only */
     int warm, cur;
     int64_t prev_tokens;
     size_t prev_bytes;
@@ -87,11 +88,11 @@ static void dev_close(kvf_eval_backend *b) {
 }
 
 /* Encode one span: kvf_encode_warm from the layer's previous span (prev, in
- * the backend's memory) when the backend is warm and the layer has one, else
- * kvf_encode. */
+ * the backend's memory) when there is one (only a warm backend keeps one),
+ * else kvf_encode. */
 static int encode_span(kvf_eval_backend *b, const void *k, const void *v, const kvf_shape *sh, const void *qs,
                        const void *prev, void *out, size_t bytes) {
-    if (b->warm && b->prev_bytes)
+    if (b->prev_bytes)
         return kvf_encode_warm(b->ctx, k, v, sh, qs, prev, b->prev_bytes, b->prev_tokens, out, bytes, NULL);
     return kvf_encode(b->ctx, k, v, sh, qs, out, bytes, NULL);
 }
@@ -203,7 +204,7 @@ int kvf_eval_backend_roundtrip(kvf_eval_backend *b, const uint16_t *k, const uin
     *packed_bytes = need;
     rc = b->device != KVF_DEVICE_CPU ? dev_roundtrip(b, k, v, shape, positions, n_axes, k_out, v_out, need)
                                      : host_roundtrip(b, k, v, shape, positions, k_out, v_out, need);
-    if (rc) return rc; /* not swapped: the previous span stays the previous */
+    if (rc || !b->warm) return rc; /* on failure not swapped: the previous span stays the previous */
     /* this span is the next one's previous */
     b->prev_tokens = shape->n_tokens;
     b->prev_bytes = need;

@@ -681,8 +681,8 @@ static void test_chunk_policy(void **state) {
     synth_free(sd);
 }
 
-/* Squared error of chunk c's K (key = 1) or V of layer l after decoding
- * `packed` (one chunk, all KV heads), added to *sum. */
+/* Squared errors of chunk c's K and V of layer l after decoding `packed`
+ * (one chunk, all KV heads), added to sum[0] (K) and sum[1] (V). */
 static void add_sq_err(kvf_context *ctx, const synth_dump *sd, int l, int c, const void *packed, size_t bytes,
                        double sum[2]) {
     const synth_cfg *g = &sd->c;
