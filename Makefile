@@ -1,4 +1,5 @@
-# kvforge build. `make setup` installs the Debian packages, `make test` builds
+# kvforge build. `make` builds the library, the CLI and the tests; `make setup`
+# installs the Debian packages, `make test` builds
 # and runs the cmocka suite, `make demo` runs the main job.
 CUDA_HOME ?= /usr/local/cuda
 O ?= out
@@ -6,6 +7,9 @@ CC ?= cc
 PYTHON ?= python3
 # The world-model scripts and tests run in the binding's virtual environment (PY, python/python.mk).
 WM_PYTHON ?= $(PY)
+# `make` alone builds the library, the CLI and the tests (eval/data.mk's
+# targets come after this one).
+.DEFAULT_GOAL := all
 include eval/data.mk
 
 LUA_CFLAGS := -I/usr/include/lua5.4
@@ -21,7 +25,7 @@ ALL_CFLAGS := -std=c11 -D_GNU_SOURCE $(WARN) $(CFLAGS) -fPIC -pthread \
 STATIC_DEPS := -Wl,-Bstatic -llua5.4 -lxxhash -ljansson -Wl,-Bdynamic -lm -ldl -pthread
 SHARED_DEPS := -llua5.4 -lxxhash -ljansson -lm -ldl -pthread
 
-RUNTIME_SRC := $(sort $(wildcard runtime/*.c))
+RUNTIME_SRC := $(sort $(wildcard runtime/*/*.c))
 GEN_SRC := $(filter-out gen/embed.c,$(sort $(wildcard gen/*.c)))
 LIB_SRC := $(RUNTIME_SRC) $(GEN_SRC)
 include eval/eval.mk
@@ -58,7 +62,7 @@ $(O)/obj/embedded.o $(O)/obj/bench_probe.o: $(O)/obj/%.o: $(O)/gen/%.c runtime/i
 	@mkdir -p $(dir $@)
 	$(CC) $(ALL_CFLAGS) -c -o $@ $<
 
-$(O)/obj/%.o: %.c $(wildcard include/*.h runtime/*.h gen/*.h)
+$(O)/obj/%.o: %.c $(wildcard include/*.h runtime/*.h runtime/*/*.h gen/*.h)
 	@mkdir -p $(dir $@)
 	$(CC) $(ALL_CFLAGS) -c -o $@ $<
 
@@ -72,13 +76,13 @@ $(O)/lib/libkvforge.so: $(LIB_OBJ)
 	$(CC) -shared -o $@ $^ -Wl,--no-undefined -Wl,-soname,libkvforge.so.0 \
 		-Wl,-rpath,'$$ORIGIN' $(SHARED_DEPS)
 
-$(O)/bin/kvforge: $(O)/obj/tools/kvforge.o $(O)/lib/libkvforge.a
+$(O)/bin/kvforge: $(O)/obj/cli/kvforge.o $(EVAL_LIB) $(O)/lib/libkvforge.a
 	@mkdir -p $(dir $@)
-	$(CC) -o $@ $< $(O)/lib/libkvforge.a $(STATIC_DEPS)
+	$(CC) -o $@ $< $(EVAL_LIB) $(O)/lib/libkvforge.a $(STATIC_DEPS)
 
-$(O)/bin/test_%: $(O)/obj/tests/test_%.o $(O)/obj/tests/testutil.o $(O)/lib/libkvforge.a
+$(O)/bin/test_%: $(O)/obj/tests/test_%.o $(O)/obj/tests/testutil.o $(EVAL_LIB) $(O)/lib/libkvforge.a
 	@mkdir -p $(dir $@)
-	$(CC) -o $@ $(filter %.o,$^) $(O)/lib/libkvforge.a -lcmocka $(STATIC_DEPS)
+	$(CC) -o $@ $(filter %.o,$^) $(EVAL_LIB) $(O)/lib/libkvforge.a -lcmocka $(STATIC_DEPS)
 
 # test_nvrtc also compiles the bench's probe.
 $(O)/bin/test_nvrtc: $(O)/obj/bench_probe.o
@@ -128,9 +132,9 @@ $(O)/gen/bench_probe.c: $(O)/bin/embed bench/kvf_probe.cuh
 	@mkdir -p $(dir $@)
 	$(O)/bin/embed $@ kvf_bench_probe bench/kvf_probe.cuh
 
-$(O)/bin/kvf_bench: $(O)/obj/bench/bench.o $(O)/obj/bench_probe.o $(O)/lib/libkvforge.a
+$(O)/bin/kvf_bench: $(O)/obj/bench/bench.o $(O)/obj/bench_probe.o $(EVAL_LIB) $(O)/lib/libkvforge.a
 	@mkdir -p $(dir $@)
-	$(CC) -o $@ $(filter %.o,$^) $(O)/lib/libkvforge.a $(STATIC_DEPS)
+	$(CC) -o $@ $(filter %.o,$^) $(EVAL_LIB) $(O)/lib/libkvforge.a $(STATIC_DEPS)
 
 bench: $(O)/bin/kvf_bench
 	$(O)/bin/kvf_bench

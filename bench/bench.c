@@ -9,18 +9,18 @@
  * an INT2 decode's bytes read and written with no arithmetic to speak of.
  * bench/sdpa.py measures the BF16 SDPA ceiling and decode + SDPA.
  *   out/bin/kvf_bench [--tokens N] [--heads H] [--reps R] [--no-probe] [--data FILE] [SCHEME ...]
- * --no-probe leaves the probe out (tools/h200_validate.sh's ncu profile of
+ * --no-probe leaves the probe out (tools/gpu/h200_validate.sh's ncu profile of
  * the schemes' kernels, which the probe's launches would only lengthen).
  * --data FILE takes K and V from layer 0 of a world-model dump (eval/dump.h)
  * instead of kvf_synth_kv: the synthetic layer sends almost no assignment
  * tile through the k-means filter's f64 path, the dump's values most of them
- * (tools/assign_candidates.py). The dump's heads and tokens are tiled over
+ * (tools/gpu/assign_candidates.py). The dump's heads and tokens are tiled over
  * the layer's (data_fill).
  */
-#include "cuda_api.h"
+#include "gpu/cuda_api.h"
 #include "dump.h"
 #include "gen.h"
-#include "jit.h"
+#include "gpu/jit.h"
 
 #include <stdlib.h>
 #include <string.h>

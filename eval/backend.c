@@ -1,7 +1,7 @@
 /* Evaluation backends: the CPU reference or a CUDA device (see backend.h). */
 #include "backend.h"
 
-#include "cuda_api.h"
+#include "gpu/cuda_api.h"
 
 #include <stdlib.h>
 #include <string.h>

@@ -1,6 +1,6 @@
 /*
  * Where the evaluation runs a scheme: the CPU reference (host buffers) or a
- * CUDA device (device buffers through runtime/cuda_api.h; the decoded K/V
+ * CUDA device (device buffers through runtime/gpu/cuda_api.h; the decoded K/V
  * come back to the host for the metrics). Host tensors in and out either way.
  */
 #ifndef KVF_EVAL_BACKEND_H

@@ -20,9 +20,9 @@ FUZZ_FLAGS ?=
 FUZZ_TARGETS := fuzz_scheme fuzz_packed fuzz_roundtrip
 FUZZ_SAN := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
 FUZZ_CFLAGS := -std=c11 -D_GNU_SOURCE $(WARN) -O1 -g $(FUZZ_SAN) -pthread \
-	-Iinclude -Iruntime -Igen -Ifuzz -I$(O)/gen $(LUA_CFLAGS) -I$(CUDA_HOME)/include \
+	-Iinclude -Iruntime -Igen -Ieval -Ifuzz -I$(O)/gen $(LUA_CFLAGS) -I$(CUDA_HOME)/include \
 	-DKVF_DEFAULT_CUDA_HOME='"$(CUDA_HOME)"'
-FUZZ_LIB_OBJ := $(patsubst %.c,$(FUZZ_O)/obj/%.o,$(LIB_SRC)) $(FUZZ_O)/obj/embedded.o
+FUZZ_LIB_OBJ := $(patsubst %.c,$(FUZZ_O)/obj/%.o,$(LIB_SRC) $(EVAL_SRC)) $(FUZZ_O)/obj/embedded.o
 # Per target: seed directories (read only) and libFuzzer options.
 FUZZ_SEEDS_fuzz_scheme := fuzz/corpus/scheme fuzz/regress/scheme schemes tests/schemes_bad
 FUZZ_SEEDS_fuzz_packed := fuzz/corpus/packed fuzz/regress/packed
@@ -34,7 +34,7 @@ FUZZ_OPTS_fuzz_roundtrip := -timeout=10 -max_len=8192
 .PHONY: fuzz fuzz-build fuzz-seeds test-asan
 
 # The library again, with coverage for libFuzzer and the sanitizers.
-$(FUZZ_O)/obj/%.o: %.c $(wildcard include/*.h runtime/*.h gen/*.h)
+$(FUZZ_O)/obj/%.o: %.c $(wildcard include/*.h runtime/*.h runtime/*/*.h gen/*.h eval/*.h)
 	@mkdir -p $(dir $@)
 	$(FUZZ_CC) $(FUZZ_CFLAGS) -fsanitize=fuzzer-no-link -c -o $@ $<
 

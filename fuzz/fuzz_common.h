@@ -61,7 +61,7 @@ static inline int fuzz_load_scheme(int i, kvf_scheme **s) {
 
 /* Whether every stored centroid index of a packed cache of scheme s (n tokens,
  * h heads; the whole cache present) is below the centroid count: the CPU
- * decode refuses the cache otherwise (runtime/ref_encode.c). */
+ * decode refuses the cache otherwise (runtime/cpu/ref_encode.c). */
 static inline int fuzz_indices_ok(const kvf_scheme *s, const uint8_t *data, int64_t n, int32_t h) {
     kvf_layout L;
     if (kvf_layout_compute(s, n, h, &L) != KVF_OK) return 1;

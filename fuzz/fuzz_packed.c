@@ -2,7 +2,7 @@
  * libFuzzer target: the packed-cache reader on arbitrary bytes. The input is a
  * whole packed cache (header and planes, packed_bytes = the input size), read
  * by kvf_packed_check and by the CPU decode (kvf_decode on a CPU context, i.e.
- * runtime/ref_quant.c, ref_encode.c) for a few fixed schemes: the shipped
+ * runtime/cpu/ref_quant.c, ref_encode.c) for a few fixed schemes: the shipped
  * rtn_int2 and rtn_int4, two variants that reach the other RTN code paths
  * (symmetric, 8 and 16 bits, head_dim 64 and 256), and two that reach the
  * other methods' planes (centroids and their indices, two stages, PSAC,

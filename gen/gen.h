@@ -39,7 +39,7 @@ void kvf_gen_roles(const struct kvf_scheme *s, int present[KVF_ROLE_COUNT]);
 typedef struct kvf_gen_output {
     char *cu_name, *cu; /* "<id>.cu": configuration + instantiations */
     /* The same kernels as cu, split into programs the JIT compiles at once on
-     * separate threads (runtime/jit.c kvf_jit_programs), a module each: its
+     * separate threads (runtime/gpu/jit.c kvf_jit_programs), a module each: its
      * cold compile then takes about as long as its slowest program, not the
      * sum of the kernels that NVRTC's split compile cannot share out. Program
      * 0: the header, the one-launch encodes, the decode, the query statistics,

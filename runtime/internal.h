@@ -113,7 +113,7 @@ const kvf_embedded_file *kvf_find_embedded(const kvf_embedded_file *table, const
 
 #define KVF_PACKED_MAGIC 0x3146564bu /* "KVF1" little-endian */
 #define KVF_FORMAT_VERSION 2u /* 2: PSAC basis int8 with a per-head f32 scale (docs/FORMAT.md) */
-/* How runtime/context.c launches the templates' kernels (grids, arguments,
+/* How runtime/gpu/context.c launches the templates' kernels (grids, arguments,
  * the host's copies of tile sizes): the generator writes it into every module
  * as kvf_kernel_abi and a context refuses an image of another value, so a
  * kernel image exported by another kvforge fails to load instead of being
@@ -321,7 +321,7 @@ int kvf_cpu_count(void);
  * caller's failure is returned; teardown after a worker's last task. Tasks
  * are handed out in order and none after a failure (those running finish);
  * the lowest failing task's status and message come back here,
- * as one thread going in order would report them (runtime/parallel.c). */
+ * as one thread going in order would report them (runtime/core/parallel.c). */
 typedef struct kvf_tasks {
     int n_tasks, threads;
     void *arg;

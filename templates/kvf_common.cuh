@@ -1,6 +1,6 @@
 // kvforge kernel templates: shared device helpers.
 // Hand-written; compiled by NVRTC with no CUDA headers (none are needed at
-// run time). Number conversions match runtime/numfmt.c bit for bit.
+// run time). Number conversions match runtime/core/numfmt.c bit for bit.
 #pragma once
 
 typedef unsigned char u8;
@@ -14,7 +14,7 @@ typedef long long i64;
 
 // Starts the message of a static_assert that refuses a valid scheme on the
 // arch compiled for (not a bug): the host reports such a failed compile as
-// KVF_ENOTIMPL instead of KVF_ECOMPILE (runtime/cuda_api.c, same text).
+// KVF_ENOTIMPL instead of KVF_ECOMPILE (runtime/gpu/cuda_api.c, same text).
 #define KVF_NOT_ON_THIS_ARCH "[KVF_ENOTIMPL] "
 
 // The 64-byte packed-cache header, passed by value and written by one thread.

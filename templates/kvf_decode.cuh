@@ -5,9 +5,9 @@
 // undoes the Hadamard rotation, applies RoPE to keys cached before RoPE, and
 // writes BF16 for the caller's attention. Lane layout: CPL = 8 channels per
 // lane as kvf_rtn.cuh (D/8 lanes per row), or 16 where lane_channels allows.
-// CPU reference: runtime/ref_encode.c.
+// CPU reference: runtime/cpu/ref_encode.c.
 //
-// Launch (runtime/context.c, kvf_decode): one kernel for K and V, grid
+// Launch (runtime/gpu/context.c, kvf_decode): one kernel for K and V, grid
 // (k_blocks + v_blocks, n_heads), BLOCK threads. blockIdx.y is the head;
 // blocks x < k_blocks decode the keys, the others the values (one launch: the
 // values' blocks fill the keys' last wave; K+V 1-4% faster than two launches,
@@ -40,7 +40,7 @@ constexpr int BLOCK = 256;
 
 // Rows of one thread whose loads are in flight together (all of the same
 // head, ROWS tokens apart, so each load instruction of a warp is coalesced).
-// runtime/context.c sizes the grid for 4 (and several tiles per block); a
+// runtime/gpu/context.c sizes the grid for 4 (and several tiles per block); a
 // different value here changes speed, not results. PSAC keys: 2 rows of 8 or
 // 16 channels (at 8 channels 3 rows also fit 64 registers and read as fast
 // as 2, quantwm_int2 0.193-0.195 ms; 4 rows under a bound of 3 blocks an SM,
@@ -345,7 +345,7 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
     };
     if (AHEAD && bx * (u32)TILE < n) load_idx(bx * (u32)TILE);
 
-    // nb * TILE <= n + TILE - 1 (runtime/context.c): no u32 overflow.
+    // nb * TILE <= n + TILE - 1 (runtime/gpu/context.c): no u32 overflow.
     for (u32 t0 = bx * (u32)TILE; t0 < n; t0 += nb * (u32)TILE) {
         // Rows past the end run on the last token (every lane of a row joins
         // the shuffles of ROT and RoPE) and store nothing.

@@ -2,7 +2,7 @@
 // along the tokens of one channel, METHODS.md 2). One thread owns 8
 // consecutive channels of one (head, token group); the last group may be
 // partial. Decode is kvf_decode.cuh's (AXIS = token). CPU reference:
-// runtime/ref_quant.c (axis token).
+// runtime/cpu/ref_quant.c (axis token).
 #pragma once
 #include "kvf_quant.cuh"
 

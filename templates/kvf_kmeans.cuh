@@ -1,7 +1,7 @@
 // kvforge kernel template: QVG's semantic smoothing (k-means per span, head
 // and stage), QuantWM's QSAC assignment, and the residual quantizer of the
-// centroid methods (METHODS.md 3 and 1). CPU reference: runtime/ref_kmeans.c,
-// runtime/ref_encode.c.
+// centroid methods (METHODS.md 3 and 1). CPU reference: runtime/cpu/ref_kmeans.c,
+// runtime/cpu/ref_encode.c.
 //
 // The working vectors of a stage are rows of a source: the BF16 input itself
 // (BF = 1: stage 0 of an unrotated single-stage scheme, no copy made), or the
@@ -160,7 +160,7 @@ constexpr float KAPPA = 2.44140625e-4f; // 2^-12
 // against 120; docs/BENCHMARKS.md, session 10).
 template <int M, bool BF> __host__ __device__ constexpr int filter_tiles() { return M == 1 && BF ? 8 : 4; }
 
-// Per-warp shared scratch (its size reaches runtime/context.c through
+// Per-warp shared scratch (its size reaches runtime/gpu/context.c through
 // assign_cfg); K: the keys a thread keeps per token (assign_lists).
 template <int M, int K> struct assign_warp {
     union {
@@ -185,7 +185,7 @@ template <int M, int K> struct assign_warp {
 // 227 KiB on sm_90, sm_100 and sm_103, 163 KiB on sm_80 and sm_87, 99 KiB on
 // sm_86, sm_89 and sm_12x, and 99 KiB assumed for an arch this table does
 // not name (sm_88, sm_110, later ones: a smaller block runs, a larger one
-// would not). runtime/context.c checks the device's own figure before any
+// would not). runtime/gpu/context.c checks the device's own figure before any
 // launch (a PTX image of another arch, a device below its arch's figure).
 __host__ __device__ constexpr int smem_optin_bytes() {
 #ifdef __CUDA_ARCH__
@@ -584,7 +584,7 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
     assign_warp<M, K> &wa = *(assign_warp<M, K> *)(smem + (SMEM - (W - warp) * WB));
     constexpr int FNU = filter_tiles<M, BF>(), CB = 8 * FNU; // n8 tiles and columns a filter step
     // This block's share of the (head, 16-token tile) pairs of all heads: a
-    // contiguous range, so each block (runtime/context.c launches about one an
+    // contiguous range, so each block (runtime/gpu/context.c launches about one an
     // SM) has about the same number of tiles whatever the head count. It
     // stages each head of its range once, for that head's tiles. The head and
     // its end are read from cur[] where used (volatile: no register holds
@@ -1253,7 +1253,7 @@ __device__ __forceinline__ void residual(const void *src, i64 ts, i64 hs, float 
 #define KVF_RES_BOUNDS_0 __launch_bounds__(kvf_kmeans::BLOCK)
 #define KVF_RES_BOUNDS_1 __launch_bounds__(kvf_kmeans::BLOCK, 4)
 
-// BF: stage 0 reads the BF16 input directly (runtime/context.c reads it from
+// BF: stage 0 reads the BF16 input directly (runtime/gpu/context.c reads it from
 // assign_cfg); the generator sets it for unrotated single-stage sections.
 #define KVF_KMEANS_KERNELS(PREFIX, D, ROT, G, QSAC, BITS, MODE, SFMT, NCENT, BF)                              \
     extern "C" __global__ void __launch_bounds__(kvf_kmeans::BLOCK)                                            \
@@ -1265,7 +1265,7 @@ __device__ __forceinline__ void residual(const void *src, i64 ts, i64 hs, float 
                                              const u16 *warm, int c_warm) {                                    \
         kvf_kmeans::init<D, BF>(src, ts, hs, n, nh, c_eff, seed, stage, cent, c_alloc, warm, c_warm);          \
     }                                                                                                          \
-    /* What runtime/context.c launches the k-means kernels with: the            */                        \
+    /* What runtime/gpu/context.c launches the k-means kernels with: the            */                        \
     /* assignment's dynamic shared bytes (plain, QSAC), threads per block       */                        \
     /* (plain, QSAC) and tokens per block (plain, QSAC), whether stage 0 reads  */                        \
     /* the BF16 input, the residual's rows per thread, the sums' block size.    */                        \
@@ -1309,7 +1309,7 @@ __device__ __forceinline__ void residual(const void *src, i64 ts, i64 hs, float 
     }
 
 // QSAC's assignment (keys with qsac_candidates > 1 only). It needs nothing of
-// KVF_KMEANS_KERNELS of the same PREFIX (runtime/context.c reads its launch
+// KVF_KMEANS_KERNELS of the same PREFIX (runtime/gpu/context.c reads its launch
 // shape from that one's assign_cfg), so the JIT compiles it as a program of
 // its own (gen/gen.c); its filter statistics are its own global, as above.
 #define KVF_KMEANS_QSAC_KERNEL(PREFIX, D, G, QSAC, BF)                                                        \

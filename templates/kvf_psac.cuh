@@ -2,7 +2,7 @@
 // error E (after every stage) projected on the query subspace U_r, stored
 // INT8 with an fp16 scale per token, kept only where it lowers the
 // query-weighted error; and QSAC's channel weights (the diagonal of M_h).
-// CPU reference: runtime/ref_psac.c, runtime/ref_qstats.c.
+// CPU reference: runtime/cpu/ref_psac.c, runtime/cpu/ref_qstats.c.
 #pragma once
 #include "kvf_qstats.cuh"
 
@@ -48,7 +48,7 @@ __device__ __forceinline__ void weights(const u8 *qs, kvf_qstats::layout l, int 
 }
 
 // Most rows (tokens, one per thread) per block of the PSAC encode; any
-// block size up to this is correct (runtime/context.c launches this many).
+// block size up to this is correct (runtime/gpu/context.c launches this many).
 constexpr int ENCODE_ROWS = 128;
 
 // One thread per row of one head (blockIdx.y): C_j = s * sum_c e[c] b[c][j],

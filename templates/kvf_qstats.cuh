@@ -2,7 +2,7 @@
 // head the running sum of q q^T over finished chunks' queries (grouped-query
 // attention: query head j feeds KV head j / group), and the top-r
 // eigenvectors of the mean by orthogonal iteration with modified
-// Gram-Schmidt. CPU reference: runtime/ref_qstats.c. A query row (one query
+// Gram-Schmidt. CPU reference: runtime/cpu/ref_qstats.c. A query row (one query
 // head's D values of one token) holding a NaN or an Inf is left out of the
 // sums and the count and counted in the header's `skipped` (u64 at byte 24).
 #pragma once
@@ -57,7 +57,7 @@ __device__ __forceinline__ bool row_finite(const u16 *row) {
 // and fma(qa, qb, acc) is the CPU's acc + qa * qb: the product of two bf16
 // values is exact in f64.
 constexpr int ACC_TILE = 32;
-// runtime/context.c launches (acc_grid<D>::TILES, heads) blocks of 256 threads.
+// runtime/gpu/context.c launches (acc_grid<D>::TILES, heads) blocks of 256 threads.
 template <int D> struct acc_grid {
     static constexpr int SIDE = D / ACC_TILE, TILES = SIDE * (SIDE + 1) / 2;
 };

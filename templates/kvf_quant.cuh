@@ -4,7 +4,7 @@
 // make a group, D/8 lanes a row. Formats (docs/FORMAT.md, METHODS.md 2):
 // fp16 scale + fp16 offset (affine) or fp16 scale (symmetric); or QuantWM's
 // two-level int8 group scale under an fp16 token scale, with an int8 zero
-// code (affine). runtime/ref_quant.c is the CPU reference.
+// code (affine). runtime/cpu/ref_quant.c is the CPU reference.
 #pragma once
 #include "kvf_common.cuh"
 

@@ -4,7 +4,7 @@
 //
 // One lane owns 8 consecutive channels of one (head, token) row (one 16-byte
 // load); D/8 lanes cover a row. The quantizer is kvf_quant.cuh's; decode is
-// kvf_decode.cuh's. CPU reference: runtime/ref_quant.c, runtime/ref_encode.c.
+// kvf_decode.cuh's. CPU reference: runtime/cpu/ref_quant.c, runtime/cpu/ref_encode.c.
 #pragma once
 #include "kvf_quant.cuh"
 

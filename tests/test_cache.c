@@ -1,4 +1,4 @@
-/* Disk cache of compiled kernels (runtime/cache.c). */
+/* Disk cache of compiled kernels (runtime/gpu/cache.c). */
 #include "testutil.h"
 
 #include <dirent.h>

@@ -7,8 +7,8 @@
  * racecheck; KVF_TEST_SCHEMES=a,b limits the shipped schemes (and runs
  * gpu_psac_shapes' variants only when it names psac_shapes). */
 #include "testutil.h"
-#include "cuda_api.h"
-#include "jit.h"
+#include "gpu/cuda_api.h"
+#include "gpu/jit.h"
 
 #include <math.h>
 #include <stdlib.h>

@@ -3,7 +3,7 @@
  * scales, PSAC with query statistics, RoPE at decode, every shipped scheme's
  * round trip and footprint. One head and small spans keep it fast. */
 #include "testutil.h"
-#include "ref.h"
+#include "cpu/ref.h"
 
 #include <math.h>
 #include <stdlib.h>

@@ -1,9 +1,9 @@
 /* NVRTC without a GPU: every shipped scheme compiles for sm_80 and sm_90, and
  * JIT images go through the disk cache (hit, miss on a change of arch). */
 #include "testutil.h"
-#include "cuda_api.h"
+#include "gpu/cuda_api.h"
 #include "gen.h"
-#include "jit.h"
+#include "gpu/jit.h"
 
 #include <pthread.h>
 #include <stdio.h>
@@ -359,7 +359,7 @@ static void ptx_fallback_compiles(void **state) {
     const char *o;
     assert_int_equal(kvf_jit_image(s, "compute_90", 1, &p, &n, &o), KVF_OK);
     assert_non_null(strstr((const char *)p, ".entry"));
-    /* The two globals a context checks on load (runtime/context.c
+    /* The two globals a context checks on load (runtime/gpu/context.c
      * check_image_format), with this library's values: test_gpu checks the
      * refusal of an image without them or with other values. */
     char want[64];

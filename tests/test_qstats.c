@@ -1,7 +1,7 @@
 /* Query statistics, orthogonal iteration, PSAC and RoPE of the CPU reference
- * (runtime/ref_qstats.c, ref_psac.c, ref_rope.c; docs/METHODS.md 4 and 6). */
+ * (runtime/cpu/ref_qstats.c, ref_psac.c, ref_rope.c; docs/METHODS.md 4 and 6). */
 #include "testutil.h"
-#include "ref.h"
+#include "cpu/ref.h"
 
 #include <math.h>
 #include <stdlib.h>

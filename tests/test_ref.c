@@ -1,5 +1,5 @@
-/* Packed layout and the CPU reference of RTN (runtime/layout.c, runtime/ref_quant.c,
- * runtime/ref_encode.c). The other methods: tests/test_methods.c. */
+/* Packed layout and the CPU reference of RTN (runtime/core/layout.c, runtime/cpu/ref_quant.c,
+ * runtime/cpu/ref_encode.c). The other methods: tests/test_methods.c. */
 #include "testutil.h"
 
 #include <math.h>

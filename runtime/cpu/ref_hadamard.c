@@ -4,7 +4,7 @@
  * normalized matrix H / sqrt(d) is symmetric and orthogonal, so it is its own
  * inverse: decode applies the same transform.
  */
-#include "ref.h"
+#include "cpu/ref.h"
 
 #include <math.h>
 

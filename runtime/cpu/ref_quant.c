@@ -11,7 +11,7 @@
  * channels of one token (stride 1); along tokens (axis "token", KIVI) it is
  * one channel of up to G consecutive tokens (stride d).
  */
-#include "ref.h"
+#include "cpu/ref.h"
 
 #include <math.h>
 #include <string.h>

@@ -652,7 +652,7 @@ static void list_entry(FILE *out, int archfd, const char *dir, const char *arch,
     struct tm tm;
     if (localtime_r(&e.mtime, &tm)) strftime(when, sizeof when, "%Y-%m-%d %H:%M:%S", &tm);
     json_t *meta = json_loadb((const char *)e.data, e.meta_len, 0, NULL);
-    /* A program of the JIT's (runtime/jit.c): which of how many; none for a whole source. */
+    /* A program of the JIT's (runtime/gpu/jit.c): which of how many; none for a whole source. */
     char program[48] = "";
     json_t *p = json_object_get(meta, "program"), *n = json_object_get(meta, "programs");
     if (json_is_integer(p) && json_is_integer(n))

@@ -7,7 +7,7 @@
  * the products (f32 x bf16) in the distances are exact in f64, so a GPU that
  * contracts them into fma gets the same sums.
  */
-#include "ref.h"
+#include "cpu/ref.h"
 
 #include <math.h>
 #include <stdlib.h>

@@ -4,7 +4,7 @@
  * are cut into consecutive sections, one per position axis, and pair p_a of
  * section a (n_a pairs, d_a = 2 n_a) turns by pos_a * theta^(-2 p_a / d_a).
  */
-#include "ref.h"
+#include "cpu/ref.h"
 
 #include <math.h>
 

@@ -1,7 +1,7 @@
 /* JIT: scheme -> generated source -> NVRTC image, through the disk cache. */
-#include "cuda_api.h"
+#include "gpu/cuda_api.h"
 #include "gen.h"
-#include "jit.h"
+#include "gpu/jit.h"
 
 #include <stdio.h>
 #include <stdlib.h>

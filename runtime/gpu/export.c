@@ -2,7 +2,7 @@
  * GPUs) packed into one fatbin by the toolkit's `fatbinary` tool, and a C file
  * + header that embed it, so an application loads the kernels with no NVRTC. */
 #include "gen.h"
-#include "jit.h"
+#include "gpu/jit.h"
 
 #include <errno.h>
 #include <spawn.h>

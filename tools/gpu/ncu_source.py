@@ -3,7 +3,7 @@
 
 Input: the CSV of `ncu --import REPORT --page source --csv --print-source sass`
 (the report taken with `--set full --import-source yes`), as
-tools/h200_validate.sh's `source` part writes it. Output: the kernel's stall
+tools/gpu/h200_validate.sh's `source` part writes it. Output: the kernel's stall
 reasons, its opcode mix (by executed warp instructions and by stall
 samples), the straight-line regions of the code (consecutive instructions
 run the same number of times) that hold at least 1% of the samples, and the
@@ -11,7 +11,7 @@ instructions with the most samples; for the regions with at least 5% of the
 samples, their samples by opcode and by stall reason. Standard library only
 (the GPU machine has no package registry).
 
-    python3 tools/ncu_source.py FILE.csv [--top N]
+    python3 tools/gpu/ncu_source.py FILE.csv [--top N]
 """
 import argparse
 import collections

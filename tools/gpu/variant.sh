@@ -2,12 +2,12 @@
 # Build the work tree as it is now (committed or not) as a named variant for
 # an A/B run on the GPU machine: static kvf_bench and test_gpu (templates
 # embedded at build time) in out/xbench/NAME, objects in out/xbuild/NAME.
-#   tools/variant.sh NAME
-# Typical use: change a template, `tools/variant.sh NAME`, undo the change,
+#   tools/gpu/variant.sh NAME
+# Typical use: change a template, `tools/gpu/variant.sh NAME`, undo the change,
 # `make all carry`; carry out/bin, out/lib and out/xbench; on the GPU machine
-# `bash tools/h200_validate.sh ab` benches out/bin against every variant.
+# `bash tools/gpu/h200_validate.sh ab` benches out/bin against every variant.
 set -eu
-name=${1:?usage: tools/variant.sh NAME}
+name=${1:?usage: tools/gpu/variant.sh NAME}
 case $name in *[!A-Za-z0-9_.-]*) echo "variant name: letters, digits, _ . - only" >&2; exit 2;; esac
 make -s -j"$(nproc)" O="out/xbuild/$name" "out/xbuild/$name/bin/kvf_bench" "out/xbuild/$name/bin/test_gpu"
 mkdir -p "out/xbench/$name"

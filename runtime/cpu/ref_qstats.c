@@ -13,7 +13,7 @@
  * token) holding a NaN or an Inf is left out entirely, counted in the
  * header's `skipped`; the statistics are those of the chunk without it.
  */
-#include "ref.h"
+#include "cpu/ref.h"
 
 #include <inttypes.h>
 #include <math.h>

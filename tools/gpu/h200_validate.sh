@@ -5,9 +5,9 @@
 # (the default set), and python (pytest and examples on the GPU) and profile
 # (ncu per-kernel times of one layer's encode + decode) and source (ncu's
 # SASS source view of single kernel launches, summarized by
-# tools/ncu_source.py) and ab (out/bin against every variant in out/xbench,
-# built by tools/variant.sh), which only run when named, e.g.
-# `bash tools/h200_validate.sh tests bench python`.
+# tools/gpu/ncu_source.py) and ab (out/bin against every variant in out/xbench,
+# built by tools/gpu/variant.sh), which only run when named, e.g.
+# `bash tools/gpu/h200_validate.sh tests bench python`.
 set -u
 export LD_LIBRARY_PATH=$PWD/out/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export KVF_SRC=$PWD KVFORGE_CACHE_DIR=$(mktemp -d) KVFORGE_LIB=$PWD/out/lib/libkvforge.so
@@ -105,7 +105,7 @@ if has source && command -v ncu >/dev/null; then
       out/bin/kvf_bench --reps 1 "$s" >"$src_dir/$tag.log" 2>&1 || echo "ncu $tag: exit $?"
     if ncu --import "$src_dir/$tag.ncu-rep" --page source --csv --print-source sass >"$src_dir/$tag.csv" \
       2>>"$src_dir/$tag.log"; then
-      python3 tools/ncu_source.py "$src_dir/$tag.csv" --top 12
+      python3 tools/gpu/ncu_source.py "$src_dir/$tag.csv" --top 12
     else
       echo "ncu $tag: no source page (see $tag.log in the archive)"
     fi

@@ -4,7 +4,7 @@
  * the error's coordinates in it, INT8 with an fp16 scale, kept only where
  * they lower the query-weighted error.
  */
-#include "ref.h"
+#include "cpu/ref.h"
 
 #include <math.h>
 #include <string.h>

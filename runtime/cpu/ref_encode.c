@@ -7,7 +7,7 @@
  * live one per file (ref_quant.c, ref_kmeans.c, ref_hadamard.c, ref_psac.c,
  * ref_qstats.c, ref_rope.c); this file only orders them.
  */
-#include "ref.h"
+#include "cpu/ref.h"
 
 #include <stdlib.h>
 #include <string.h>

@@ -5,7 +5,7 @@ cold start and warm-started from chunk 0's packed cache, on the CPU reference.
 Prints, per scheme and tensor, the relative MSE sum (x - x_hat)^2 / sum x^2
 over the layer's heads (keys after RoPE, as the dump's "k").
 Usage: PYTHONPATH=python KVFORGE_LIB=out/lib/libkvforge.so \\
-    .venv/bin/python tools/warm_start_quality.py [DUMP] [SCHEME ...]
+    .venv/bin/python tools/gpu/warm_start_quality.py [DUMP] [SCHEME ...]
 (docs/METHODS.md section 3 records its output for eval/worldmodel/kv_small.safetensors)."""
 import json
 import struct

@@ -1,8 +1,8 @@
 /* kvforge command line: gen, compile, export, info, cache, demo, eval. */
-#include "cuda_api.h"
+#include "gpu/cuda_api.h"
 #include "eval.h"
 #include "gen.h"
-#include "jit.h"
+#include "gpu/jit.h"
 
 #include <math.h>
 #include <stdlib.h>

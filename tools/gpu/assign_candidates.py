@@ -13,7 +13,7 @@ differ slightly), for the two assignments of qvg_int2's k-means: against the
 init (a strided sample of the tokens, kvforge's with offset 0) and against
 the centroids after one Lloyd update, C = 256, centroids rounded to BF16 as
 kvforge stores them.
-Usage: .venv/bin/python tools/assign_candidates.py [DUMP]"""
+Usage: .venv/bin/python tools/gpu/assign_candidates.py [DUMP]"""
 import sys
 
 import numpy as np

@@ -1,5 +1,5 @@
 /* dlopen of libcuda and libnvrtc, the checked-call error path, NVRTC compiles. */
-#include "cuda_api.h"
+#include "gpu/cuda_api.h"
 #include "gen.h"
 
 #include <dlfcn.h>

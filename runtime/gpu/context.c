@@ -1,8 +1,8 @@
 /* Contexts: a scheme bound to a backend (CPU reference or a CUDA device with
  * its loaded kernels), and the encode/decode entry points. */
-#include "cuda_api.h"
+#include "gpu/cuda_api.h"
 #include "gen.h"
-#include "jit.h"
+#include "gpu/jit.h"
 
 #include <math.h>
 #include <stdlib.h>
