@@ -15,8 +15,8 @@ include eval/data.mk
 LUA_CFLAGS := -I/usr/include/lua5.4
 WARN := -Wall -Wextra -Werror
 CFLAGS ?= -O2 -g
-ALL_CFLAGS := -std=c11 -D_GNU_SOURCE $(WARN) $(CFLAGS) -fPIC -pthread \
-	-Iinclude -Iruntime -Igen -I$(O)/gen $(LUA_CFLAGS) -I$(CUDA_HOME)/include \
+ALL_CFLAGS := -std=c11 -D_GNU_SOURCE $(WARN) $(CFLAGS) -fPIC -fvisibility=hidden -pthread \
+	-Iinclude -Iruntime -Itemplates -Igen -I$(O)/gen $(LUA_CFLAGS) -I$(CUDA_HOME)/include \
 	-DKVF_DEFAULT_CUDA_HOME='"$(CUDA_HOME)"'
 
 # Executables carry Lua, xxHash and Jansson statically (they run on the GPU
@@ -62,7 +62,7 @@ $(O)/obj/embedded.o $(O)/obj/bench_probe.o: $(O)/obj/%.o: $(O)/gen/%.c runtime/i
 	@mkdir -p $(dir $@)
 	$(CC) $(ALL_CFLAGS) -c -o $@ $<
 
-$(O)/obj/%.o: %.c $(wildcard include/*.h runtime/*.h runtime/*/*.h gen/*.h)
+$(O)/obj/%.o: %.c $(wildcard include/*.h runtime/*.h runtime/*/*.h gen/*.h templates/*.h)
 	@mkdir -p $(dir $@)
 	$(CC) $(ALL_CFLAGS) -c -o $@ $<
 
@@ -96,6 +96,7 @@ lib: $(O)/lib/libkvforge.a $(O)/lib/libkvforge.so
 # Unit tests. GPU tests skip (and say so) where there is no GPU.
 test: all
 	@KVF_SRC=$(CURDIR) O=$(O) sh tests/run_all.sh $(TEST_BIN)
+	@sh tests/check_exports.sh $(O)/lib/libkvforge.so include/kvforge.h
 	@$(PYTHON) tests/format_model.py --check
 	@$(MAKE) --no-print-directory py-test
 	@$(MAKE) --no-print-directory wm-test
@@ -117,15 +118,18 @@ clean:
 	rm -rf $(O)
 
 # An application linking exported (precompiled) kernels: no NVRTC at run time.
+# Built as an outside application: the public header, the exported files,
+# libkvforge and the CUDA runtime (static), nothing of the library's inside.
 AOT_SCHEME ?= rtn_int2
-aot-demo: $(O)/bin/kvforge
+aot-demo: $(O)/bin/kvforge $(O)/lib/libkvforge.a
 	rm -rf $(O)/export && $(O)/bin/kvforge export $(AOT_SCHEME) --arch sm_80,sm_90 -o $(O)/export
 	id=$$($(O)/bin/kvforge info $(AOT_SCHEME) | sed -n 's/.*(id \(.*\))/\1/p'); \
-	$(CC) $(ALL_CFLAGS) -I$(O)/export -include $(O)/export/$${id}_aot.h -DKVF_AOT_ID=$$id \
+	$(CC) -std=c11 $(WARN) -O2 -Iinclude -I$(O)/export -I$(CUDA_HOME)/include \
+		-include $(O)/export/$${id}_aot.h -DKVF_AOT_ID=$$id \
 		-o $(O)/bin/aot_demo examples/aot_demo.c $(O)/export/$${id}_aot.c $(O)/export/$${id}.c \
-		$(O)/lib/libkvforge.a $(STATIC_DEPS)
+		$(O)/lib/libkvforge.a $(STATIC_DEPS) -L$(CUDA_HOME)/lib64 -lcudart_static -lrt
 
-# Benchmark (issue 6): built by `make all`, run on a GPU by `make bench`. Its
+# Benchmark: built by `make all`, run on a GPU by `make bench`. Its
 # probe kernel (bench/kvf_probe.cuh) is embedded in kvf_bench only, so it is
 # not part of the library's templates nor of the schemes' JIT cache keys.
 $(O)/gen/bench_probe.c: $(O)/bin/embed bench/kvf_probe.cuh

@@ -472,7 +472,7 @@ int main(int argc, char **argv) {
         c.pos = s->rope.placement == KVF_ROPE_PRE ? dpos : 0;
         float enc = time_median(do_encode, &c, reps5);
         unsigned long long st[2][2 * KVF_AS_N];
-        const int kmeans = kvf_section_path(&s->key) == 'B' || kvf_section_path(&s->value) == 'B';
+        const int kmeans = s->plan.sec[0].path == KVF_PATH_KMEANS || s->plan.sec[1].path == KVF_PATH_KMEANS;
         if (kmeans && !kvf_context_assign_stats(c.ctx, 1, st) && !do_encode(&c) &&
             !kvf_context_assign_stats(c.ctx, 0, st))
             for (int t = 0; t < 2; t++)
@@ -482,7 +482,7 @@ int main(int argc, char **argv) {
                     if (a[KVF_AS_TOKENS])
                         fprintf(stderr, "  %s %s assign%s: %llu tokens, %.2f candidates/token, %.3f%% with f64 distances, "
                                 "%.3f%% full scans, %.3f%% filtered twice\n", names[i],
-                                t ? "V" : !k && !kvf_gen_kmeans_owner(s, 1) ? "K+V" : "K", k ? " (QSAC)" : "",
+                                t ? "V" : !k && s->plan.sec[1].kmeans_owner == 0 ? "K+V" : "K", k ? " (QSAC)" : "",
                                 a[KVF_AS_TOKENS], a[KVF_AS_CANDIDATES] / tok, 100.0 * a[KVF_AS_EXACT] / tok,
                                 100.0 * a[KVF_AS_FULL] / tok, 100.0 * a[KVF_AS_AGAIN] / tok);
                 }

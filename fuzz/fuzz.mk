@@ -20,7 +20,7 @@ FUZZ_FLAGS ?=
 FUZZ_TARGETS := fuzz_scheme fuzz_packed fuzz_roundtrip
 FUZZ_SAN := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
 FUZZ_CFLAGS := -std=c11 -D_GNU_SOURCE $(WARN) -O1 -g $(FUZZ_SAN) -pthread \
-	-Iinclude -Iruntime -Igen -Ieval -Ifuzz -I$(O)/gen $(LUA_CFLAGS) -I$(CUDA_HOME)/include \
+	-Iinclude -Iruntime -Itemplates -Igen -Ieval -Ifuzz -I$(O)/gen $(LUA_CFLAGS) -I$(CUDA_HOME)/include \
 	-DKVF_DEFAULT_CUDA_HOME='"$(CUDA_HOME)"'
 FUZZ_LIB_OBJ := $(patsubst %.c,$(FUZZ_O)/obj/%.o,$(LIB_SRC) $(EVAL_SRC)) $(FUZZ_O)/obj/embedded.o
 # Per target: seed directories (read only) and libFuzzer options.

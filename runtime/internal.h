@@ -17,48 +17,40 @@ void kvf_clear_error(void);
 /* Print a warning to stderr once per key (process-wide). */
 void kvf_warn_once(const char *key, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
-/* ------------------------------------------------------------ scheme (scheme.c) */
+/* ------------------------------------------------------------ scheme (scheme/) */
 
-enum kvf_axis { KVF_AXIS_CHANNEL = 0, KVF_AXIS_TOKEN = 1 };
-enum kvf_mode { KVF_MODE_AFFINE = 0, KVF_MODE_SYMMETRIC = 1 };
-enum kvf_scale_format { KVF_SCALE_FP16 = 0, KVF_SCALE_INT8_FP16 = 1 };
-enum kvf_rope_placement { KVF_ROPE_NONE = 0, KVF_ROPE_PRE = 1, KVF_ROPE_POST = 2 };
-enum kvf_rope_layout { KVF_ROPE_HALF = 0, KVF_ROPE_INTERLEAVED = 1 };
-enum kvf_rotation { KVF_ROTATION_NONE = 0, KVF_ROTATION_HADAMARD = 1 };
-/* Where a k-means section's stored labels come from (METHODS.md 3). */
-enum kvf_kmeans_labels { KVF_LABELS_FINAL = 0, KVF_LABELS_LAST_STEP = 1 };
-#define KVF_MAX_STAGES 8
-#define KVF_MAX_ROPE_SECTIONS 4
-#define KVF_MAX_PSAC_RANK 64 /* psac_rank's bound (scheme.c); PSAC's exactness argument (METHODS.md 4) needs r <= 64 */
+/* The enums of a scheme's fields, the plane structs and the kernel parameter
+ * structs are templates/kvf_abi.h's, shared with the CUDA templates. */
+#include "kvf_abi.h"
 
 /* One of the two tensor sections (key, value) of a scheme. */
 typedef struct kvf_tensor_cfg {
     int bits;            /* 2, 4, 8, or 16 (= kept BF16) */
     int group_size;      /* values per quantization group */
-    int axis;            /* enum kvf_axis */
-    int mode;            /* enum kvf_mode */
-    int scale_format;    /* enum kvf_scale_format */
+    int axis;            /* KVF_AXIS_* */
+    int mode;            /* KVF_MODE_* */
+    int scale_format;    /* KVF_SCALE_* */
     int centroids;       /* 0 = no k-means smoothing, else 1..256 */
     int kmeans_iters;    /* Lloyd iterations */
-    int kmeans_labels;   /* enum kvf_kmeans_labels */
+    int kmeans_labels;   /* KVF_LABELS_* */
     int64_t seed;        /* k-means seed */
     int qsac_candidates; /* QSAC M (1 = plain nearest centroid) */
     int psac_rank;       /* PSAC r (0 = off; keys only) */
     int stages;          /* progressive residual stages (1 = QVG) */
-    int rotation;        /* enum kvf_rotation (QuaRot-style Hadamard) */
+    int rotation;        /* KVF_ROTATION_* (QuaRot-style Hadamard) */
 } kvf_tensor_cfg;
 
 /* Whether a section stores the last Lloyd step's labels (no final
  * assignment): kmeans_labels = "last_step" with a step to take them from
- * (scheme.c refuses "last_step" without one where there are centroids). The
+ * (the plan refuses "last_step" without one where there are centroids). The
  * CPU reference and the GPU launches both decide by this. */
 static inline int kvf_labels_of_last_step(const kvf_tensor_cfg *c) {
     return c->kmeans_labels == KVF_LABELS_LAST_STEP && c->kmeans_iters > 0;
 }
 
 typedef struct kvf_rope_cfg {
-    int placement; /* enum kvf_rope_placement */
-    int layout;    /* enum kvf_rope_layout */
+    int placement; /* KVF_ROPE_NONE, _PRE, _POST */
+    int layout;    /* KVF_ROPE_HALF, _INTERLEAVED */
     double theta;
     int n_sections;                      /* position axes (1 = 1D RoPE) */
     int sections[KVF_MAX_ROPE_SECTIONS]; /* frequency pairs per axis, sum = head_dim / 2 */
@@ -71,29 +63,99 @@ typedef struct kvf_chunk_cfg {
     int sink;   /* first chunks never quantized */
 } kvf_chunk_cfg;
 
+/* ------------------------------------------------------------- plan (core/plan.c) */
+
+/* Kernels a scheme may need, by role. The entry of role R is named
+ * "kvf_<id>_<kvf_role_names[R]>"; the plan says which a scheme has. */
+enum kvf_role {
+    KVF_R_HEADER = 0,
+    KVF_R_ENCODE_K, KVF_R_ENCODE_V, KVF_R_DECODE, /* one kernel decodes K and V */
+    /* The k-means path: per section, K then V. */
+    KVF_R_K_PREP, KVF_R_K_INIT, KVF_R_K_ASSIGN, KVF_R_K_ASSIGN_QSAC, KVF_R_K_ACCUMULATE,
+    KVF_R_K_FINALIZE, KVF_R_K_PAD, KVF_R_K_SUBTRACT, KVF_R_K_RESIDUAL,
+    KVF_R_V_PREP, KVF_R_V_INIT, KVF_R_V_ASSIGN, KVF_R_V_ASSIGN_QSAC, KVF_R_V_ACCUMULATE,
+    KVF_R_V_FINALIZE, KVF_R_V_PAD, KVF_R_V_SUBTRACT, KVF_R_V_RESIDUAL,
+    KVF_R_QSTATS_INIT, KVF_R_QSTATS_ACCUMULATE, KVF_R_QSTATS_EIGEN,
+    KVF_R_PSAC_BASIS, KVF_R_PSAC_ENCODE, KVF_R_QSAC_WEIGHTS,
+    KVF_ROLE_COUNT
+};
+#define KVF_R_SECTION_STRIDE (KVF_R_V_PREP - KVF_R_K_PREP)
+extern const char *const kvf_role_names[KVF_ROLE_COUNT];
+
+/* The programs a context's JIT compiles at once, a module each: 0 holds the
+ * header, the one-launch encodes, the decode, the statistics, PSAC and QSAC's
+ * weights; then each section's k-means kernels (once where the value section
+ * runs the key's); then QSAC's assignment. */
+enum { KVF_UNIT_REST, KVF_UNIT_KMEANS_K, KVF_UNIT_KMEANS_V, KVF_UNIT_QSAC, KVF_UNIT_COUNT };
+#define KVF_MAX_PROGRAMS KVF_UNIT_COUNT
+
+/* How one tensor section is encoded and decoded: its path and the template
+ * arguments of its kernels (what the generator prints), and the launch
+ * geometry the context uses. */
+typedef struct kvf_section_plan {
+    int path;         /* KVF_PATH_* */
+    int bits;         /* 2, 4, 8, 16 */
+    int group;        /* the templates' G: group_size, or 8 (one lane) at bits 16 */
+    int mode, scale_format, axis, centroids, stages, rotation, psac_rank;
+    int decode_rope;  /* KVF_DECODE_ROPE_*: keys cached before RoPE get it at decode */
+    int qsac;         /* QSAC candidates of the k-means assignment (1: nearest centroid) */
+    int bf16_source;  /* k-means stage 0 reads the BF16 input (no rotation, one stage) */
+    int kmeans_owner; /* the section (0 key, 1 value) whose k-means kernels it runs */
+    int decode_tiles; /* token tiles a decode block loops over per pass */
+} kvf_section_plan;
+
+typedef struct kvf_plan {
+    kvf_section_plan sec[2];                  /* key, value */
+    unsigned char has[KVF_ROLE_COUNT];        /* the kernels the scheme needs */
+    unsigned char served_by[KVF_ROLE_COUNT];  /* the role whose kernel runs it (V may run K's k-means) */
+    signed char unit_program[KVF_UNIT_COUNT]; /* the JIT program of each unit, -1 none */
+    int n_programs;
+    int reads_qstats;                         /* keys with QSAC or PSAC read query statistics */
+    int gpu_status;                           /* KVF_OK, or KVF_ENOTIMPL where the templates cannot run it */
+    char gpu_reason[240];                     /* why not (names the field) */
+} kvf_plan;
+
+/* Rule reporting of kvf_plan_build: the loader passes one that names the
+ * file and line that set the field (the first of the two where a rule ties
+ * two fields); NULL reports the field only. Returns the status to return. */
+typedef struct kvf_plan_blame {
+    int (*report)(void *arg, const char *field, const char *msg, const char *other, const char *other_msg);
+    void *arg;
+} kvf_plan_blame;
+
+struct kvf_scheme;
+/* Check every rule between a scheme's fields, once, and derive its plan
+ * (runtime/core/plan.c). KVF_ESCHEME names the field; a scheme the CPU
+ * reference runs but the GPU templates cannot gets gpu_status. */
+int kvf_plan_build(const struct kvf_scheme *s, const kvf_plan_blame *blame, kvf_plan *out);
+/* Entry name of a role's kernel, e.g. "kvf_rtn_int2_1a2b3c4d_encode_k": that
+ * of the role whose kernel serves it. */
+void kvf_kernel_name(const struct kvf_scheme *s, int role, char *buf, size_t len);
+
 struct kvf_scheme {
     char name[64];
-    char source[512];   /* file the scheme was loaded from ("<builtin>/x.lua" for shipped) */
-    int head_dim;       /* 64, 128, 256 */
+    char source[512];     /* file the scheme was loaded from ("<builtin>/x.lua" for shipped) */
+    int head_dim;         /* 64, 128, 256 */
     kvf_tensor_cfg key, value;
     kvf_rope_cfg rope;
     kvf_chunk_cfg chunk;
-    char *canonical;    /* normalized configuration (Lua text), owned */
-    uint64_t hash;      /* XXH3-64 of canonical */
-    char id[96];        /* name_xxxxxxxx */
+    char canonical[4096]; /* normalized configuration (Lua text) */
+    uint64_t hash;        /* XXH3-64 of canonical */
+    char id[96];          /* name_xxxxxxxx */
+    kvf_plan plan;        /* derived by kvf_scheme_finalize / the loader */
 };
 
 /* Fill every field with its documented default (name left empty). */
 void kvf_scheme_defaults(struct kvf_scheme *s);
-/* Build canonical text, hash and id from the fields. */
+/* Check the fields (ranges, then every rule between them: kvf_plan_build),
+ * then build the plan, canonical text, hash and id: a scheme filled in by
+ * code is usable only after this. */
 int kvf_scheme_finalize(struct kvf_scheme *s);
 /* RoPE position axes (>= 1) and, when sections is not NULL, their frequency
- * pairs, unused entries 0; a struct with no sections (not finalized) reads as
- * one of head_dim / 2. */
+ * pairs, unused entries 0. */
 int kvf_rope_sections(const struct kvf_scheme *s, int sections[KVF_MAX_ROPE_SECTIONS]);
-/* Whether encoding reads query statistics: keys with QSAC (qsac_candidates > 1)
- * or PSAC (psac_rank > 0). */
-int kvf_scheme_reads_qstats(const struct kvf_scheme *s);
+/* Whether encoding reads query statistics (the plan's reads_qstats). */
+static inline int kvf_scheme_reads_qstats(const struct kvf_scheme *s) { return s->plan.reads_qstats; }
 
 /* ------------------------------------------------------ embedded files (embed) */
 
@@ -111,26 +173,10 @@ const kvf_embedded_file *kvf_find_embedded(const kvf_embedded_file *table, const
 
 /* -------------------------------------------------------------- layout (layout.c) */
 
-#define KVF_PACKED_MAGIC 0x3146564bu /* "KVF1" little-endian */
-#define KVF_FORMAT_VERSION 2u /* 2: PSAC basis int8 with a per-head f32 scale (docs/FORMAT.md) */
-/* How runtime/gpu/context.c launches the templates' kernels (grids, arguments,
- * the host's copies of tile sizes): the generator writes it into every module
- * as kvf_kernel_abi and a context refuses an image of another value, so a
- * kernel image exported by another kvforge fails to load instead of being
- * launched wrongly. Raise it with any such change. 2: session 8's statistics
- * sums launch only the tiles on or above the diagonal (805897f). 3: one decode
- * kernel for K and V (its arguments: both sections' planes and outputs, and
- * the blocks of each). 4: that kernel's name, decode_kv. 5: the k-means
- * assignments take the head count and a 1D grid over all heads' token
- * tiles; the decode no longer takes the head count (its grid's y). 6: the
- * QSAC assignment counts its filter statistics in a global of its own
- * (assign_qsac_stats), so the JIT can compile it as a program of its own;
- * both statistics globals hold 5 values. 7: the k-means init kernel takes the
- * warm start's previous table and its row count (kvf_encode_warm). 8: the
- * statistics globals hold 6 values (the rows that took f64 distances). */
-#define KVF_KERNEL_ABI 8u
-#define KVF_HEADER_BYTES 64u
-#define KVF_PLANE_ALIGN 256u
+/* The kernel-interface version: a hash of templates/kvf_abi.h's text as
+ * embedded in this library (the generator writes it into every module as
+ * kvf_kernel_abi; a context refuses an image of another value). */
+uint32_t kvf_kernel_abi(void);
 
 /* The 64-byte header at the start of every packed cache (little-endian). */
 typedef struct kvf_packed_header {
@@ -187,8 +233,6 @@ void kvf_header_fill(const struct kvf_scheme *s, const kvf_layout *l, kvf_packed
  * first packed_bytes, KVF_ERANGE when prev_bytes cannot hold that layout. */
 int kvf_warm_check(const struct kvf_scheme *s, const void *prev, size_t prev_bytes, int64_t prev_n_tokens,
                    int32_t n_heads, const void *packed, size_t packed_bytes, kvf_layout *L);
-/* Check that a method is implemented for this scheme (KVF_ENOTIMPL names the field). */
-int kvf_scheme_check_supported(const struct kvf_scheme *s);
 
 /* ------------------------------------------------- number formats (numfmt.c) */
 
@@ -250,6 +294,16 @@ void kvf_synth_kv(uint16_t *x, int64_t n_tokens, int n_heads, int head_dim, uint
 
 /* The CUDA toolkit (NVRTC, fatbinary): $CUDA_HOME, else the build's default. */
 const char *kvf_cuda_home(void);
+
+/* ---------------------------------------------------------- files (fileio.c) */
+
+typedef struct kvf_bytes { const void *p; size_t n; } kvf_bytes;
+/* Write the parts one after the other to path, atomically: a temporary file
+ * beside it (mode bits `mode`), fsync'ed, renamed over path. KVF_EIO names
+ * the path and the call that failed. */
+int kvf_write_atomic(const char *path, const kvf_bytes *parts, int n_parts, unsigned mode);
+/* kvf_write_atomic of one buffer, mode 0644. */
+int kvf_write_file(const char *path, const void *data, size_t n);
 
 /* ------------------------------------------------------------------ strings */
 
@@ -357,16 +411,9 @@ int kvf_cache_list(FILE *out);
 /* The k-means assignment's filter statistics (templates/kvf_kmeans.cuh
  * assign_stats and assign_qsac_stats), for bench/: enable = 1 zeroes and
  * starts counting, 0 stops, -1 only reads. out[t] for K (t = 0) and V: per
- * kernel (plain at 0, QSAC at KVF_AS_N) the KVF_AS_* counts. Where V runs
- * K's kernels (kvf_gen_kmeans_owner), out[0] counts both and out[1] stays 0. */
-enum {
-    KVF_AS_TOKENS,     /* tokens assigned */
-    KVF_AS_CANDIDATES, /* their candidates after the filter (1 for a quick pick) */
-    KVF_AS_FULL,       /* tokens that took the full scan */
-    KVF_AS_AGAIN,      /* tokens filtered twice */
-    KVF_AS_EXACT,      /* tokens that took their candidates' f64 distances */
-    KVF_AS_N
-};
+ * kernel (plain at 0, QSAC at KVF_AS_N) the KVF_AS_* counts (kvf_abi.h).
+ * Where V runs K's kernels (the plan's kmeans_owner), out[0] counts both and
+ * out[1] stays 0. */
 int kvf_context_assign_stats(struct kvf_context *ctx, int enable, unsigned long long out[2][2 * KVF_AS_N]);
 
 #endif

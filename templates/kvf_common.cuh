@@ -2,6 +2,7 @@
 // Hand-written; compiled by NVRTC with no CUDA headers (none are needed at
 // run time). Number conversions match runtime/core/numfmt.c bit for bit.
 #pragma once
+#include "kvf_abi.h"
 
 typedef unsigned char u8;
 typedef unsigned short u16;
@@ -9,16 +10,10 @@ typedef unsigned int u32;
 typedef unsigned long long u64;
 typedef long long i64;
 
-#define KVF_MODE_AFFINE 0
-#define KVF_MODE_SYMMETRIC 1
-
 // Starts the message of a static_assert that refuses a valid scheme on the
 // arch compiled for (not a bug): the host reports such a failed compile as
 // KVF_ENOTIMPL instead of KVF_ECOMPILE (runtime/gpu/cuda_api.c, same text).
 #define KVF_NOT_ON_THIS_ARCH "[KVF_ENOTIMPL] "
-
-// The 64-byte packed-cache header, passed by value and written by one thread.
-struct kvf_header_words { u64 w[8]; };
 
 __device__ __forceinline__ float kvf_bf16_to_f32(u16 b) { return __uint_as_float((u32)b << 16); }
 // The two bf16 values of a 32-bit word (the lower channel in the low half) as f32.
@@ -307,18 +302,19 @@ __device__ __forceinline__ void kvf_write_header(u8 *packed, const kvf_header_wo
 }
 
 // The packed format version the module's kernels read and write (the
-// generator writes runtime/internal.h's KVF_FORMAT_VERSION here). A context
+// generator writes kvf_abi.h's KVF_FORMAT_VERSION here). A context
 // reads it on load and refuses an image of another format: a kernel image
 // exported by an older kvforge would otherwise misread the caches.
 #define KVF_FORMAT_VERSION_GLOBAL(V) extern "C" __device__ unsigned kvf_format_version = V;
-// How the host launches these kernels (runtime/internal.h's KVF_KERNEL_ABI),
-// checked on load the same way: an image exported by a kvforge that launches
-// them otherwise is refused rather than run on the wrong grid.
+// How the host launches these kernels (a hash of kvf_abi.h, runtime/core/abi.c),
+// checked on load the same way: an image exported by a kvforge whose
+// parameter structs or tile constants differ is refused rather than run
+// wrongly.
 #define KVF_KERNEL_ABI_GLOBAL(V) extern "C" __device__ unsigned kvf_kernel_abi = V;
 
 // A kernel that writes the packed header (the methods whose encoders run as
 // several launches write it first).
 #define KVF_HEADER_KERNEL(NAME)                                                     \
-    extern "C" __global__ void NAME(u8 *packed, kvf_header_words hdr) {            \
-        if (threadIdx.x == 0 && blockIdx.x == 0) kvf_write_header(packed, hdr);    \
+    extern "C" __global__ void NAME(const kvf_header_params p) {                   \
+        if (threadIdx.x == 0 && blockIdx.x == 0) kvf_write_header(p.packed, p.hdr); \
     }

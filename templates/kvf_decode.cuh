@@ -28,15 +28,10 @@
 #pragma once
 #include "kvf_quant.cuh"
 
-#define KVF_AXIS_CHANNEL 0
-#define KVF_AXIS_TOKEN 1
-#define KVF_ROPE_NONE 0
-#define KVF_ROPE_HALF 1
-#define KVF_ROPE_INTERLEAVED 2
 
 namespace kvf_decode {
 
-constexpr int BLOCK = 256;
+constexpr int BLOCK = KVF_BLOCK; // kvf_abi.h: the host sizes grids with it
 
 // Rows of one thread whose loads are in flight together (all of the same
 // head, ROWS tokens apart, so each load instruction of a warp is coalesced).
@@ -74,7 +69,7 @@ constexpr int BLOCK = 256;
 template <int D, int BITS, int SFMT, int AXIS, int PSAC_R, int ROT, int ROPE>
 __host__ __device__ constexpr int lane_channels() {
     return BITS < 16 && SFMT == KVF_SCALE_INT8_FP16 && AXIS == KVF_AXIS_CHANNEL && !ROT &&
-                   ROPE == KVF_ROPE_NONE && D % 16 == 0
+                   ROPE == KVF_DECODE_ROPE_NONE && D % 16 == 0
                ? 16
                : 8;
 }
@@ -83,16 +78,8 @@ struct tiling {
     static constexpr int RPT = PSAC_R ? 2 : ((NCENT && STAGES > 2) ? 2 : 4) * 8 / CPL;
 };
 
-struct section_planes {
-    kvf_quant::stage_planes stage[8];
-    u64 basis, coef, cscale, bscale; // PSAC
-};
-
-struct rope_args {
-    double log2_theta;
-    int n_sections;
-    int sections[4];
-};
+typedef kvf_section_planes section_planes;
+typedef kvf_rope_args rope_args;
 
 // Codes as floats without I2F (a quarter-rate conversion): the code's bits
 // are OR-ed into the mantissa of 2^23 at bit P (P + BITS <= 23), which gives
@@ -172,7 +159,7 @@ __device__ __forceinline__ int rope_axis(int pair, const rope_args &r) {
 
 template <int D, int ROPE>
 __device__ __forceinline__ void apply_rope(float y[8], int lane, const int *pos_row, const rope_args &r) {
-    if (ROPE == KVF_ROPE_HALF) {
+    if (ROPE == KVF_DECODE_ROPE_HALF) {
         constexpr int LPR = D / 8;
         const bool first = lane < LPR / 2;
 #pragma unroll
@@ -184,7 +171,7 @@ __device__ __forceinline__ void apply_rope(float y[8], int lane, const int *pos_
             const float x1 = first ? y[i] : other, x2 = first ? other : y[i];
             y[i] = first ? __fsub_rn(__fmul_rn(x1, cs), __fmul_rn(x2, sn)) : __fadd_rn(__fmul_rn(x2, cs), __fmul_rn(x1, sn));
         }
-    } else if (ROPE == KVF_ROPE_INTERLEAVED) {
+    } else if (ROPE == KVF_DECODE_ROPE_INTERLEAVED) {
 #pragma unroll
         for (int i = 0; i < 8; i += 2) {
             const int pair = (lane * 8 + i) / 2;
@@ -585,7 +572,7 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
 template <int D, int BITS, int G, int MODE, int SFMT, int AXIS, int NCENT, int STAGES, int ROT, int PSAC_R, int ROPE>
 struct section {
     static constexpr int MIN_BLOCKS_AS_KEY =
-        PSAC_R > 0 && PSAC_R <= 8 && STAGES == 1 && D <= 128 && !ROT && ROPE == KVF_ROPE_NONE ? 4 : 0;
+        PSAC_R > 0 && PSAC_R <= 8 && STAGES == 1 && D <= 128 && !ROT && ROPE == KVF_DECODE_ROPE_NONE ? 4 : 0;
     __device__ __forceinline__ static void run(const u8 *__restrict__ packed, const section_planes &p, int n_tokens,
                                                u16 *__restrict__ y_out, i64 token_stride, i64 head_stride,
                                                const int *__restrict__ positions, const rope_args &rope, u32 bx,
@@ -602,13 +589,15 @@ struct section {
 // kernel it cost quantwm_int2's decode a 4-byte spill (NVRTC 13.0, sm_90).
 #define KVF_DECODE_KERNEL(NAME, KEY, VALUE)                                                                       \
     extern "C" __global__ void __launch_bounds__(kvf_decode::BLOCK, KEY::MIN_BLOCKS_AS_KEY)                       \
-    NAME(const u8 *__restrict__ packed, kvf_decode::section_planes k_planes, kvf_decode::section_planes v_planes, \
-         int n_tokens, u16 *__restrict__ k_out, u16 *__restrict__ v_out, i64 token_stride, i64 head_stride,       \
-         const int *__restrict__ positions, kvf_decode::rope_args rope, u32 k_blocks, u32 v_blocks) {             \
-        if (blockIdx.x < k_blocks)                                                                                \
-            KEY::run(packed, k_planes, n_tokens, k_out, token_stride, head_stride, positions, rope, blockIdx.x,   \
-                     k_blocks);                                                                                   \
-        else                                                                                                      \
-            VALUE::run(packed, v_planes, n_tokens, v_out, token_stride, head_stride, positions, rope,             \
-                       blockIdx.x - k_blocks, v_blocks);                                                          \
+    NAME(const kvf_decode_params p) {                                                                             \
+        const u8 *__restrict__ packed = p.packed;                                                                 \
+        const int *__restrict__ positions = p.positions;                                                          \
+        if (blockIdx.x < p.blocks[0]) {                                                                           \
+            u16 *__restrict__ out = p.out[0];                                                                     \
+            KEY::run(packed, p.planes[0], p.n_tokens, out, p.ts, p.hs, positions, p.rope, blockIdx.x, p.blocks[0]); \
+        } else {                                                                                                  \
+            u16 *__restrict__ out = p.out[1];                                                                     \
+            VALUE::run(packed, p.planes[1], p.n_tokens, out, p.ts, p.hs, positions, p.rope,                       \
+                       blockIdx.x - p.blocks[0], p.blocks[1]);                                                    \
+        }                                                                                                         \
     }

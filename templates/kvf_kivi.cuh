@@ -8,7 +8,7 @@
 
 namespace kvf_kivi {
 
-constexpr int BLOCK = 256;
+constexpr int BLOCK = KVF_BLOCK; // kvf_abi.h: the host sizes grids with it
 
 template <int D, int BITS, int G, int MODE>
 __device__ __forceinline__ void encode(const u16 *__restrict__ x, i64 ts, i64 hs, int n_tokens, int n_heads,
@@ -72,7 +72,7 @@ __device__ __forceinline__ void encode(const u16 *__restrict__ x, i64 ts, i64 hs
 
 #define KVF_KIVI_ENCODE_KERNEL(NAME, D, BITS, G, MODE)                                             \
     extern "C" __global__ void __launch_bounds__(kvf_kivi::BLOCK)                                  \
-    NAME(const u16 *__restrict__ x, i64 ts, i64 hs, int n_tokens, int n_heads, u8 *__restrict__ packed, \
-         kvf_quant::stage_planes planes, int write_header, kvf_header_words hdr) {                 \
-        kvf_kivi::encode<D, BITS, G, MODE>(x, ts, hs, n_tokens, n_heads, packed, planes, write_header, hdr); \
+    NAME(const kvf_encode_params p) {                                                              \
+        kvf_kivi::encode<D, BITS, G, MODE>(p.in.x, p.in.ts, p.in.hs, p.n_tokens, p.n_heads, p.packed, p.planes, \
+                                           p.write_header, p.hdr);                                 \
     }

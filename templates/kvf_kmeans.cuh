@@ -15,7 +15,7 @@
 
 namespace kvf_kmeans {
 
-constexpr int BLOCK = 256;
+constexpr int BLOCK = KVF_BLOCK; // kvf_abi.h: the host sizes grids with it
 constexpr double FIX = 1048576.0; // 2^20
 #define KVF_INF64 __longlong_as_double(0x7ff0000000000000LL)
 
@@ -1257,55 +1257,54 @@ __device__ __forceinline__ void residual(const void *src, i64 ts, i64 hs, float 
 // assign_cfg); the generator sets it for unrotated single-stage sections.
 #define KVF_KMEANS_KERNELS(PREFIX, D, ROT, G, QSAC, BITS, MODE, SFMT, NCENT, BF)                              \
     extern "C" __global__ void __launch_bounds__(kvf_kmeans::BLOCK)                                            \
-    PREFIX##_prep(const u16 *x, i64 ts, i64 hs, int n, int nh, float *e) {                                     \
-        kvf_kmeans::prep<D, ROT>(x, ts, hs, n, nh, e);                                                         \
+    PREFIX##_prep(const kvf_kmeans_prep_params p) {                                                            \
+        kvf_kmeans::prep<D, ROT>(p.in.x, p.in.ts, p.in.hs, p.n, p.nh, p.e);                                    \
     }                                                                                                          \
-    extern "C" __global__ void PREFIX##_init(const void *src, i64 ts, i64 hs, int n, int nh, int c_eff,        \
-                                             long long seed, int stage, u16 *cent, int c_alloc,                \
-                                             const u16 *warm, int c_warm) {                                    \
-        kvf_kmeans::init<D, BF>(src, ts, hs, n, nh, c_eff, seed, stage, cent, c_alloc, warm, c_warm);          \
+    extern "C" __global__ void PREFIX##_init(const kvf_kmeans_init_params p) {                                 \
+        kvf_kmeans::init<D, BF>(p.src.p, p.src.ts, p.src.hs, p.n, p.nh, p.c_eff, p.seed, p.stage, p.cent,     \
+                                p.c_alloc, p.warm, p.c_warm);                                                  \
     }                                                                                                          \
-    /* What runtime/gpu/context.c launches the k-means kernels with: the            */                        \
-    /* assignment's dynamic shared bytes (plain, QSAC), threads per block       */                        \
-    /* (plain, QSAC) and tokens per block (plain, QSAC), whether stage 0 reads  */                        \
-    /* the BF16 input, the residual's rows per thread, the sums' block size.    */                        \
-    extern "C" __device__ const int PREFIX##_assign_cfg[9] = {                                                \
+    /* What runtime/gpu/launch.c launches the k-means kernels with (kvf_abi.h */                             \
+    /* KVF_AC_*): the assignment's dynamic shared bytes (plain, QSAC), threads */                            \
+    /* per block (plain, QSAC) and tokens per block (plain, QSAC), whether    */                            \
+    /* stage 0 reads the BF16 input, the residual's rows per thread, the sums' */                           \
+    /* block size.                                                             */                            \
+    extern "C" __device__ const int PREFIX##_assign_cfg[KVF_AC_COUNT] = {                                     \
         kvf_kmeans::assign_smem_bytes<D, 1>(), kvf_kmeans::assign_smem_bytes<D, QSAC>(),               \
         kvf_kmeans::assign_warps<D, 1>() * 32, kvf_kmeans::assign_warps<D, QSAC>() * 32,        \
         kvf_kmeans::assign_warps<D, 1>() * kvf_kmeans::TPW,                                           \
         kvf_kmeans::assign_warps<D, QSAC>() * kvf_kmeans::TPW, BF, kvf_kmeans::RES_RPT,              \
         kvf_kmeans::SUM_THREADS};                                                                              \
     /* Filter statistics, counted while [0] != 0 (bench/bench.c sets it):       */                      \
-    /* tokens, candidates, full scans, second filters, rows with f64 distances  */                      \
-    /* (assign's stats). QSAC's are its own.                                     */                      \
-    extern "C" __device__ unsigned long long PREFIX##_assign_stats[6] = {};                                  \
+    /* kvf_abi.h's KVF_AS_* (assign's stats). QSAC's are its own.                */                      \
+    extern "C" __device__ unsigned long long PREFIX##_assign_stats[1 + KVF_AS_N] = {};                       \
     extern "C" __global__ void __launch_bounds__(kvf_kmeans::assign_warps<D, 1>() * 32, 1)              \
-    PREFIX##_assign(const void *src, i64 ts, i64 hs, int n, int nh, int c_eff, const u16 *cent, int c_alloc,   \
-                    int *idx_ws, u8 *idx_plane) {                                                              \
-        kvf_kmeans::assign<D, G, 1, BF>(src, ts, hs, n, nh, c_eff, cent, c_alloc, idx_ws, idx_plane, 0,       \
+    PREFIX##_assign(const kvf_kmeans_assign_params p) {                                                        \
+        kvf_kmeans::assign<D, G, 1, BF>(p.src.p, p.src.ts, p.src.hs, p.n, p.nh, p.c_eff, p.cent, p.c_alloc,    \
+                                        p.idx_ws, p.idx_plane, 0,                                              \
                                         PREFIX##_assign_stats[0] ? PREFIX##_assign_stats + 1 : 0);            \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(kvf_kmeans::SUM_THREADS, 1)                                   \
-    PREFIX##_accumulate(const void *src, i64 ts, i64 hs, const int *idx, int n, int c_eff, int chunk,          \
-                        long long *acc, int *cnt) {                                                            \
-        kvf_kmeans::accumulate<D, BF>(src, ts, hs, idx, n, c_eff, chunk, acc, cnt);                            \
+    PREFIX##_accumulate(const kvf_kmeans_accumulate_params p) {                                                \
+        kvf_kmeans::accumulate<D, BF>(p.src.p, p.src.ts, p.src.hs, p.idx, p.n, p.c_eff, p.chunk, p.acc, p.cnt); \
     }                                                                                                          \
-    extern "C" __global__ void PREFIX##_finalize(int nh, int c_eff, int parts, const long long *acc,           \
-                                                 const int *cnt, u16 *cent, int c_alloc) {                     \
-        kvf_kmeans::finalize<D>(nh, c_eff, parts, acc, cnt, cent, c_alloc);                                    \
+    extern "C" __global__ void PREFIX##_finalize(const kvf_kmeans_finalize_params p) {                         \
+        kvf_kmeans::finalize<D>(p.nh, p.c_eff, p.parts, p.acc, p.cnt, p.cent, p.c_alloc);                      \
     }                                                                                                          \
-    extern "C" __global__ void PREFIX##_pad(int nh, int c_eff, int c_alloc, u16 *cent) {                       \
-        kvf_kmeans::pad<D>(nh, c_eff, c_alloc, cent);                                                          \
+    extern "C" __global__ void PREFIX##_pad(const kvf_kmeans_pad_params p) {                                   \
+        kvf_kmeans::pad<D>(p.nh, p.c_eff, p.c_alloc, p.cent);                                                  \
     }                                                                                                          \
-    extern "C" __global__ void PREFIX##_subtract(float *e, int n, int nh, const u8 *packed,                    \
-                                                 kvf_quant::stage_planes p) {                                  \
-        kvf_kmeans::subtract<D, (NCENT > 0 ? NCENT : 1)>(e, n, nh, packed, p);                                 \
+    extern "C" __global__ void PREFIX##_subtract(const kvf_kmeans_subtract_params p) {                         \
+        kvf_kmeans::subtract<D, (NCENT > 0 ? NCENT : 1)>(p.e, p.n, p.nh, p.packed, p.planes);                  \
     }                                                                                                          \
     extern "C" __global__ void KVF_RES_BOUNDS_##BF                                                            \
-    PREFIX##_residual(const void *src, i64 ts, i64 hs, float *e_out, int n, int nh, u8 *packed,                \
-                      kvf_quant::stage_planes p, int write_e) {                                                \
-        if (write_e) kvf_kmeans::residual<D, BITS, G, MODE, SFMT, NCENT, 1, BF>(src, ts, hs, e_out, n, nh, packed, p); \
-        else kvf_kmeans::residual<D, BITS, G, MODE, SFMT, NCENT, 0, BF>(src, ts, hs, e_out, n, nh, packed, p); \
+    PREFIX##_residual(const kvf_kmeans_residual_params p) {                                                    \
+        if (p.write_e)                                                                                         \
+            kvf_kmeans::residual<D, BITS, G, MODE, SFMT, NCENT, 1, BF>(p.src.p, p.src.ts, p.src.hs, p.e_out, p.n, \
+                                                                       p.nh, p.packed, p.planes);              \
+        else                                                                                                   \
+            kvf_kmeans::residual<D, BITS, G, MODE, SFMT, NCENT, 0, BF>(p.src.p, p.src.ts, p.src.hs, p.e_out, p.n, \
+                                                                       p.nh, p.packed, p.planes);              \
     }
 
 // QSAC's assignment (keys with qsac_candidates > 1 only). It needs nothing of
@@ -1313,10 +1312,10 @@ __device__ __forceinline__ void residual(const void *src, i64 ts, i64 hs, float 
 // shape from that one's assign_cfg), so the JIT compiles it as a program of
 // its own (gen/gen.c); its filter statistics are its own global, as above.
 #define KVF_KMEANS_QSAC_KERNEL(PREFIX, D, G, QSAC, BF)                                                        \
-    extern "C" __device__ unsigned long long PREFIX##_assign_qsac_stats[6] = {};                             \
+    extern "C" __device__ unsigned long long PREFIX##_assign_qsac_stats[1 + KVF_AS_N] = {};                  \
     extern "C" __global__ void __launch_bounds__(kvf_kmeans::assign_warps<D, QSAC>() * 32, 1)           \
-    PREFIX##_assign_qsac(const void *src, i64 ts, i64 hs, int n, int nh, int c_eff, const u16 *cent,           \
-                         int c_alloc, u8 *idx_plane, const float *weights) {                                   \
-        kvf_kmeans::assign<D, G, QSAC, BF>(src, ts, hs, n, nh, c_eff, cent, c_alloc, 0, idx_plane, weights,   \
+    PREFIX##_assign_qsac(const kvf_kmeans_assign_params p) {                                                   \
+        kvf_kmeans::assign<D, G, QSAC, BF>(p.src.p, p.src.ts, p.src.hs, p.n, p.nh, p.c_eff, p.cent, p.c_alloc, 0, \
+                                           p.idx_plane, p.weights,                                             \
                                            PREFIX##_assign_qsac_stats[0] ? PREFIX##_assign_qsac_stats + 1 : 0); \
     }

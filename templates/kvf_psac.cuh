@@ -49,7 +49,7 @@ __device__ __forceinline__ void weights(const u8 *qs, kvf_qstats::layout l, int 
 
 // Most rows (tokens, one per thread) per block of the PSAC encode; any
 // block size up to this is correct (runtime/gpu/context.c launches this many).
-constexpr int ENCODE_ROWS = 128;
+constexpr int ENCODE_ROWS = KVF_PSAC_ENCODE_ROWS;
 
 // One thread per row of one head (blockIdx.y): C_j = s * sum_c e[c] b[c][j],
 // the sum in channel order in f64, as the reference, JC coordinates at a
@@ -133,17 +133,16 @@ __device__ __forceinline__ void encode(const float *e, int n_tokens, const u8 *q
 } // namespace kvf_psac
 
 #define KVF_PSAC_KERNELS(PREFIX, D, R)                                                                      \
-    extern "C" __global__ void PREFIX##_psac_basis(const u8 *qs, kvf_qstats::layout l, u8 *packed,          \
-                                                   u64 basis_off, u64 bscale_off) {                         \
-        kvf_psac::basis<D, R>(qs, l, packed, basis_off, bscale_off);                                        \
+    extern "C" __global__ void PREFIX##_psac_basis(const kvf_psac_basis_params p) {                         \
+        kvf_psac::basis<D, R>(p.qs, p.l, p.packed, p.basis_off, p.bscale_off);                              \
     }                                                                                                       \
     extern "C" __global__ void __launch_bounds__(kvf_psac::ENCODE_ROWS)                                     \
-    PREFIX##_psac_encode(const float *e, int n, const u8 *qs, kvf_qstats::layout l, u8 *packed,             \
-                         u64 basis_off, u64 bscale_off, u64 coef_off, u64 cscale_off) {                     \
-        kvf_psac::encode<D, R>(e, n, qs, l, packed, basis_off, bscale_off, coef_off, cscale_off);           \
+    PREFIX##_psac_encode(const kvf_psac_encode_params p) {                                                  \
+        kvf_psac::encode<D, R>(p.e, p.n, p.qs, p.l, p.packed, p.basis_off, p.bscale_off, p.coef_off,        \
+                               p.cscale_off);                                                               \
     }
 
 #define KVF_QSAC_WEIGHTS_KERNEL(PREFIX, D)                                                                  \
-    extern "C" __global__ void PREFIX##_qsac_weights(const u8 *qs, kvf_qstats::layout l, int nh, float *w) { \
-        kvf_psac::weights<D>(qs, l, nh, w);                                                                 \
+    extern "C" __global__ void PREFIX##_qsac_weights(const kvf_qsac_weights_params p) {                     \
+        kvf_psac::weights<D>(p.qs, p.l, p.nh, p.w);                                                         \
     }

@@ -10,7 +10,7 @@
 
 namespace kvf_qstats {
 
-struct layout { u64 count, msum, u, lambda; int n_heads, d, r; };
+typedef kvf_qstats_planes layout;
 
 // Header and zeros. Thread 0 alone writes the 64 header bytes: were another
 // thread to zero one of its words, nothing would order that store and thread
@@ -56,7 +56,7 @@ __device__ __forceinline__ bool row_finite(const u16 *row) {
 // product: f32 -> f64 conversions run at a quarter of the f64 fma rate),
 // and fma(qa, qb, acc) is the CPU's acc + qa * qb: the product of two bf16
 // values is exact in f64.
-constexpr int ACC_TILE = 32;
+constexpr int ACC_TILE = KVF_QSTATS_TILE;
 // runtime/gpu/context.c launches (acc_grid<D>::TILES, heads) blocks of 256 threads.
 template <int D> struct acc_grid {
     static constexpr int SIDE = D / ACC_TILE, TILES = SIDE * (SIDE + 1) / 2;
@@ -299,14 +299,14 @@ __device__ __forceinline__ void eigen(u8 *qs, layout l, const u16 *__restrict__ 
 } // namespace kvf_qstats
 
 #define KVF_QSTATS_KERNELS(PREFIX, D, R)                                                               \
-    extern "C" __global__ void PREFIX##_qstats_init(u8 *qs, u64 total, kvf_qstats::layout l) {          \
-        kvf_qstats::init(qs, total, l);                                                                \
+    extern "C" __global__ void PREFIX##_qstats_init(const kvf_qstats_init_params p) {                  \
+        kvf_qstats::init(p.qs, p.total, p.l);                                                          \
     }                                                                                                  \
     extern "C" __global__ void __launch_bounds__(256)                                                  \
-    PREFIX##_qstats_accumulate(const u16 *q, i64 ts, i64 hs, int n, int group, u8 *qs, kvf_qstats::layout l) { \
-        kvf_qstats::accumulate<D>(q, ts, hs, n, group, qs, l);                                         \
+    PREFIX##_qstats_accumulate(const kvf_qstats_update_params p) {                                     \
+        kvf_qstats::accumulate<D>(p.q.x, p.q.ts, p.q.hs, p.n, p.group, p.qs, p.l);                     \
     }                                                                                                  \
     extern "C" __global__ void __launch_bounds__(256)                                                  \
-    PREFIX##_qstats_eigen(u8 *qs, kvf_qstats::layout l, const u16 *q, i64 ts, i64 hs, int n, int group) { \
-        kvf_qstats::eigen<D, R>(qs, l, q, ts, hs, n, group);                                           \
+    PREFIX##_qstats_eigen(const kvf_qstats_update_params p) {                                          \
+        kvf_qstats::eigen<D, R>(p.qs, p.l, p.q.x, p.q.ts, p.q.hs, p.n, p.group);                       \
     }

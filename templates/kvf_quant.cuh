@@ -8,9 +8,6 @@
 #pragma once
 #include "kvf_common.cuh"
 
-#define KVF_SCALE_FP16 0
-#define KVF_SCALE_INT8_FP16 1
-
 namespace kvf_quant {
 
 // What one lane contributes to the planes of its row.
@@ -120,7 +117,7 @@ __device__ __forceinline__ void store_codes(u8 *dst, const u32 q[8]) {
 }
 
 // Plane offsets of one stage of one tensor section (docs/METHODS.md 7).
-struct stage_planes { u64 codes, scales, tscales, zeros, index, centroids; };
+typedef kvf_stage_planes stage_planes;
 
 // Write a lane's codes and, from the group's first lane, its plane entries.
 template <int D, int BITS, int G, int MODE, int SFMT>

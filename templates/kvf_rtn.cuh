@@ -10,7 +10,7 @@
 
 namespace kvf_rtn {
 
-constexpr int BLOCK = 256;
+constexpr int BLOCK = KVF_BLOCK; // kvf_abi.h: the host sizes grids with it
 // Blocks an SM must hold when unrotated: 32 registers, full occupancy on
 // archs of 2048 threads an SM such as sm_80 and sm_90 (rtn_int2's encode
 // 0.354 ms on the H200; 0.377 ms at 33 registers, 6 blocks). On archs of
@@ -50,9 +50,7 @@ __device__ __forceinline__ void encode(const u16 *__restrict__ x, i64 token_stri
 
 #define KVF_RTN_ENCODE_KERNEL(NAME, D, BITS, G, MODE, SFMT, ROT)                                   \
     extern "C" __global__ void __launch_bounds__(kvf_rtn::BLOCK, ROT ? 1 : kvf_rtn::MIN_BLOCKS)     \
-    NAME(const u16 *__restrict__ x, i64 token_stride, i64 head_stride, int n_tokens, int n_heads,  \
-         u8 *__restrict__ packed, kvf_quant::stage_planes planes, int write_header,                \
-         kvf_header_words hdr) {                                                                   \
-        kvf_rtn::encode<D, BITS, G, MODE, SFMT, ROT>(x, token_stride, head_stride, n_tokens,       \
-                                                     n_heads, packed, planes, write_header, hdr);  \
+    NAME(const kvf_encode_params p) {                                                              \
+        kvf_rtn::encode<D, BITS, G, MODE, SFMT, ROT>(p.in.x, p.in.ts, p.in.hs, p.n_tokens,         \
+                                                     p.n_heads, p.packed, p.planes, p.write_header, p.hdr); \
     }

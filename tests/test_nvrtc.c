@@ -117,23 +117,24 @@ static void every_scheme_compiles(void **state) {
                 fail_msg("%s for %s: %s", *n, archs[a], kvf_last_error());
             /* A cubin per program: the k-means schemes have more than one. */
             assert_in_range(im.n, 1, KVF_GEN_MAX_PROGRAMS);
-            assert_true((im.n > 1) == (kvf_section_path(&s->key) == 'B' || kvf_section_path(&s->value) == 'B'));
+            assert_true((im.n > 1) == (s->plan.sec[0].path == KVF_PATH_KMEANS || s->plan.sec[1].path == KVF_PATH_KMEANS));
             for (int p = 0; p < im.n; p++) check_cubin(im.image[p], im.size[p]);
             kvf_jit_images_free(&im);
             int decode, assign;
             check_usage(*n, archs[a], u, k, strict, 0, &decode, &assign);
             assert_int_equal(decode, 1); /* one kernel decodes K and V */
-            /* One kernel per role the generator says the scheme has (a value
+            /* One kernel per role the plan says the scheme has (a value
              * section sharing the keys' k-means kernels adds none), each in
              * one program only. */
-            int roles[KVF_ROLE_COUNT], assign_roles = 0;
-            const int n_roles = kvf_gen_kernels(s, roles);
+            int roles[KVF_ROLE_COUNT], assign_roles = 0, n_roles = 0;
+            for (int r = 0; r < KVF_ROLE_COUNT; r++)
+                if (s->plan.has[r] && s->plan.served_by[r] == r) roles[n_roles++] = r;
             for (int r = 0; r < n_roles; r++) assign_roles += strstr(kvf_role_names[roles[r]], "_assign") != NULL;
             assert_int_equal(k, n_roles);
             for (int r = 0; r < n_roles; r++) {
                 char name[160];
                 int found = 0;
-                kvf_gen_kernel_name(s, roles[r], name, sizeof name);
+                kvf_kernel_name(s, roles[r], name, sizeof name);
                 for (int i = 0; i < k; i++) found += !strcmp(u[i].name, name);
                 if (found != 1) fail_msg("%s for %s: kernel %s in %d programs", *n, archs[a], name, found);
             }
@@ -247,7 +248,10 @@ static void psac_decode_shapes_do_not_spill(void **state) {
         kvf_kernel_usage *u;
         int k = 0, decode, assign;
         if (kvf_jit_usage(s, "sm_90", &u, &k, NULL)) fail_msg("%s: %s", shapes[i], kvf_last_error());
-        check_usage(s->name, "sm_90", u, k, 1, strstr(shapes[i], "'pre'") ? 8 : 0, &decode, &assign);
+        /* Keys cached before RoPE with PSAC (a shape no shipped scheme has)
+         * spill a little at the decode's 64 registers: 12/16 bytes with
+         * the decode's one parameter struct (kvf_abi.h), 8/8 before it. */
+        check_usage(s->name, "sm_90", u, k, 1, strstr(shapes[i], "'pre'") ? 16 : 0, &decode, &assign);
         assert_int_equal(decode, 1);
         free(u);
         kvf_scheme_free(s);
@@ -337,7 +341,7 @@ static void jit_programs_use_disk_cache(void **state) {
     assert_int_equal(p.n, 3);
     char want[2][64];
     snprintf(want[0], sizeof want[0], " kvf_format_version = %u;", KVF_FORMAT_VERSION);
-    snprintf(want[1], sizeof want[1], " kvf_kernel_abi = %u;", KVF_KERNEL_ABI);
+    snprintf(want[1], sizeof want[1], " kvf_kernel_abi = %u;", kvf_kernel_abi());
     for (int i = 0; i < p.n; i++) {
         assert_non_null(strstr((const char *)p.image[i], ".entry"));
         for (int w = 0; w < 2; w++) assert_non_null(strstr((const char *)p.image[i], want[w]));
@@ -365,7 +369,7 @@ static void ptx_fallback_compiles(void **state) {
     char want[64];
     snprintf(want, sizeof want, " kvf_format_version = %u;", KVF_FORMAT_VERSION);
     assert_non_null(strstr((const char *)p, want));
-    snprintf(want, sizeof want, " kvf_kernel_abi = %u;", KVF_KERNEL_ABI);
+    snprintf(want, sizeof want, " kvf_kernel_abi = %u;", kvf_kernel_abi());
     assert_non_null(strstr((const char *)p, want));
     free(p);
     /* A cubin of a virtual arch: NVRTC would give an empty one; refused

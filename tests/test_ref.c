@@ -195,11 +195,12 @@ static void test_packed_size(void **state) {
     assert_int_equal(kvf_packed_size(&s, 0, 1, &b), KVF_EINVAL);
     assert_int_equal(kvf_packed_size(&s, 1, 0, &b), KVF_EINVAL);
     assert_int_equal(kvf_packed_size(&s, INT64_MAX, 1 << 30, &b), KVF_EINVAL);
+    /* A hand-made struct the loader would refuse is refused by finalize. */
     s.key.group_size = 48;
-    assert_int_equal(kvf_packed_size(&s, 1, 1, &b), KVF_ESCHEME);
+    assert_int_equal(kvf_scheme_finalize(&s), KVF_ESCHEME);
     assert_non_null(strstr(kvf_last_error(), "key.group_size"));
     s.key.group_size = 64, s.value.bits = 3;
-    assert_int_equal(kvf_packed_size(&s, 1, 1, &b), KVF_ESCHEME);
+    assert_int_equal(kvf_scheme_finalize(&s), KVF_ESCHEME);
     assert_non_null(strstr(kvf_last_error(), "value.bits"));
 }
 
@@ -570,6 +571,7 @@ static void test_bf16_section(void **state) {
     struct kvf_scheme s;
     tu_hand_scheme(&s, 128, 2, 16, 64, KVF_MODE_AFFINE);
     s.value.scale_format = KVF_SCALE_INT8_FP16; /* irrelevant at 16 bits */
+    tu_finalize(&s);
     int64_t n = 20;
     int h = 3;
     size_t nel = (size_t)n * h * 128, bytes;
@@ -718,9 +720,9 @@ static void test_errors(void **state) {
     free(k), free(v), free(ko), free(vo), free(p);
 }
 
-/* Every method of docs/METHODS.md has a CPU reference now; a hand-made struct
- * that the loader would refuse is refused by the layout too (ESCHEME, naming
- * the field). */
+/* Every method of docs/METHODS.md has a CPU reference; a hand-made struct
+ * that the loader would refuse is refused by kvf_scheme_finalize (ESCHEME,
+ * naming the field), and an accepted one has a layout. */
 static void test_methods_supported(void **state) {
     (void)state;
     struct {
@@ -732,27 +734,27 @@ static void test_methods_supported(void **state) {
     } cases[] = {
         {0, offsetof(kvf_tensor_cfg, centroids), 256, KVF_OK, NULL},
         {1, offsetof(kvf_tensor_cfg, centroids), 16, KVF_OK, NULL},
-        {0, offsetof(kvf_tensor_cfg, qsac_candidates), 4, KVF_ESCHEME, "key.qsac_candidates = 4"},
+        {0, offsetof(kvf_tensor_cfg, qsac_candidates), 4, KVF_ESCHEME, "key.qsac_candidates"},
         {0, offsetof(kvf_tensor_cfg, psac_rank), 8, KVF_OK, NULL},
-        {1, offsetof(kvf_tensor_cfg, psac_rank), 8, KVF_ESCHEME, "value.psac_rank = 8"},
-        {1, offsetof(kvf_tensor_cfg, stages), 2, KVF_ESCHEME, "value.stages = 2"},
+        {1, offsetof(kvf_tensor_cfg, psac_rank), 8, KVF_ESCHEME, "value.psac_rank"},
+        {1, offsetof(kvf_tensor_cfg, stages), 2, KVF_ESCHEME, "value.stages"},
         {0, offsetof(kvf_tensor_cfg, axis), KVF_AXIS_TOKEN, KVF_OK, NULL},
         {1, offsetof(kvf_tensor_cfg, scale_format), KVF_SCALE_INT8_FP16, KVF_OK, NULL},
         {0, offsetof(kvf_tensor_cfg, rotation), KVF_ROTATION_HADAMARD, KVF_OK, NULL},
-        {0, offsetof(kvf_tensor_cfg, rotation), 2, KVF_ESCHEME, "key.rotation = 2"},
+        {0, offsetof(kvf_tensor_cfg, rotation), 2, KVF_ESCHEME, "key.rotation"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         struct kvf_scheme s;
         tu_hand_scheme(&s, 128, 2, 2, 64, KVF_MODE_AFFINE);
         kvf_tensor_cfg *c = cases[i].value ? &s.value : &s.key;
         memcpy((char *)c + cases[i].off, &cases[i].set, sizeof(int));
-        assert_int_equal(kvf_scheme_check_supported(&s), KVF_OK);
-        size_t b;
-        int rc = kvf_packed_size(&s, 1, 1, &b);
+        int rc = kvf_scheme_finalize(&s);
         if (rc != cases[i].rc) fail_msg("case %zu: status %d: %s", i, rc, kvf_last_error());
         if (cases[i].msg) assert_non_null(strstr(kvf_last_error(), cases[i].msg));
+        size_t b;
+        if (!rc) assert_int_equal(kvf_packed_size(&s, 1, 1, &b), KVF_OK);
     }
-    assert_int_equal(kvf_scheme_check_supported(NULL), KVF_EINVAL);
+    assert_int_equal(kvf_scheme_finalize(NULL), KVF_EINVAL);
 }
 
 /* ------------------------------------------------------------ determinism, speed */

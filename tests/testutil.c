@@ -59,24 +59,34 @@ void tu_rmtree(const char *dir) {
 }
 
 static void hand_tensor(kvf_tensor_cfg *c, int bits, int group, int mode) {
-    memset(c, 0, sizeof *c);
     c->bits = bits;
     c->group_size = group;
-    c->axis = KVF_AXIS_CHANNEL;
     c->mode = mode;
-    c->scale_format = KVF_SCALE_FP16;
-    c->kmeans_iters = 2;
-    c->qsac_candidates = 1;
-    c->stages = 1;
 }
 
 void tu_hand_scheme(struct kvf_scheme *s, int d, int kbits, int vbits, int g, int mode) {
-    memset(s, 0, sizeof *s);
+    kvf_scheme_defaults(s);
     strcpy(s->name, "t");
     strcpy(s->source, "<test>");
     s->head_dim = d;
     hand_tensor(&s->key, kbits, g, mode);
     hand_tensor(&s->value, vbits, g, mode);
+    tu_finalize(s);
+}
+
+void tu_finalize(struct kvf_scheme *s) {
+    int rc;
+    if (s->head_dim == 64 || s->head_dim == 128 || s->head_dim == 256) {
+        rc = kvf_scheme_finalize(s);
+    } else {
+        /* Tiny head_dims (the CPU reference's arithmetic on small cases) are
+         * below what the loader takes: their plan alone is built, by the same
+         * rules (1-D RoPE over all pairs). */
+        s->rope.n_sections = 1;
+        s->rope.sections[0] = s->head_dim / 2;
+        rc = kvf_plan_build(s, NULL, &s->plan);
+    }
+    if (rc) fail_msg("a scheme made by hand: %s", kvf_last_error());
     s->hash = TU_HAND_HASH;
     strcpy(s->id, "t_89abcdef");
 }

@@ -34,12 +34,16 @@ void tu_synth_kv(uint16_t *x, int64_t n_tokens, int n_heads, int head_dim, uint6
 uint64_t tu_rng_next(uint64_t *state);
 /* splitmix64's output for state x (tu_rng_next without the state): a hash of x. */
 uint64_t tu_splitmix(uint64_t x);
-/* The hash tu_hand_scheme gives (its id is "t_89abcdef"). */
+/* The hash of every scheme made by hand (its id is "t_89abcdef"). */
 #define TU_HAND_HASH 0x0123456789abcdefull
-/* A scheme filled by hand (no loader): name "t", head_dim d, K and V of kbits
- * and vbits bits in channel groups of g with the same mode, fp16 scales, no
- * centroids, QSAC, PSAC, stages or RoPE (kmeans_iters 2). */
+/* A scheme filled by hand (no loader), finalized: name "t", head_dim d, K
+ * and V of kbits and vbits bits in channel groups of g with the same mode,
+ * the other fields at their defaults (fp16 scales, no centroids, QSAC, PSAC,
+ * stages or RoPE, kmeans_iters 2). */
 void tu_hand_scheme(struct kvf_scheme *s, int d, int kbits, int vbits, int g, int mode);
+/* kvf_scheme_finalize after changing a hand-made scheme's fields, failing
+ * the test on error; the hash and id stay TU_HAND_HASH's. */
+void tu_finalize(struct kvf_scheme *s);
 /* Load a shipped scheme by name, failing the test on error. */
 kvf_scheme *tu_scheme(const char *name);
 /* Load a scheme from Lua text (chunk name "=test", so its source is "test"), failing the test on error. */

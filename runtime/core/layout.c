@@ -24,71 +24,7 @@ static int align_up(size_t x, size_t *out) {
     return 0;
 }
 
-/* --------------------------------------------------------- supported methods */
-
-/*
- * Every method of docs/METHODS.md has a CPU reference: RTN, KIVI (axis token),
- * QuaRot rotation, k-means smoothing with QSAC, progressive stages, two-level
- * scales and PSAC. What the loader refuses (the four later options) never
- * reaches here. A method added later and not yet implemented answers
- * KVF_ENOTIMPL here, naming the field.
- */
-int kvf_scheme_check_supported(const struct kvf_scheme *s) {
-    if (!s) return kvf_set_error(KVF_EINVAL, "scheme is NULL");
-    return KVF_OK;
-}
-
 /* ----------------------------------------------------------------- layout */
-
-static bool is_pow2(int x) { return x > 0 && (x & (x - 1)) == 0; }
-
-/* Values the loader already checks, checked again so a hand-made struct cannot
- * produce a layout the encoders would misread. Fields that bits 16 leaves
- * unused are not looked at. */
-static int check_section_fields(const kvf_tensor_cfg *c, int head_dim, const char *which,
-                                bool is_key) {
-    if (c->bits != 2 && c->bits != 4 && c->bits != 8 && c->bits != 16)
-        return kvf_set_error(KVF_ESCHEME, "%s.bits = %d: must be 2, 4, 8 or 16", which, c->bits);
-    if (c->bits == 16) return KVF_OK;
-    if (c->mode != KVF_MODE_AFFINE && c->mode != KVF_MODE_SYMMETRIC)
-        return kvf_set_error(KVF_ESCHEME, "%s.mode = %d: must be affine (0) or symmetric (1)",
-                             which, c->mode);
-    if (c->axis != KVF_AXIS_CHANNEL && c->axis != KVF_AXIS_TOKEN)
-        return kvf_set_error(KVF_ESCHEME, "%s.axis = %d: must be channel (0) or token (1)", which,
-                             c->axis);
-    if (c->scale_format != KVF_SCALE_FP16 && c->scale_format != KVF_SCALE_INT8_FP16)
-        return kvf_set_error(KVF_ESCHEME, "%s.scale_format = %d: must be fp16 (0) or int8_fp16 (1)",
-                             which, c->scale_format);
-    if (c->group_size < 1 || (c->axis == KVF_AXIS_CHANNEL && head_dim % c->group_size != 0))
-        return kvf_set_error(KVF_ESCHEME, "%s.group_size = %d: must divide head_dim = %d", which,
-                             c->group_size, head_dim);
-    if (c->scale_format == KVF_SCALE_INT8_FP16 && head_dim / c->group_size > 256)
-        return kvf_set_error(KVF_ESCHEME, "%s.group_size = %d: at most 256 groups per token", which,
-                             c->group_size);
-    if (c->centroids < 0 || c->centroids > 256)
-        return kvf_set_error(KVF_ESCHEME, "%s.centroids = %d: must be in 0..256", which, c->centroids);
-    if (c->axis == KVF_AXIS_TOKEN && (c->centroids != 0 || c->scale_format != KVF_SCALE_FP16))
-        return kvf_set_error(KVF_ESCHEME,
-                             "%s.axis = token: needs centroids = 0 and scale_format fp16", which);
-    if (c->stages < 1 || c->stages > KVF_MAX_STAGES || (c->stages > 1 && c->centroids == 0))
-        return kvf_set_error(KVF_ESCHEME, "%s.stages = %d: must be 1..%d, and 1 without centroids",
-                             which, c->stages, KVF_MAX_STAGES);
-    if (c->qsac_candidates < 1 || (c->qsac_candidates > 1 && c->qsac_candidates > c->centroids))
-        return kvf_set_error(KVF_ESCHEME, "%s.qsac_candidates = %d: must be 1..centroids", which,
-                             c->qsac_candidates);
-    if (c->kmeans_iters < 0)
-        return kvf_set_error(KVF_ESCHEME, "%s.kmeans_iters = %d: must be >= 0", which, c->kmeans_iters);
-    if (c->psac_rank < 0 || c->psac_rank >= head_dim || (!is_key && c->psac_rank != 0))
-        return kvf_set_error(KVF_ESCHEME, "%s.psac_rank = %d: must be 0 for values, < head_dim for keys",
-                             which, c->psac_rank);
-    if (c->rotation != KVF_ROTATION_NONE && c->rotation != KVF_ROTATION_HADAMARD)
-        return kvf_set_error(KVF_ESCHEME, "%s.rotation = %d: must be none (0) or hadamard (1)", which,
-                             c->rotation);
-    if (c->rotation == KVF_ROTATION_HADAMARD && !is_pow2(head_dim))
-        return kvf_set_error(KVF_ESCHEME, "%s.rotation = hadamard: head_dim = %d is not a power of 2",
-                             which, head_dim);
-    return KVF_OK;
-}
 
 /* Places planes one after the other, each at the next multiple of 256. */
 typedef struct placer {
@@ -140,25 +76,23 @@ static void place_centroids(placer *p, const kvf_section_layout *l, size_t rows,
     }
 }
 
-/* Place the planes of one section from p->off on. */
-static void place_section(placer *p, const kvf_tensor_cfg *c, int head_dim, int64_t n_tokens,
-                          size_t heads, kvf_section_layout *l) {
+/* Place the planes of one section (its plan: bits 16 has fixed values for the
+ * fields it does not read) from p->off on. */
+static void place_section(placer *p, const kvf_section_plan *c, int head_dim, int64_t n_tokens, size_t heads,
+                          kvf_section_layout *l) {
     size_t rows = (size_t)n_tokens * heads; /* checked by the caller */
-    bool q = c->bits < 16;
     memset(l, 0, sizeof *l);
     l->bits = c->bits;
-    l->mode = q ? c->mode : KVF_MODE_AFFINE;
-    l->axis = q ? c->axis : KVF_AXIS_CHANNEL;
-    l->scale_format = q ? c->scale_format : KVF_SCALE_FP16;
-    l->group_size = q ? c->group_size : head_dim;
-    l->groups_per_token = q && l->axis == KVF_AXIS_CHANNEL ? head_dim / c->group_size : 0;
-    l->groups_along_tokens = q && l->axis == KVF_AXIS_TOKEN
-                                 ? (n_tokens + c->group_size - 1) / c->group_size
-                                 : 0;
-    l->centroids = q ? c->centroids : 0;
-    l->stages = q ? c->stages : 1;
-    l->psac_rank = q ? c->psac_rank : 0;
-    l->rotation = q ? c->rotation : KVF_ROTATION_NONE; /* BF16 is kept as it is */
+    l->mode = c->mode;
+    l->axis = c->axis;
+    l->scale_format = c->scale_format;
+    l->group_size = c->bits < 16 ? c->group : head_dim;
+    l->groups_per_token = c->bits < 16 && c->axis == KVF_AXIS_CHANNEL ? head_dim / c->group : 0;
+    l->groups_along_tokens = c->bits < 16 && c->axis == KVF_AXIS_TOKEN ? (n_tokens + c->group - 1) / c->group : 0;
+    l->centroids = c->centroids;
+    l->stages = c->stages;
+    l->psac_rank = c->psac_rank;
+    l->rotation = c->rotation;
     l->code_bytes_per_token = (size_t)head_dim * (size_t)c->bits / 8;
     place_quant(p, l, rows, heads, head_dim, &l->stage[0]);
     for (int s = 0; s < l->stages; s++) place_centroids(p, l, rows, heads, head_dim, &l->stage[s]);
@@ -176,13 +110,6 @@ int kvf_layout_compute(const struct kvf_scheme *s, int64_t n_tokens, int32_t n_h
     if (!s || !out) return kvf_set_error(KVF_EINVAL, "kvf_layout_compute: NULL argument");
     if (n_tokens < 1) return kvf_set_error(KVF_EINVAL, "n_tokens = %" PRId64 ": must be >= 1", n_tokens);
     if (n_heads < 1) return kvf_set_error(KVF_EINVAL, "n_heads = %" PRId32 ": must be >= 1", n_heads);
-    if (s->head_dim < 8 || s->head_dim % 8 != 0)
-        return kvf_set_error(KVF_ESCHEME, "head_dim = %d: must be a positive multiple of 8", s->head_dim);
-    int rc = check_section_fields(&s->key, s->head_dim, "key", true);
-    if (!rc) rc = check_section_fields(&s->value, s->head_dim, "value", false);
-    if (!rc) rc = kvf_scheme_check_supported(s);
-    if (rc) return rc;
-
     memset(out, 0, sizeof *out);
     out->n_tokens = n_tokens;
     out->n_heads = n_heads;
@@ -191,8 +118,8 @@ int kvf_layout_compute(const struct kvf_scheme *s, int64_t n_tokens, int32_t n_h
     placer p = {KVF_HEADER_BYTES, false};
     if ((uint64_t)n_tokens > SIZE_MAX || mul_size((size_t)n_tokens, (size_t)n_heads, &rows))
         p.overflow = true;
-    if (!p.overflow) place_section(&p, &s->key, s->head_dim, n_tokens, (size_t)n_heads, &out->key);
-    if (!p.overflow) place_section(&p, &s->value, s->head_dim, n_tokens, (size_t)n_heads, &out->value);
+    if (!p.overflow) place_section(&p, &s->plan.sec[0], s->head_dim, n_tokens, (size_t)n_heads, &out->key);
+    if (!p.overflow) place_section(&p, &s->plan.sec[1], s->head_dim, n_tokens, (size_t)n_heads, &out->value);
     if (p.overflow || align_up(p.off, &out->total_bytes))
         return kvf_set_error(KVF_EINVAL, "%" PRId64 " tokens x %" PRId32 " heads: packed size overflows",
                              n_tokens, n_heads);

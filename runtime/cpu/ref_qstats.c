@@ -73,20 +73,11 @@ static int layout_of(int32_t n_heads, int d, int r, kvf_qstats_layout *out) {
     return KVF_OK;
 }
 
-static int check_dims(int d, int r) {
-    if (d < 8 || d % 8 != 0 || d > KVF_REF_MAX_DIM)
-        return kvf_set_error(KVF_ESCHEME, "head_dim = %d: query statistics need a multiple of 8 in [8, %d]",
-                             d, KVF_REF_MAX_DIM);
-    if (r < 0 || r >= d)
-        return kvf_set_error(KVF_ESCHEME, "key.psac_rank = %d: must be in [0, head_dim = %d)", r, d);
-    return KVF_OK;
-}
-
 int kvf_qstats_layout_compute(const struct kvf_scheme *s, int32_t n_heads, kvf_qstats_layout *out) {
     if (!s || !out) return kvf_set_error(KVF_EINVAL, "kvf_qstats_layout_compute: NULL argument");
     if (n_heads < 1) return kvf_set_error(KVF_EINVAL, "n_kv_heads = %" PRId32 ": must be >= 1", n_heads);
-    int rc = check_dims(s->head_dim, s->key.psac_rank);
-    return rc ? rc : layout_of(n_heads, s->head_dim, s->key.psac_rank, out);
+    /* head_dim and psac_rank obey the plan's rules (kvf_plan_build). */
+    return layout_of(n_heads, s->head_dim, s->key.psac_rank, out);
 }
 
 int kvf_qstats_size(const kvf_scheme *s, int32_t n_kv_heads, size_t *bytes) {

@@ -1319,91 +1319,6 @@ static int check_ranges(const struct kvf_scheme *s, const loader *ld) {
     return KVF_OK;
 }
 
-static int check_groups(const struct kvf_scheme *s, const loader *ld, int sec) {
-    const kvf_tensor_cfg *t = sec == S_KEY ? &s->key : &s->value;
-    long long span = (long long)s->chunk.tokens * s->chunk.span;
-    if (t->axis == KVF_AXIS_CHANNEL && s->head_dim % t->group_size)
-        return bad(ld, s, FID(sec, T_GROUP),
-                   "must divide head_dim (%d) when axis = \"channel\" (got %d)", s->head_dim,
-                   t->group_size);
-    if (t->axis == KVF_AXIS_TOKEN && t->centroids != 0)
-        return bad(ld, s, FID(sec, T_CENTROIDS),
-                   "must be 0 when axis = \"token\" (per-channel groups quantize the values "
-                   "themselves, without smoothing) (got %d)",
-                   t->centroids);
-    if (t->axis == KVF_AXIS_TOKEN && t->scale_format != KVF_SCALE_FP16)
-        return bad(ld, s, FID(sec, T_SCALE),
-                   "must be \"fp16\" when axis = \"token\" (two-level scales are per token) "
-                   "(got \"%s\")",
-                   scale_names[t->scale_format]);
-    if (t->centroids > span)
-        return bad(ld, s, FID(sec, T_CENTROIDS),
-                   "must be <= chunk.tokens * chunk.span (%lld): k-means needs a token per "
-                   "centroid (got %d)",
-                   span, t->centroids);
-    return KVF_OK;
-}
-
-static int check_methods(const struct kvf_scheme *s, const loader *ld, int sec) {
-    const kvf_tensor_cfg *t = sec == S_KEY ? &s->key : &s->value;
-    if (t->bits == 16 && t->centroids > 0)
-        return bad(ld, s, FID(sec, T_CENTROIDS),
-                   "must be 0 when bits = 16 (BF16 values are kept as they are) (got %d)",
-                   t->centroids);
-    if (t->centroids == 0 && t->qsac_candidates > 1)
-        return bad(ld, s, FID(sec, T_QSAC),
-                   "must be 1 when centroids = 0 (QSAC chooses among centroids) (got %d)",
-                   t->qsac_candidates);
-    if (t->qsac_candidates > t->centroids && t->centroids > 0)
-        return bad(ld, s, FID(sec, T_QSAC), "must be <= centroids (%d) (got %d)", t->centroids,
-                   t->qsac_candidates);
-    if (t->kmeans_labels == KVF_LABELS_LAST_STEP && t->centroids > 0 && t->kmeans_iters == 0)
-        return conflict(ld, s, FID(sec, T_LABELS),
-                        "must be \"final\" when kmeans_iters = 0 (\"last_step\" takes the labels of the "
-                        "last Lloyd step) (got \"last_step\")",
-                        FID(sec, T_ITERS),
-                        "must be >= 1 when kmeans_labels = \"last_step\" (the labels of the last Lloyd "
-                        "step) (got 0)");
-    if (t->kmeans_labels == KVF_LABELS_LAST_STEP && t->qsac_candidates > 1) {
-        char got[160];
-        snprintf(got, sizeof got,
-                 "must be 1 when kmeans_labels = \"last_step\" (QSAC is a final assignment: set "
-                 "kmeans_labels = \"final\") (got %d)",
-                 t->qsac_candidates);
-        return conflict(ld, s, FID(sec, T_LABELS),
-                        "must be \"final\" when qsac_candidates > 1 (QSAC is the final assignment) "
-                        "(got \"last_step\")",
-                        FID(sec, T_QSAC), got);
-    }
-    if (t->stages > 1 && t->centroids == 0)
-        return bad(ld, s, FID(sec, T_STAGES),
-                   "must be 1 when centroids = 0 (progressive stages smooth each residual "
-                   "with centroids) (got %d)",
-                   t->stages);
-    if (sec == S_VALUE && t->psac_rank != 0)
-        return bad(ld, s, FID(sec, T_PSAC), "must be 0 in value: values get no PSAC (got %d)",
-                   t->psac_rank);
-    if (t->psac_rank >= s->head_dim)
-        return bad(ld, s, FID(sec, T_PSAC), "must be < head_dim (%d) (got %d)", s->head_dim,
-                   t->psac_rank);
-    if (t->bits == 16 && t->psac_rank > 0)
-        return bad(ld, s, FID(sec, T_PSAC),
-                   "must be 0 when bits = 16 (there is no quantization error to compensate) "
-                   "(got %d)",
-                   t->psac_rank);
-    return KVF_OK;
-}
-
-static int check_rope(const struct kvf_scheme *s, const loader *ld) {
-    int sum = 0;
-    for (int k = 0; k < s->rope.n_sections; k++) sum += s->rope.sections[k];
-    if (sum != s->head_dim / 2)
-        return bad(ld, s, FID(S_ROPE, R_SECTIONS),
-                   "must add up to head_dim / 2 (%d) frequency pairs (got %d)", s->head_dim / 2,
-                   sum);
-    return KVF_OK;
-}
-
 /* Defaults that depend on other fields, filled once the chain is merged: an
  * absent rope.sections is one section of head_dim / 2 pairs (1D RoPE). */
 static void fill_derived(struct kvf_scheme *s) {
@@ -1414,13 +1329,39 @@ static void fill_derived(struct kvf_scheme *s) {
     }
 }
 
-static int check_scheme(const struct kvf_scheme *s, const loader *ld) {
-    int rc = check_ranges(s, ld);
-    for (int sec = S_KEY; !rc && sec <= S_VALUE; sec++) {
-        rc = check_groups(s, ld, sec);
-        if (!rc) rc = check_methods(s, ld, sec);
+/* The field id of a path such as "key.psac_rank" (the plan's rules name
+ * fields by path); -1 if none. */
+static int fid_of_path(const char *path) {
+    char p[LI_PATH];
+    for (int fid = 0; fid < NF; fid++) {
+        fid_path(fid, p, sizeof p);
+        if (!strcmp(p, path)) return fid;
     }
-    return rc ? rc : check_rope(s, ld);
+    return -1;
+}
+
+typedef struct blame_arg {
+    const loader *ld;
+    const struct kvf_scheme *s;
+} blame_arg;
+
+/* kvf_plan_build's reports, located at the file and line that set the field
+ * (of two tied fields, the one set nearest the top file: conflict()). */
+static int blame_report(void *arg, const char *field, const char *msg, const char *other, const char *other_msg) {
+    const blame_arg *b = arg;
+    const int a = fid_of_path(field), o = other ? fid_of_path(other) : -1;
+    if (a < 0) return kvf_set_error(KVF_ESCHEME, "%s: %s", field, msg);
+    if (o < 0) return bad(b->ld, b->s, a, "%s", msg);
+    return conflict(b->ld, b->s, a, msg, o, other_msg);
+}
+
+/* Ranges field by field, then every rule between fields (the plan's). */
+static int check_scheme(struct kvf_scheme *s, const loader *ld) {
+    int rc = check_ranges(s, ld);
+    if (rc) return rc;
+    blame_arg arg = {ld, s};
+    const kvf_plan_blame blame = {blame_report, &arg};
+    return kvf_plan_build(s, &blame, &s->plan);
 }
 
 /* ========================================================= canonical text */
@@ -1497,13 +1438,10 @@ static int build_canonical(struct kvf_scheme *s) {
         }
     }
     put(t, "}\n");
-    int rc = t->n < sizeof t->b ? KVF_OK : kvf_set_error(KVF_EINVAL, "canonical text too long");
-    char *c = rc ? NULL : strdup(t->b);
-    if (!rc && !c) rc = kvf_set_error(KVF_ENOMEM, "out of memory");
+    int rc = t->n < sizeof s->canonical ? KVF_OK : kvf_set_error(KVF_EINVAL, "canonical text too long");
     if (!rc) {
-        free(s->canonical);
-        s->canonical = c;
-        s->hash = XXH3_64bits(c, strlen(c));
+        memcpy(s->canonical, t->b, t->n + 1);
+        s->hash = XXH3_64bits(s->canonical, t->n);
         snprintf(s->id, sizeof s->id, "%s_%08x", s->name, (unsigned)(s->hash >> 32));
     }
     free(t);
@@ -1629,11 +1567,7 @@ int kvf_scheme_load_builtin(const char *name, kvf_scheme **out) {
     return rc;
 }
 
-void kvf_scheme_free(kvf_scheme *s) {
-    if (!s) return;
-    free(s->canonical);
-    free(s);
-}
+void kvf_scheme_free(kvf_scheme *s) { free(s); }
 
 const char *kvf_scheme_name(const kvf_scheme *s) { return s ? s->name : NULL; }
 const char *kvf_scheme_canonical(const kvf_scheme *s) { return s ? s->canonical : NULL; }

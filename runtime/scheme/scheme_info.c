@@ -27,10 +27,6 @@ int kvf_scheme_get_info(const kvf_scheme *s, kvf_scheme_info *out) {
     return KVF_OK;
 }
 
-int kvf_scheme_reads_qstats(const struct kvf_scheme *s) {
-    return s->key.psac_rank > 0 || s->key.qsac_candidates > 1;
-}
-
 int kvf_rope_sections(const struct kvf_scheme *s, int sections[KVF_MAX_ROPE_SECTIONS]) {
     const int n = s->rope.n_sections < 1 ? 1 : s->rope.n_sections;
     if (!sections) return n;
