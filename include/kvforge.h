@@ -20,6 +20,14 @@
 extern "C" {
 #endif
 
+/* What libkvforge exports: these functions and nothing else (it is built
+ * with hidden visibility). */
+#if defined(__GNUC__)
+#define KVF_API __attribute__((visibility("default")))
+#else
+#define KVF_API
+#endif
+
 #define KVF_VERSION_MAJOR 0
 #define KVF_VERSION_MINOR 2
 #define KVF_VERSION_PATCH 0
@@ -27,51 +35,59 @@ extern "C" {
 #define KVF_VERSION_STR(a, b, c) KVF_VERSION_STR2(a) "." KVF_VERSION_STR2(b) "." KVF_VERSION_STR2(c)
 #define KVF_VERSION_STRING KVF_VERSION_STR(KVF_VERSION_MAJOR, KVF_VERSION_MINOR, KVF_VERSION_PATCH)
 
+/* The one table of statuses (libuv's pattern): it makes the enum here, and
+ * the names and messages kvf_status_name and kvf_strerror return (the
+ * Python binding asks those, so it cannot drift). XX(NAME, code, message). */
+#define KVF_STATUS_MAP(XX)                                                                           \
+    XX(OK, 0, "success")                                                                             \
+    XX(EINVAL, -1, "invalid argument")                   /* null, size, stride, alignment */         \
+    XX(ENOMEM, -2, "out of host memory")                                                             \
+    XX(ESCHEME, -3, "invalid scheme")                    /* the message names file:line: field */    \
+    XX(ENOTIMPL, -4, "not implemented yet")              /* a valid configuration this build lacks */\
+    XX(ENOCUDA, -5, "CUDA driver library (libcuda) not found")                                       \
+    XX(ENODEV, -6, "no CUDA device")                     /* or the ordinal does not exist */         \
+    XX(ENONVRTC, -7, "NVRTC library not found: only precompiled kernels can load")                   \
+    XX(ECOMPILE, -8, "kernel compilation failed")        /* NVRTC's log in the message */            \
+    XX(ECUDA, -9, "CUDA driver call failed")             /* the call, file and line in the message */\
+    XX(EIO, -10, "file system error")                                                                \
+    XX(EFORMAT, -11, "wrong or corrupt format")          /* packed cache or file of another format */\
+    XX(ERANGE, -12, "buffer too small")                                                              \
+    XX(ETOOL, -13, "external tool failed")               /* fatbinary */
+
 typedef enum kvf_status {
-    KVF_OK = 0,
-    KVF_EINVAL = -1,     /* bad argument (null, size, stride, alignment) */
-    KVF_ENOMEM = -2,     /* host allocation failed */
-    KVF_ESCHEME = -3,    /* scheme file invalid (message names file:line: field) */
-    KVF_ENOTIMPL = -4,   /* valid configuration not implemented yet */
-    KVF_ENOCUDA = -5,    /* libcuda could not be loaded */
-    KVF_ENODEV = -6,     /* no CUDA device (or the ordinal does not exist) */
-    KVF_ENONVRTC = -7,   /* libnvrtc could not be loaded: only AOT kernels load */
-    KVF_ECOMPILE = -8,   /* NVRTC compile failed (log in the message) */
-    KVF_ECUDA = -9,      /* a CUDA driver call failed */
-    KVF_EIO = -10,       /* file system error */
-    KVF_EFORMAT = -11,   /* packed cache or file of the wrong format/scheme/version */
-    KVF_ERANGE = -12,    /* buffer too small */
-    KVF_ETOOL = -13      /* an external tool (fatbinary) failed */
+#define KVF_STATUS_ENUM(name, code, msg) KVF_##name = code,
+    KVF_STATUS_MAP(KVF_STATUS_ENUM)
+#undef KVF_STATUS_ENUM
 } kvf_status;
 
 /* Name and one-line description of a status code, like strerror. */
-const char *kvf_strerror(int status);
-const char *kvf_status_name(int status);
+KVF_API const char *kvf_strerror(int status);
+KVF_API const char *kvf_status_name(int status);
 /* Detailed message of the last error on this thread ("" if none). */
-const char *kvf_last_error(void);
+KVF_API const char *kvf_last_error(void);
 
-const char *kvf_version(void);
+KVF_API const char *kvf_version(void);
 
 /* ------------------------------------------------------------------ schemes */
 
 typedef struct kvf_scheme kvf_scheme;
 
 /* Load a scheme from a Lua file (sandboxed). */
-int kvf_scheme_load(const char *path, kvf_scheme **out);
+KVF_API int kvf_scheme_load(const char *path, kvf_scheme **out);
 /* Load from text; chunkname is used in messages (e.g. "@myscheme.lua"). */
-int kvf_scheme_load_string(const char *text, size_t len, const char *chunkname,
+KVF_API int kvf_scheme_load_string(const char *text, size_t len, const char *chunkname,
                            kvf_scheme **out);
 /* Load one of the schemes shipped inside the library, by name ("rtn_int2"). */
-int kvf_scheme_load_builtin(const char *name, kvf_scheme **out);
-void kvf_scheme_free(kvf_scheme *s);
+KVF_API int kvf_scheme_load_builtin(const char *name, kvf_scheme **out);
+KVF_API void kvf_scheme_free(kvf_scheme *s);
 
-const char *kvf_scheme_name(const kvf_scheme *s);
+KVF_API const char *kvf_scheme_name(const kvf_scheme *s);
 /* Normalized configuration as canonical Lua text (every field, sorted). */
-const char *kvf_scheme_canonical(const kvf_scheme *s);
+KVF_API const char *kvf_scheme_canonical(const kvf_scheme *s);
 /* 64-bit hash of the canonical text; id = name + "_" + 8 hex digits. */
-uint64_t kvf_scheme_hash(const kvf_scheme *s);
-const char *kvf_scheme_id(const kvf_scheme *s);
-int kvf_scheme_head_dim(const kvf_scheme *s);
+KVF_API uint64_t kvf_scheme_hash(const kvf_scheme *s);
+KVF_API const char *kvf_scheme_id(const kvf_scheme *s);
+KVF_API int kvf_scheme_head_dim(const kvf_scheme *s);
 
 /* What a caller (the Python binding, a cache manager) needs to know of a
  * scheme. Fields may be added at the end in later versions. */
@@ -88,10 +104,34 @@ typedef struct kvf_scheme_info {
     int rope_sections[4];    /* frequency pairs per axis; 1-D RoPE = { head_dim / 2 } */
     double rope_theta;
 } kvf_scheme_info;
-int kvf_scheme_get_info(const kvf_scheme *s, kvf_scheme_info *out);
+KVF_API int kvf_scheme_get_info(const kvf_scheme *s, kvf_scheme_info *out);
 
 /* Names of the shipped schemes, NULL-terminated. */
-const char *const *kvf_builtin_schemes(void);
+KVF_API const char *const *kvf_builtin_schemes(void);
+
+/* ------------------------------------------------------------ chunk policy */
+
+/*
+ * The chunk policy of a scheme (its chunk section: span, recent, sink), as
+ * every cache of a layer's stream applies it, so callers need not re-derive
+ * it: after chunk t (0-based) of a layer is appended and attended to, pack
+ * the span pack_first .. pack_first + pack_chunks - 1 (pack_chunks 0: none).
+ * Chunks t < sink stay BF16 for ever; the `recent` newest others stay BF16;
+ * older ones wait in BF16 until `span` of them can be packed together. A
+ * span is encoded with the layer's query statistics as they are when it is
+ * packed (queries of chunks < t: the statistics are updated after the pack);
+ * warm_first, warm_chunks: the previous packed span of the layer, which
+ * kvf_encode_warm may start its k-means from (warm_chunks 0: none).
+ */
+typedef struct kvf_chunk_step {
+    int64_t pack_first;
+    int32_t pack_chunks;
+    int32_t sink;        /* 1: chunk t is a sink chunk (BF16 for ever) */
+    int64_t warm_first;
+    int32_t warm_chunks;
+    int32_t reserved;
+} kvf_chunk_step;
+KVF_API int kvf_chunk_policy(const kvf_scheme *s, int64_t t, kvf_chunk_step *out);
 
 /* ------------------------------------------------------------ packed layout */
 
@@ -109,7 +149,7 @@ typedef struct kvf_shape {
 } kvf_shape;
 
 /* Bytes of the packed cache of n_tokens x n_heads (K and V, header included). */
-int kvf_packed_size(const kvf_scheme *s, int64_t n_tokens, int32_t n_heads, size_t *bytes);
+KVF_API int kvf_packed_size(const kvf_scheme *s, int64_t n_tokens, int32_t n_heads, size_t *bytes);
 
 /* Stored bytes against BF16 bytes of K and V of the same tokens. */
 typedef struct kvf_footprint {
@@ -118,7 +158,7 @@ typedef struct kvf_footprint {
     double compression;    /* bf16_bytes / packed_bytes */
     double bits_per_value; /* 8 * packed_bytes / (2 * n_tokens * n_heads * head_dim) */
 } kvf_footprint;
-int kvf_footprint_of(const kvf_scheme *s, int64_t n_tokens, int32_t n_heads, kvf_footprint *out);
+KVF_API int kvf_footprint_of(const kvf_scheme *s, int64_t n_tokens, int32_t n_heads, kvf_footprint *out);
 
 /* ----------------------------------------------------------------- contexts */
 
@@ -127,7 +167,7 @@ typedef struct kvf_context kvf_context;
 #define KVF_DEVICE_CPU (-1)
 
 /* Number of CUDA devices (0 when libcuda is missing or sees none: status tells). */
-int kvf_device_count(int *count);
+KVF_API int kvf_device_count(int *count);
 
 /*
  * Create a context for a scheme on a CUDA device ordinal, or KVF_DEVICE_CPU for
@@ -142,7 +182,7 @@ int kvf_device_count(int *count);
  * sm_12x, and archs the templates do not name); KVF_ECOMPILE, with NVRTC's
  * log, for any other failed compile.
  */
-int kvf_context_create(const kvf_scheme *s, int device, kvf_context **out);
+KVF_API int kvf_context_create(const kvf_scheme *s, int device, kvf_context **out);
 /*
  * Create a context from precompiled kernels (an exported fatbin or cubin image)
  * and the scheme's canonical text: needs no NVRTC. See `kvforge export`.
@@ -152,15 +192,15 @@ int kvf_context_create(const kvf_scheme *s, int device, kvf_context **out);
  * the device's own arch, e.g. sm_86 or sm_89, whose 99 KiB sm_80's image
  * exceeds).
  */
-int kvf_context_create_from_image(const char *scheme_canonical, const void *image,
+KVF_API int kvf_context_create_from_image(const char *scheme_canonical, const void *image,
                                   size_t image_size, int device, kvf_context **out);
-void kvf_context_destroy(kvf_context *ctx);
+KVF_API void kvf_context_destroy(kvf_context *ctx);
 
-const kvf_scheme *kvf_context_scheme(const kvf_context *ctx);
+KVF_API const kvf_scheme *kvf_context_scheme(const kvf_context *ctx);
 /* "cpu" or "sm_90" and so on. */
-const char *kvf_context_backend(const kvf_context *ctx);
+KVF_API const char *kvf_context_backend(const kvf_context *ctx);
 /* How the kernels were obtained: "cpu", "nvrtc", "disk-cache", "image". */
-const char *kvf_context_origin(const kvf_context *ctx);
+KVF_API const char *kvf_context_origin(const kvf_context *ctx);
 
 /*
  * Encode the BF16 K and V of one span (one chunk, or the chunks the scheme
@@ -171,7 +211,7 @@ const char *kvf_context_origin(const kvf_context *ctx);
  * Alignment: on a device, k, v and packed 16-byte aligned and strides multiples
  * of 8; on the CPU, k and v 2-byte aligned (packed and strides: any).
  */
-int kvf_encode(kvf_context *ctx, const void *k, const void *v, const kvf_shape *shape,
+KVF_API int kvf_encode(kvf_context *ctx, const void *k, const void *v, const kvf_shape *shape,
                const void *qstats, void *packed, size_t packed_bytes, void *stream);
 /*
  * kvf_encode with each k-means warm-started from the previous span's
@@ -188,7 +228,7 @@ int kvf_encode(kvf_context *ctx, const void *k, const void *v, const kvf_shape *
  * its header is not read (check it with kvf_packed_check); on the CPU its
  * header is checked.
  */
-int kvf_encode_warm(kvf_context *ctx, const void *k, const void *v, const kvf_shape *shape,
+KVF_API int kvf_encode_warm(kvf_context *ctx, const void *k, const void *v, const kvf_shape *shape,
                     const void *qstats, const void *prev, size_t prev_bytes, int64_t prev_n_tokens,
                     void *packed, size_t packed_bytes, void *stream);
 /*
@@ -197,7 +237,7 @@ int kvf_encode_warm(kvf_context *ctx, const void *k, const void *v, const kvf_sh
  * only when the scheme caches keys before RoPE (rope.placement = "pre"): decode
  * then applies RoPE; otherwise pass NULL.
  */
-int kvf_decode(kvf_context *ctx, const void *packed, size_t packed_bytes,
+KVF_API int kvf_decode(kvf_context *ctx, const void *packed, size_t packed_bytes,
                const kvf_shape *shape, const int32_t *positions, void *k_out, void *v_out,
                void *stream);
 
@@ -209,8 +249,8 @@ int kvf_decode(kvf_context *ctx, const void *packed, size_t packed_bytes,
  * docs/METHODS.md. Update it after a chunk's attention, before encoding the
  * next chunk's keys: statistics are strictly causal.
  */
-int kvf_qstats_size(const kvf_scheme *s, int32_t n_kv_heads, size_t *bytes);
-int kvf_qstats_init(kvf_context *ctx, void *qstats, size_t bytes, int32_t n_kv_heads, void *stream);
+KVF_API int kvf_qstats_size(const kvf_scheme *s, int32_t n_kv_heads, size_t *bytes);
+KVF_API int kvf_qstats_init(kvf_context *ctx, void *qstats, size_t bytes, int32_t n_kv_heads, void *stream);
 /* q: BF16 queries of one chunk, shape->n_heads query heads (a multiple of the
  * statistics' KV heads: grouped-query attention), same stride rules as K.
  * Non-finite queries: a query row (one query head's head_dim values of one
@@ -220,25 +260,25 @@ int kvf_qstats_init(kvf_context *ctx, void *qstats, size_t bytes, int32_t n_kv_h
  * from the chunk keeps its statistics and basis unchanged. The call still
  * returns KVF_OK (on a device it cannot know without a synchronisation); the
  * rows skipped so far are counted in the buffer's header: kvf_qstats_skipped. */
-int kvf_qstats_update(kvf_context *ctx, void *qstats, size_t bytes, const void *q,
+KVF_API int kvf_qstats_update(kvf_context *ctx, void *qstats, size_t bytes, const void *q,
                       const kvf_shape *q_shape, void *stream);
 /* Query rows skipped for NaN/Inf over the buffer's life (all KV heads), read
  * from a host copy of its header (the first 64 bytes or more; for a device
  * buffer, copy them after the update has finished). */
-int kvf_qstats_skipped(const void *header, size_t header_bytes, uint64_t *skipped);
+KVF_API int kvf_qstats_skipped(const void *header, size_t header_bytes, uint64_t *skipped);
 
 /* Host-side check of a packed cache's header (a host copy of its first 64 bytes
  * or more) against a scheme and shape: KVF_EFORMAT with the reason otherwise. */
-int kvf_packed_check(const kvf_scheme *s, const void *header, size_t header_bytes,
+KVF_API int kvf_packed_check(const kvf_scheme *s, const void *header, size_t header_bytes,
                      int64_t n_tokens, int32_t n_heads);
 
 /* ------------------------------------------------------------- disk cache */
 
 /* Directory the disk cache uses now (after the environment) into buf; "" when
  * KVFORGE_CACHE=0 turns it off. Creates nothing. */
-int kvf_cache_dir(char *buf, size_t buflen);
+KVF_API int kvf_cache_dir(char *buf, size_t buflen);
 /* Remove every entry (all arches). */
-int kvf_cache_clear(void);
+KVF_API int kvf_cache_clear(void);
 
 #ifdef __cplusplus
 }

@@ -8,20 +8,9 @@
 static _Thread_local char last_error[4096];
 
 static const struct { int code; const char *name, *text; } status_table[] = {
-    {KVF_OK, "KVF_OK", "success"},
-    {KVF_EINVAL, "KVF_EINVAL", "invalid argument"},
-    {KVF_ENOMEM, "KVF_ENOMEM", "out of host memory"},
-    {KVF_ESCHEME, "KVF_ESCHEME", "invalid scheme"},
-    {KVF_ENOTIMPL, "KVF_ENOTIMPL", "not implemented yet"},
-    {KVF_ENOCUDA, "KVF_ENOCUDA", "CUDA driver library (libcuda) not found"},
-    {KVF_ENODEV, "KVF_ENODEV", "no CUDA device"},
-    {KVF_ENONVRTC, "KVF_ENONVRTC", "NVRTC library not found: only precompiled kernels can load"},
-    {KVF_ECOMPILE, "KVF_ECOMPILE", "kernel compilation failed"},
-    {KVF_ECUDA, "KVF_ECUDA", "CUDA driver call failed"},
-    {KVF_EIO, "KVF_EIO", "file system error"},
-    {KVF_EFORMAT, "KVF_EFORMAT", "wrong or corrupt format"},
-    {KVF_ERANGE, "KVF_ERANGE", "buffer too small"},
-    {KVF_ETOOL, "KVF_ETOOL", "external tool failed"},
+#define KVF_STATUS_ROW(name, code, msg) {code, "KVF_" #name, msg},
+    KVF_STATUS_MAP(KVF_STATUS_ROW)
+#undef KVF_STATUS_ROW
 };
 
 const char *kvf_strerror(int status) {
