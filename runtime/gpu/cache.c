@@ -348,18 +348,6 @@ static int read_full(int fd, void *buf, size_t n) {
     return 0;
 }
 
-static int write_full(int fd, const void *buf, size_t n) {
-    const uint8_t *p = buf;
-    while (n) {
-        ssize_t w = write(fd, p, n > (1u << 30) ? (1u << 30) : n);
-        if (w < 0 && errno == EINTR) continue;
-        if (w <= 0) { if (w == 0) errno = EIO; return -1; }
-        p += w;
-        n -= (size_t)w;
-    }
-    return 0;
-}
-
 static int entry_miss(entry *e, const char *dir, const char *name, const char *what, int err) {
     snprintf(e->why, sizeof e->why, "%s%s%s", what, err ? ": " : "", err ? strerror(err) : "");
     return kvf_set_error(CACHE_MISS, "disk cache miss: %s/%s: %s", dir, name, e->why);
@@ -456,9 +444,12 @@ int kvf_cache_get(const char *arch, const kvf_cache_key *key, void **payload, si
     return KVF_OK;
 }
 
-/* Write header, metadata and payload, then fsync: NULL or the failing call. */
-static const char *write_entry_fd(int fd, const char *meta, size_t meta_len, const void *payload,
-                                  size_t size) {
+/* Header, metadata and payload written atomically over the entry (owner-only,
+ * as the folder), then the folder fsync'ed: KVF_OK or KVF_EIO (set). */
+static int store_entry(int dirfd, const char *dir, const char *name, const char *meta,
+                       size_t meta_len, const void *payload, size_t size) {
+    char final[PATH_MAX];
+    if (join_path(final, sizeof final, dir, name)) return KVF_EIO;
     uint8_t h[ENTRY_HEADER_BYTES];
     XXH3_state_t st;
     XXH3_INITSTATE(&st);
@@ -470,34 +461,9 @@ static const char *write_entry_fd(int fd, const char *meta, size_t meta_len, con
     kvf_put_u32(h + 12, (uint32_t)meta_len);
     kvf_put_u64(h + 16, size);
     kvf_put_u64(h + 24, XXH3_64bits_digest(&st));
-    if (write_full(fd, h, sizeof h) || write_full(fd, meta, meta_len) ||
-        write_full(fd, payload, size))
-        return "write";
-    return fsync(fd) ? "fsync" : NULL;
-}
-
-static int store_failed(const char *tmp, const char *path, const char *call, int err) {
-    if (tmp) unlink(tmp);
-    return kvf_set_error(KVF_EIO, "disk cache: %s: %s: %s", path, call, strerror(err));
-}
-
-/* Temp file, write, fsync, rename over the entry: KVF_OK or KVF_EIO (set). */
-static int store_entry(int dirfd, const char *dir, const char *name, const char *meta,
-                       size_t meta_len, const void *payload, size_t size) {
-    char tmp[PATH_MAX], final[PATH_MAX];
-    if (join_path(final, sizeof final, dir, name) ||
-        format_path(tmp, sizeof tmp, final, ".tmp.XXXXXX"))
-        return KVF_EIO;
-    int fd = mkostemp(tmp, O_CLOEXEC);
-    if (fd < 0) return store_failed(NULL, tmp, "mkostemp", errno);
-    const char *call = write_entry_fd(fd, meta, meta_len, payload, size);
-    if (call) {
-        int err = errno;
-        close(fd);
-        return store_failed(tmp, tmp, call, err);
-    }
-    if (close(fd) != 0) return store_failed(tmp, tmp, "close", errno);
-    if (rename(tmp, final) != 0) return store_failed(tmp, final, "rename", errno);
+    const kvf_bytes parts[3] = {{h, sizeof h}, {meta, meta_len}, {payload, size}};
+    int rc = kvf_write_atomic(final, parts, 3, 0600);
+    if (rc) return kvf_wrap_error(rc, "disk cache");
     (void)fsync(dirfd); /* make the rename durable; best effort */
     return KVF_OK;
 }
