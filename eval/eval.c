@@ -173,17 +173,13 @@ static int pack_span(layer_run *r, int layer, int a, int b, kvf_eval_sums *bytes
     return KVF_OK;
 }
 
-/* After chunk t is finished: pack every complete span whose chunks have all
- * left the `recent` window (chunks t - recent + 1 .. t stay BF16). */
+/* After chunk t is finished: pack the span the chunk policy lets go, if any
+ * (kvf_chunk_policy: the library's one statement of it). */
 static int pack_ready(layer_run *r, int layer, int t, kvf_eval_sums *bytes) {
-    const int C = r->d->chunks, sink = r->rep->sink, span = r->rep->span, recent = r->rep->recent;
-    for (int a = sink; a + span <= C; a += span) {
-        int b = a + span;
-        if (r->packed_chunk[a] || b - 1 > t - recent) continue;
-        int rc = pack_span(r, layer, a, b, bytes);
-        if (rc) return rc;
-    }
-    return KVF_OK;
+    kvf_chunk_step st;
+    int rc = kvf_chunk_policy(r->s, t, &st);
+    if (rc || !st.pack_chunks) return rc;
+    return pack_span(r, layer, (int)st.pack_first, (int)(st.pack_first + st.pack_chunks), bytes);
 }
 
 /* ------------------------------------------------------------ one step */
