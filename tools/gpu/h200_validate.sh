@@ -20,7 +20,10 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --f
 if has tests; then
   echo "== tests"
   fails=0
-  for t in out/bin/test_*; do
+  # KVF_VALIDATE_TESTS: the test binaries to run (names; default all)
+  bins=out/bin/test_*
+  [ -n "${KVF_VALIDATE_TESTS:-}" ] && bins=$(printf 'out/bin/%s ' $KVF_VALIDATE_TESTS)
+  for t in $bins; do
     echo "--- $t"
     "$t" >"${OUT:-/tmp}/test.txt" 2>&1 || { fails=$((fails+1)); echo "FAILED: $t"; }
     grep -vE '^\[ *(RUN|OK) ' "${OUT:-/tmp}/test.txt"
