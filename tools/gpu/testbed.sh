@@ -31,7 +31,10 @@
 # --cache-factory spec, e.g. qvg_peer=eval/peer/qvg_cache.py:make_cache), WM_ATTN_STRIDE
 # (rollout's attention probe, default 0: the peak memory is then the scheme's alone),
 # WM_DUMP_LAYERS (default spread3), WM_DUMP_QSTRIDE (256), WM_DUMP_CACHE (a scheme whose
-# compressed cache generates the dumped stream; default: the BF16 rollout).
+# compressed cache generates the dumped stream; default: the BF16 rollout), WM_PEAKED_CHUNKS
+# (8), WM_PEAKED_QSTRIDE (16). For a dry run on a machine without a GPU: TB_PYTHON (the
+# python with torch), TB_TRAIN_ARGS (extra train.py arguments, e.g. a tiny --config),
+# TB_EVAL_BACKEND (default --gpu; empty: kvforge eval on the CPU).
 set -u
 cmd=${1:-}
 [ $# -gt 0 ] && shift
@@ -83,7 +86,8 @@ case $cmd in
 train)
   frames
   timeout "$(left)" $PY $WM/train.py --preset large --frames "$FR" --out-dir /tmp/wm_large \
-      --weights-name weights_large.safetensors --report-name train_report_large.json 2>&1 | tee "$O/train_large.log"
+      --weights-name weights_large.safetensors --report-name train_report_large.json ${TB_TRAIN_ARGS:-} 2>&1 \
+      | tee "$O/train_large.log"
   rc=${PIPESTATUS[0]}
   cp /tmp/wm_large/weights_large*.safetensors /tmp/wm_large/train_report_large.json "$O/" 2>/dev/null
   ls -l "$O"
@@ -119,7 +123,7 @@ dump)
     case $s in *.lua) f=$s;; *) f=schemes/$s.lua;; esac
     if [ "$(left)" -lt 45 ]; then echo "skipped $s: under 45 s left" | tee -a "$O/dump.log"; continue; fi
     t0=$SECONDS
-    if timeout "$(($(left) - 15))" out/bin/kvforge eval --scheme "$f" --data "$D" --gpu --threads "$(nproc)" \
+    if timeout "$(($(left) - 15))" out/bin/kvforge eval --scheme "$f" --data "$D" ${TB_EVAL_BACKEND---gpu} --threads "$(nproc)" \
         --json > /tmp/e.json 2>>"$O/dump.log"; then
       { printf '{"scheme":"%s","wall_s":%d,"report":' "$(basename "$s" .lua)" $((SECONDS - t0))
         tr -d '\n' < /tmp/e.json; echo '}'; } >> "$O/eval_long.jsonl"
@@ -133,8 +137,8 @@ import json, sys
 keys = ["top1_shift", "top5_overlap", "attn_out_rel_err", "key_mse", "value_mse", "qk_err", "compression"]
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 print("overall (every layer, every step): " + " ".join(keys))
-print("%-20s" % "scheme" + "".join("%15s" % k for k in keys) + "%8s" % "wall_s")
-fmt = lambda v: "%15.5g" % (v if v is not None else float("nan"))
+print("%-20s" % "scheme" + "".join("%17s" % k for k in keys) + "%8s" % "wall_s")
+fmt = lambda v: "%17.5g" % (v if v is not None else float("nan"))
 for r in rows:
     o = r["report"]["overall"]
     print("%-20s" % r["scheme"] + "".join(fmt(o.get(k)) for k in keys) + "%8d" % r["wall_s"])
