@@ -181,6 +181,25 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 _SDPA_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 
 
+def gqa_flash_check(device) -> bool:
+    """On CUDA: whether SDPA's flash kernel takes enable_gqa here (a small bf16 call with only
+    that kernel allowed). If not, attend() repeats the KV heads instead, so attention never
+    falls back to the math kernel, which would hold the whole score matrix. Returns whether
+    enable_gqa stays in use."""
+    global _SDPA_GQA
+    if not _SDPA_GQA or torch.device(device).type != "cuda":
+        return _SDPA_GQA
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        q = torch.randn(1, 4, 64, 128, device=device, dtype=torch.bfloat16)
+        k = torch.randn(1, 2, 64, 128, device=device, dtype=torch.bfloat16)
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            F.scaled_dot_product_attention(q, k, k, enable_gqa=True)
+    except (RuntimeError, ImportError):
+        _SDPA_GQA = False
+    return _SDPA_GQA
+
+
 def attend(q, k, v):
     """softmax(q k^T / sqrt(d)) v for q [B, Hq, Nq, d] and k, v [B, Hkv, N, d], Hq a multiple of
     Hkv: query head h reads KV head h // (Hq / Hkv) (the grouping of repeat_interleave). SDPA's
@@ -416,6 +435,7 @@ def load_model_and_frames(weights: str, device, frames_path: str | None = None, 
     does not record it)."""
     from frames import frames_sha256, load_frames, synthetic_frames
     model = load_weights(weights, device)
+    gqa_flash_check(device)
     if synthetic:
         h, w = model.cfg.frame_hw
         frames = synthetic_frames(synthetic, h, w, seed=seed)

@@ -77,7 +77,7 @@ docs/img/*.png (one file to bring back).
   python3 eval/worldmodel/rollout.py --weights eval/worldmodel/weights.safetensors \\
       --frames out/data/vtest_frames.npz --json $OUT/rollouts.json --img-dir $OUT/img \\
       --tar $OUT/rollout_img.tar
-  # a long stream: 1 real chunk, 31 generated (context of 149,760 tokens at the end)
+  # a long stream: 1 real chunk, 31 generated (the last predicted from 140,400 cached tokens)
   python3 eval/worldmodel/rollout.py --weights eval/worldmodel/weights_large.safetensors \\
       --frames ... --starts 636 --chunks 31 --attn-stride 0 --schemes bf16,qvg_int2,my.lua \\
       --cache-factory peer=eval/peer/qvg_cache.py:make_cache --json long.json --img-dir img

@@ -54,8 +54,9 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from frames import frames_sha256, load_frames, synthetic_frames  # noqa: E402
 from kvcache import BF16Cache  # noqa: E402
+import model as model_mod  # noqa: E402
 from model import (PRESETS, WMConfig, WorldModel, file_sha256, frames_to_patches, generate,  # noqa: E402
-                   load_weights, save_weights, weights_sha256)
+                   gqa_flash_check, load_weights, save_weights, weights_sha256)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SMOKE_CONFIG = dict(grid_h=6, grid_w=8, width=64, heads=2, kv_heads=2, head_dim=32, layers=2,
@@ -297,6 +298,9 @@ def main(argv=None):
     train_t = frames_t[:split].to(device)
 
     model = WorldModel(cfg).to(device)
+    gqa_flash_check(device)
+    gqa = ("none (MHA)" if cfg.heads == cfg.kv_heads else
+           "sdpa enable_gqa" if model_mod._SDPA_GQA else "KV heads repeated (repeat_interleave)")
     n_params = sum(p.numel() for p in model.parameters())
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
@@ -399,7 +403,7 @@ def main(argv=None):
     report = {
         "model": json.loads(cfg.to_json()), "parameters": n_params, "recipe": recipe, "data": data,
         "device": dev_name, "torch": torch.__version__, "train_seconds": round(train_s, 1),
-        "startup_seconds": round(startup_s, 1),
+        "startup_seconds": round(startup_s, 1), "gqa_attention": gqa,
         "seconds_per_step": round(train_s / max(1, steps_done), 4),
         "loss_first": losses[0], "loss_last_50_mean": float(np.mean(losses[-50:])),
         "weights": os.path.basename(wpath), "weights_bytes": sum(os.path.getsize(f) for f in files),
