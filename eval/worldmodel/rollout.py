@@ -431,7 +431,8 @@ def run(a):
         name, kind = entry[0], entry[1]
         r = {"status": "ok", "kind": kind,
              "source": None if kind == "bf16" else (entry[2] if kind == "kvforge" else
-                                                    f"{entry[2].__module__}:{entry[2].__name__}"),
+                                                    f"{getattr(entry[2], '__module__', '?')}:"
+                                                    f"{getattr(entry[2], '__name__', repr(entry[2]))}"),
              "per_start": []}
         t0 = time.time()
         try:

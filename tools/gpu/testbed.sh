@@ -27,8 +27,10 @@
 # SCHEMES: names of shipped schemes or .lua paths (default: the nine shipped ones).
 # Environment: WM_LARGE (the large weights; default eval/worldmodel/weights_large.safetensors,
 # else out/wm/weights_large.safetensors), WM_MODEL=large|small (rollout, dump), WM_CHUNKS
-# (generated chunks, default 31), WM_STARTS (default 636), WM_FACTORY (rollout: one
-# --cache-factory spec, e.g. qvg_peer=eval/peer/qvg_cache.py:make_cache), WM_ATTN_STRIDE
+# (generated chunks, default 31), WM_STARTS (first frames, comma-separated, default 636;
+# 636,699 gives two streams that both end inside the held-out frames; dump: the first),
+# WM_FACTORY (rollout: one --cache-factory spec, e.g.
+# qvg_peer=eval/peer/qvg_cache.py:make_cache), WM_ATTN_STRIDE
 # (rollout's attention probe, default 0: the peak memory is then the scheme's alone),
 # WM_DUMP_LAYERS (default spread3), WM_DUMP_QSTRIDE (256), WM_DUMP_CACHE (a scheme whose
 # compressed cache generates the dumped stream; default: the BF16 rollout), WM_PEAKED_CHUNKS
@@ -90,6 +92,8 @@ train)
       | tee "$O/train_large.log"
   rc=${PIPESTATUS[0]}
   cp /tmp/wm_large/weights_large*.safetensors /tmp/wm_large/train_report_large.json "$O/" 2>/dev/null
+  # Also where the other subcommands look, for a later call on this same machine.
+  mkdir -p out/wm && cp /tmp/wm_large/weights_large*.safetensors out/wm/ 2>/dev/null
   ls -l "$O"
   exit "$rc"
   ;;
@@ -116,7 +120,7 @@ dump)
   D=/tmp/kv_long.safetensors
   timeout "$(left)" $PY $WM/dump_kv.py --weights "$W" --frames "$FR" --preset long \
       --chunks $((${WM_CHUNKS:-31} + 1)) --layers "${WM_DUMP_LAYERS:-spread3}" \
-      --q-stride "${WM_DUMP_QSTRIDE:-256}" --start "${WM_STARTS:-636}" ${cs[@]+"${cs[@]}"} --out "$D" 2>&1 | tee "$O/dump.log"
+      --q-stride "${WM_DUMP_QSTRIDE:-256}" --start "$(echo "${WM_STARTS:-636}" | cut -d, -f1)" ${cs[@]+"${cs[@]}"} --out "$D" 2>&1 | tee "$O/dump.log"
   [ "${PIPESTATUS[0]}" = 0 ] || exit 1
   : > "$O/eval_long.jsonl"
   for s in $(scheme_list "$@" | tr ',' ' '); do
@@ -169,7 +173,7 @@ peaked)
   exit "${PIPESTATUS[0]}"
   ;;
 *)
-  sed -n '2,40p' "$0"
+  sed -n '2,/^set -u/p' "$0" | sed '$d'
   exit 2
   ;;
 esac

@@ -1,7 +1,6 @@
 """The testbed on the CPU: the large preset (GQA) at tiny size, weight shards, the time guard,
 long-stream rollouts through the real kvforge binding (CPU backend) and a cache factory,
 the temporal metrics on frames with known answers, and the attention peakedness measure."""
-import importlib
 import json
 import math
 import os
