@@ -37,3 +37,17 @@ $(WM_DATA)/vtest_frames.npz: $(WM_DATA)/vtest.avi eval/worldmodel/frames.py
 .PHONY: wm-test
 wm-test:
 	$(WM_PYTHON) -m pytest -q eval/worldmodel/tests
+
+# `make wm-train-large` (GPU, about 5 minutes on one H200): retrain the large world
+# model (eval/worldmodel/model.py PRESETS["large"]: 8 layers, 8 query heads over 2 KV
+# heads) with train.py's recipe for that preset (seed 1234, its time budget: 200 s of
+# training planned, 230 s at most), from the frames of `make data`, into
+# $(WM_LARGE_DIR): weights_large.safetensors (fp16; shards beside it if it ever
+# outgrows 16 MiB) and train_report_large.json (recipe, steps done, sha256 of every
+# weight file, held-out error against copy-the-last-frame and the small model).
+# On the GPU machine: `make wm-train-large WM_PYTHON=python3` (or tools/gpu/testbed.sh train).
+WM_LARGE_DIR ?= eval/worldmodel
+.PHONY: wm-train-large
+wm-train-large: $(WM_DATA)/vtest_frames.npz
+	$(WM_PYTHON) eval/worldmodel/train.py --preset large --frames $< --out-dir $(WM_LARGE_DIR) \
+		--weights-name weights_large.safetensors --report-name train_report_large.json

@@ -28,6 +28,15 @@ Presets:
   --preset small  the committed test dump: the middle layer, chunks 0-1, q_subsample 8
                   (15.7 MB; chunk 0's queries give chunk 1's keys their statistics)
   --preset full   every layer, 8 chunks, every query (for GPU-side evaluation; ~0.8 GB)
+  --preset long   a long stream: autoregressive, 32 chunks (1 real, 31 generated: the last
+                  step attends 149,760 keys), 3 layers spread over the model (first,
+                  middle, last), every 256th query (~0.7 GB: kept on the GPU
+                  machine, evaluated there)
+
+--cache-scheme S (autoregressive mode) generates the stream through scheme S's cache
+(each chunk predicted from the compressed cache of the chunks before it) and dumps the
+exact Q, K, V the model produced along that trajectory; without it the stream is the
+BF16 rollout's. `kvforge eval` then replays the scheme on those exact tensors.
 """
 from __future__ import annotations
 
@@ -39,16 +48,22 @@ import sys
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kvcache import RecordingCache  # noqa: E402
-from model import file_sha256, frames_to_patches, generate, load_model_and_frames  # noqa: E402
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+from kvcache import KvforgeCache, RecordingCache  # noqa: E402
+from model import frames_to_patches, generate, load_model_and_frames, weights_sha256  # noqa: E402
 
 
 def parse_layers(s, n_layers):
+    """'all', 'mid', 'spreadK' (K layers evenly spread, first and last included) or indices."""
     if s in ("all", "*"):
         return list(range(n_layers))
     if s == "mid":
         return [n_layers // 2]
+    if s.startswith("spread"):
+        k = max(1, min(n_layers, int(s[len("spread"):] or 3)))
+        return sorted({round(i * (n_layers - 1) / max(1, k - 1)) for i in range(k)}) if k > 1 else [n_layers // 2]
     out = sorted({int(x) for x in s.split(",")})
     for x in out:
         if not 0 <= x < n_layers:
@@ -63,20 +78,29 @@ def parse_args(argv=None):
     ap.add_argument("--synthetic", type=int, default=0, help="N synthetic frames instead (tests)")
     ap.add_argument("--seed", type=int, default=1234, help="seed of the synthetic frames")
     ap.add_argument("--out", required=True, help="safetensors file to write")
-    ap.add_argument("--preset", choices=["small", "full"], default=None)
+    ap.add_argument("--preset", choices=["small", "full", "long"], default=None)
     ap.add_argument("--layers", default=None, help="'all', 'mid' or comma-separated indices")
     ap.add_argument("--chunks", type=int, default=None, help="chunks to run and dump (from chunk 0)")
     ap.add_argument("--q-stride", type=int, default=None, help="keep every s-th query token")
     ap.add_argument("--no-q-pre", action="store_true", help="leave out the pre-RoPE queries")
     ap.add_argument("--start", type=int, default=None, help="first frame (default: the held-out split's)")
-    ap.add_argument("--mode", choices=["teacher", "autoregressive"], default="teacher")
+    ap.add_argument("--mode", choices=["teacher", "autoregressive"], default=None,
+                    help="default: teacher (autoregressive for --preset long)")
+    ap.add_argument("--cache-scheme", default=None,
+                    help="autoregressive mode: generate through this kvforge scheme's cache (name or .lua)")
+    ap.add_argument("--kvforge-python", default=os.path.join(REPO, "python"),
+                    help="folder holding the kvforge package (for --cache-scheme)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = ap.parse_args(argv)
-    presets = {"small": ("mid", 2, 8), "full": ("all", 8, 1), None: ("mid", 2, 8)}
-    pl, pc, ps = presets[a.preset]
+    presets = {"small": ("mid", 2, 8, "teacher"), "full": ("all", 8, 1, "teacher"),
+               "long": ("spread3", 32, 256, "autoregressive"), None: ("mid", 2, 8, "teacher")}
+    pl, pc, ps, pm = presets[a.preset]
     a.layers = a.layers or pl
     a.chunks = a.chunks or pc
     a.q_stride = a.q_stride or ps
+    a.mode = a.mode or pm
+    if a.cache_scheme and a.mode != "autoregressive":
+        ap.error("--cache-scheme needs --mode autoregressive (teacher forcing reads no cache)")
     if not a.frames and not a.synthetic:
         ap.error("--frames or --synthetic is needed")
     return a
@@ -96,7 +120,13 @@ def run(a):
         raise SystemExit(f"frames {start}..{start + need - 1} needed, the video has {len(frames)}")
     layers = parse_layers(a.layers, cfg.layers)
     p = frames_to_patches(torch.from_numpy(np.ascontiguousarray(frames[start:start + need])).to(device), cfg)[None]
-    cache = RecordingCache(cfg.layers, layers)
+    inner = None
+    if a.cache_scheme:
+        if a.kvforge_python and os.path.isdir(a.kvforge_python):
+            sys.path.insert(0, a.kvforge_python)
+        inner = KvforgeCache(a.cache_scheme, cfg.layers, cfg.kv_heads, cfg.head_dim, device=device,
+                             n_q_heads=cfg.heads)
+    cache = RecordingCache(cfg.layers, layers, inner=inner)
     ac = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
     with ac:
         if a.mode == "teacher":
@@ -116,9 +146,10 @@ def run(a):
         tensors[f"l{l}.c{c}.k_pre"] = r["k_pre"]
         tensors[f"l{l}.c{c}.v"] = r["v"]
     tensors["pos"] = torch.cat([cache.positions[c] for c in range(a.chunks)], 0).to(torch.int32).contiguous()
-    wsha = file_sha256(a.weights)
+    wsha = weights_sha256(a.weights)
     mode = ("teacher forced: every chunk fed is a source chunk" if a.mode == "teacher"
-            else "autoregressive from one source chunk")
+            else "autoregressive from one source chunk" +
+            (f", generated through scheme {a.cache_scheme}'s cache" if a.cache_scheme else ", BF16 cache"))
     md = {
         "layers": str(len(layers)),
         "chunks": str(a.chunks),
@@ -131,6 +162,7 @@ def run(a):
         "q_subsample": str(s), "q_tokens_per_chunk": str(math.ceil(nc / s)),
         "q_pre": "no" if a.no_q_pre else "yes",
         "mode": a.mode,
+        "trajectory_cache": a.cache_scheme or "bf16",
         "source": (f"{src_name} {start}..{start + need - 1} ({mode}), "
                    f"frames sha256 {meta['frames_sha256']}, model weights sha256 {wsha}"),
         "weights_sha256": wsha,

@@ -60,8 +60,10 @@ def frames_sha256(frames: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(frames, dtype=np.uint8).tobytes()).hexdigest()
 
 
-def save_frames(path: str, frames: np.ndarray, meta: dict) -> None:
-    """A .npz (zip) with `frames` and `meta` (JSON text as a uint8 array); fixed entry dates."""
+def save_frames(path: str, frames: np.ndarray, meta: dict, compress: bool = True) -> None:
+    """A .npz (zip) with `frames` and `meta` (JSON text as a uint8 array); fixed entry dates.
+    compress=False stores the arrays uncompressed (a scratch copy: written and read in a
+    fraction of the time; the same frames, a larger file)."""
     def npy(a):
         b = io.BytesIO()
         np.lib.format.write_array(b, np.ascontiguousarray(a), allow_pickle=False)
@@ -71,9 +73,9 @@ def save_frames(path: str, frames: np.ndarray, meta: dict) -> None:
     with zipfile.ZipFile(path, "w") as z:
         for name, data in entries.items():
             info = zipfile.ZipInfo(name, date_time=_ZIP_DATE)
-            info.compress_type = zipfile.ZIP_DEFLATED
+            info.compress_type = zipfile.ZIP_DEFLATED if compress else zipfile.ZIP_STORED
             info.external_attr = 0o644 << 16
-            z.writestr(info, data, compresslevel=6)
+            z.writestr(info, data, compresslevel=6 if compress else None)
 
 
 def load_frames(path: str):
@@ -107,9 +109,11 @@ def synthetic_frames(n: int, height: int, width: int, seed: int = 0) -> np.ndarr
 
 
 def main(argv):
+    fast = "--fast" in argv[1:]
+    argv = [x for x in argv if x != "--fast"]
     if len(argv) != 3:
         print(__doc__.strip().splitlines()[0])
-        print(f"usage: {argv[0]} VIDEO OUT.npz")
+        print(f"usage: {argv[0]} [--fast] VIDEO OUT.npz   (--fast: uncompressed, for a scratch copy)")
         return 2
     src, dst = argv[1], argv[2]
     with open(src, "rb") as f:
@@ -132,7 +136,7 @@ def main(argv):
         "heldout_start": int(round(n * (1 - HELDOUT_FRACTION))),
         "frames_sha256": frames_sha256(frames),
     }
-    save_frames(dst, frames, meta)
+    save_frames(dst, frames, meta, compress=not fast)
     print(f"{dst}: {n} frames {HEIGHT}x{WIDTH} RGB uint8, held out from frame {meta['heldout_start']}, "
           f"frames sha256 {meta['frames_sha256'][:16]} (OpenCV {cv2.__version__})")
     return 0

@@ -75,6 +75,11 @@ class WMConfig:
     def frame_hw(self) -> tuple:
         return self.grid_h * self.patch, self.grid_w * self.patch
 
+    @property
+    def q_dim(self) -> int:
+        """Width of the query/output projection: heads * head_dim (need not equal `width`)."""
+        return self.heads * self.head_dim
+
     def to_json(self) -> str:
         d = asdict(self)
         d["rope_sections"] = list(self.rope_sections)
@@ -83,6 +88,27 @@ class WMConfig:
     @classmethod
     def from_json(cls, s: str) -> "WMConfig":
         return cls(**json.loads(s))
+
+
+# Named model sizes; the token geometry (1560 tokens a frame, 3 frames a chunk,
+# head_dim 128, RoPE sections (16, 24, 24)) is the same for all of them.
+#   small: the committed model (weights.safetensors): 6 layers, 2 heads (MHA), width 256.
+#   large: 8 layers, 8 query heads over 2 KV heads (GQA: 4 query heads share a KV head,
+#          as in Wan-family and most current video models), q/o projections of
+#          8 x 128 = 1024 channels on a residual width of 256, MLP 2x: 7.4 M parameters
+#          (14.8 MB in fp16, one file under 16 MiB). Its attention costs 5.3 times the
+#          small model's per token (4x the heads, 8/6 the layers), which is what the
+#          training time is spent on; the width barely matters for it.
+PRESETS = {
+    "small": {},
+    "large": dict(width=256, heads=8, kv_heads=2, head_dim=128, layers=8, mlp_ratio=2),
+}
+
+
+def preset_config(name: str, **overrides) -> "WMConfig":
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r} (have {sorted(PRESETS)})")
+    return WMConfig(**{**PRESETS[name], **overrides})
 
 
 # ----------------------------------------------------------------------------- pixels <-> tokens
@@ -152,6 +178,40 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 # ----------------------------------------------------------------------------- layers
+_SDPA_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+
+
+def gqa_flash_check(device) -> bool:
+    """On CUDA: whether SDPA's flash kernel takes enable_gqa here (a small bf16 call with only
+    that kernel allowed). If not, attend() repeats the KV heads instead, so attention never
+    falls back to the math kernel, which would hold the whole score matrix. Returns whether
+    enable_gqa stays in use."""
+    global _SDPA_GQA
+    if not _SDPA_GQA or torch.device(device).type != "cuda":
+        return _SDPA_GQA
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        q = torch.randn(1, 4, 64, 128, device=device, dtype=torch.bfloat16)
+        k = torch.randn(1, 2, 64, 128, device=device, dtype=torch.bfloat16)
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            F.scaled_dot_product_attention(q, k, k, enable_gqa=True)
+    except (RuntimeError, ImportError):
+        _SDPA_GQA = False
+    return _SDPA_GQA
+
+
+def attend(q, k, v):
+    """softmax(q k^T / sqrt(d)) v for q [B, Hq, Nq, d] and k, v [B, Hkv, N, d], Hq a multiple of
+    Hkv: query head h reads KV head h // (Hq / Hkv) (the grouping of repeat_interleave). SDPA's
+    enable_gqa (torch >= 2.5) reads the KV heads in place; the repeated copy it avoids would be
+    Hq / Hkv times the cache's size for every attention call of a long stream."""
+    if q.shape[1] != k.shape[1]:
+        if _SDPA_GQA:
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    return F.scaled_dot_product_attention(q, k, v)
+
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps=1e-6):
         super().__init__()
@@ -202,14 +262,11 @@ class Attention(nn.Module):
             n_past = pk.shape[2]
         else:
             k_all, v_all, n_past = k, v, 0
-        if hq != hk:
-            k_all = k_all.repeat_interleave(hq // hk, 1)
-            v_all = v_all.repeat_interleave(hq // hk, 1)
         outs = []
         for i in range(n_chunks):
             qi = q[:, :, i * nc:(i + 1) * nc]
             end = n_past + (i + 1) * nc
-            outs.append(F.scaled_dot_product_attention(qi, k_all[:, :, :end], v_all[:, :, :end]))
+            outs.append(attend(qi, k_all[:, :, :end], v_all[:, :, :end]))
         o = torch.cat(outs, 2) if n_chunks > 1 else outs[0]
         if cache is not None:
             for i in range(n_chunks):
@@ -285,23 +342,86 @@ class WorldModel(nn.Module):
 
 
 # ----------------------------------------------------------------------------- weights
-def save_weights(model: WorldModel, path: str, extra_meta: dict | None = None) -> None:
+MAX_SHARD_BYTES = 16 * 2 ** 20 - 2 ** 16   # a file returned from the GPU machine is at most 16 MiB
+
+
+def shard_path(path: str, i: int) -> str:
+    """File of shard i (i >= 1) of the weights whose first file is `path`: NAME.shardI.safetensors."""
+    stem = path[:-len(".safetensors")] if path.endswith(".safetensors") else path
+    return f"{stem}.shard{i}.safetensors"
+
+
+def save_weights(model: WorldModel, path: str, extra_meta: dict | None = None,
+                 max_shard_bytes: int = MAX_SHARD_BYTES) -> list:
+    """fp16 weights to safetensors; returns the files written. Up to `max_shard_bytes` of tensor
+    data a file: the first file is `path` and its metadata lists every file ("shards", names
+    relative to its folder); shard i >= 1 is shard_path(path, i). A model under the limit is one
+    file, as before (no "shards" key)."""
+    import os
     from safetensors.torch import save_file
     sd = {k: v.detach().to("cpu", torch.float16).contiguous() for k, v in model.state_dict().items()}
     meta = {"config": model.cfg.to_json(), "format": "kvforge-worldmodel-v1"}
     for k, v in (extra_meta or {}).items():
         meta[k] = v if isinstance(v, str) else json.dumps(v, sort_keys=True)
-    save_file(sd, path, metadata=meta)
+    groups, cur, size = [], {}, 0
+    for k, v in sd.items():                       # state_dict order: a deterministic split
+        nb = v.numel() * v.element_size()
+        if nb > max_shard_bytes:
+            raise ValueError(f"tensor {k} alone ({nb} bytes) is over the shard limit {max_shard_bytes}")
+        if cur and size + nb > max_shard_bytes:
+            groups.append(cur)
+            cur, size = {}, 0
+        cur[k] = v
+        size += nb
+    groups.append(cur)
+    files = [path] + [shard_path(path, i) for i in range(1, len(groups))]
+    if len(groups) > 1:
+        meta["shards"] = json.dumps([os.path.basename(f) for f in files])
+    for i, (f, g) in enumerate(zip(files, groups)):
+        save_file(g, f, metadata=meta if i == 0 else {"format": "kvforge-worldmodel-v1-shard",
+                                                      "shard": f"{i} of {len(groups)}"})
+    return files
+
+
+def weight_files(path: str) -> list:
+    """Every file of the weights whose first file is `path` (one, or the shards it lists)."""
+    import os
+    from safetensors import safe_open
+    with safe_open(path, "pt") as f:
+        meta = f.metadata() or {}
+    if "shards" not in meta:
+        return [path]
+    d = os.path.dirname(os.path.abspath(path))
+    return [os.path.join(d, n) for n in json.loads(meta["shards"])]
 
 
 def load_weights(path: str, device="cpu") -> WorldModel:
     from safetensors import safe_open
-    with safe_open(path, "pt") as f:
-        meta = f.metadata()
-        sd = {k: f.get_tensor(k).float() for k in f.keys()}
+    sd = {}
+    meta = None
+    for i, fp in enumerate(weight_files(path)):
+        with safe_open(fp, "pt") as f:
+            if i == 0:
+                meta = f.metadata()
+            for k in f.keys():
+                if k in sd:
+                    raise ValueError(f"{fp}: tensor {k} is in two shards")
+                sd[k] = f.get_tensor(k).float()
     model = WorldModel(WMConfig.from_json(meta["config"]))
     model.load_state_dict(sd)
     return model.to(device).eval()
+
+
+def weights_sha256(path: str) -> str:
+    """sha256 of the weights: the file's for one file; for shards, of their bytes concatenated
+    in order (first file first)."""
+    import hashlib
+    h = hashlib.sha256()
+    for fp in weight_files(path):
+        with open(fp, "rb") as f:
+            for b in iter(lambda: f.read(1 << 20), b""):
+                h.update(b)
+    return h.hexdigest()
 
 
 def load_model_and_frames(weights: str, device, frames_path: str | None = None, synthetic: int = 0,
@@ -315,6 +435,7 @@ def load_model_and_frames(weights: str, device, frames_path: str | None = None, 
     does not record it)."""
     from frames import frames_sha256, load_frames, synthetic_frames
     model = load_weights(weights, device)
+    gqa_flash_check(device)
     if synthetic:
         h, w = model.cfg.frame_hw
         frames = synthetic_frames(synthetic, h, w, seed=seed)

@@ -238,7 +238,12 @@ def test_smoke_rollout(smoke, tmp_path):
     assert s["f_int2"]["mean_psnr_vs_bf16"] <= s["f_int8"]["mean_psnr_vs_bf16"]
     imgs = sorted(os.listdir(tmp_path / "img"))
     assert imgs == ["flicker_f_int2.png", "flicker_f_int8.png", "flicker_f_pre_int8.png", "flicker_grid.png",
-                    "rollout_strip.png"]
+                    "rollout_strip.png", "temporal.png"]
+    # per generated chunk: 2 chunks, the first read no cached past (identical to BF16)
+    row = s["f_int2"]["per_start"][0]
+    assert len(row["psnr_vs_bf16_per_chunk"]) == 2 and row["psnr_vs_bf16_per_chunk"][0] == 100.0
+    assert row["flicker_excess_per_chunk"][0] == 0.0
+    assert s["bf16"]["per_start"][0]["first_perceptible_flicker_chunk"] is None
     import tarfile
     with tarfile.open(tarp) as tf:
         assert sorted(tf.getnames()) == ["docs/img/" + x for x in imgs]
