@@ -534,7 +534,7 @@ static void test_dump_corrupted(void **state) {
 static kvf_eval_report run_eval_opt(const kvf_scheme *s, const char *path, int device, int warm) {
     kvf_dump *d;
     assert_int_equal(kvf_dump_open(path, &d), KVF_OK);
-    kvf_eval_options opt = {device, 0, warm};
+    kvf_eval_options opt = {device, 0, warm, NULL};
     kvf_eval_report r;
     int rc = kvf_eval_run(s, d, &opt, &r);
     if (rc) fail_msg("kvf_eval_run: %s: %s", kvf_status_name(rc), kvf_last_error());
@@ -781,7 +781,7 @@ static void test_mismatch_errors(void **state) {
     synth_write(sd, path, NULL);
     kvf_dump *d;
     assert_int_equal(kvf_dump_open(path, &d), KVF_OK);
-    kvf_eval_options opt = {KVF_DEVICE_CPU, 1, 0};
+    kvf_eval_options opt = {KVF_DEVICE_CPU, 1, 0, NULL};
     kvf_eval_report r;
     kvf_scheme *s = tu_scheme_text("return { base = 'rtn_int2', head_dim = 64 }");
     assert_error_has(kvf_eval_run(s, d, &opt, &r), KVF_EINVAL, "head_dim = 128, scheme scheme has head_dim = 64");
