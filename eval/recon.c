@@ -163,9 +163,22 @@ static int check_bytes(const kvf_recon *r, const kvf_st_tensor *t) {
 static int index_tensors(kvf_recon *r) {
     const kvf_st_file *f = r->file;
     size_t n = kvf_st_count(f), need = (size_t)r->layers * ((size_t)(r->chunks - 1) * KVF_RECON_ROLES + 1);
-    if (need > n)
+    if (need > n) {
+        /* name the first one missing, when looking for it is cheap */
+        char name[48];
+        for (int l = 0; need <= (1u << 16) && l < r->layers; l++) {
+            snprintf(name, sizeof name, "l%d.stored_bytes", l);
+            if (!kvf_st_find(f, name)) return kvf_set_error(KVF_EFORMAT, "%s: tensor \"%s\" is missing", kvf_st_label(f), name);
+            for (int c = 1; c < r->chunks; c++)
+                for (int i = 0; i < KVF_RECON_ROLES; i++) {
+                    snprintf(name, sizeof name, "l%d.s%d.%s", l, c, role_names[i]);
+                    if (!kvf_st_find(f, name))
+                        return kvf_set_error(KVF_EFORMAT, "%s: tensor \"%s\" is missing", kvf_st_label(f), name);
+                }
+        }
         return kvf_set_error(KVF_EFORMAT, "%s: %d layers x %d chunks need %zu tensors, the file has %zu",
                              kvf_st_label(f), r->layers, r->chunks, need, n);
+    }
     r->t = calloc((size_t)r->layers * r->chunks * KVF_RECON_ROLES, sizeof *r->t);
     r->bytes = calloc((size_t)r->layers, sizeof *r->bytes);
     if (!r->t || !r->bytes) return kvf_set_error(KVF_ENOMEM, "%s: out of memory indexing tensors", kvf_st_label(f));
