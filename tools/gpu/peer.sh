@@ -11,7 +11,8 @@
 #      for the recon files -> one combined JSON and the Pareto plot;
 #   5. bench/peer_bench.py: encode/decode of the LongCat layer, QVG and kvforge in one process.
 # Files under $OUT: peer.log, harness.json, frontier.json, frontier.png, peer_bench.json.
-# Expected: about 4 minutes on one H200 (Triton's autotuning included).
+# Expected: about 4 minutes on one H200 (Triton's autotuning included); every step is cut
+# to what is left of KVF_PEER_BUDGET (560 s) so the whole stays within one 600 s command.
 # KVF_PEER_SCHEMES: kvforge's schemes to score (default below); KVF_PEER_GPU=0: score and
 # bench on the CPU (to try the script where there is no GPU: the peer then skips).
 set -u
@@ -20,11 +21,15 @@ PY=${PYTHON:-python3}
 exec > >(tee "$O/peer.log") 2>&1
 export PYTHONUNBUFFERED=1 LD_LIBRARY_PATH=$PWD/out/lib KVF_SRC=$PWD KVFORGE_CACHE_DIR=/tmp/kc
 export KVFORGE_LIB=$PWD/out/lib/libkvforge.so PYTHONPATH=/tmp/site:$PWD/python:$PWD/eval/peer
-schemes=${KVF_PEER_SCHEMES:-rtn_int2 qvg_int2 quantwm_int2 qvg_pro_int2 qvg_int4}
+schemes=${KVF_PEER_SCHEMES:-rtn_int2 qvg_int2 quantwm_int2 qvg_pro_int2}
 gpu=${KVF_PEER_GPU:-1}
 configs="qvg-peer_int2_g64 qvg-peer_int2_g64_asym qvg-peer_pro_int2_g16"
 t0=$(date +%s)
 stamp() { echo "== [$(( $(date +%s) - t0 )) s] $*"; }
+# Seconds a step may take: its cap, or what is left of the whole run's budget (one
+# command on the GPU machine runs at most 600 s), at least 5.
+budget=${KVF_PEER_BUDGET:-560}
+tl() { local left=$(( budget - ($(date +%s) - t0) )); local c=$1; [ $left -lt $c ] && c=$left; [ $c -lt 5 ] && c=5; echo $c; }
 
 stamp "install the peer's wheels"
 ls .whl/*.whl || { echo "no .whl/ carried: run 'pip download --no-deps quant-videogen termcolor loguru einops -d .whl'"; exit 1; }
@@ -35,8 +40,8 @@ stamp "dump"
 dump=eval/worldmodel/kv_small.safetensors
 if [ -f out/data/vtest.avi ]; then
   dev=cuda; [ "$gpu" = 0 ] && dev=cpu
-  timeout 120 $PY eval/worldmodel/frames.py out/data/vtest.avi /tmp/f.npz && \
-  timeout 120 $PY eval/worldmodel/dump_kv.py --weights eval/worldmodel/weights.safetensors --frames /tmp/f.npz \
+  timeout $(tl 60) $PY eval/worldmodel/frames.py out/data/vtest.avi /tmp/f.npz && \
+  timeout $(tl 90) $PY eval/worldmodel/dump_kv.py --weights eval/worldmodel/weights.safetensors --frames /tmp/f.npz \
     --layers all --chunks 5 --q-stride 16 --device $dev --out /tmp/kv_full.safetensors 2>&1 | tail -2 && \
   [ -f /tmp/kv_full.safetensors ] && dump=/tmp/kv_full.safetensors
 fi
@@ -45,7 +50,7 @@ echo "dump: $dump"
 stamp "QVG over the dump (eval/peer/qvg_peer.py)"
 recons=""
 for c in $configs; do
-  timeout 150 $PY eval/peer/qvg_peer.py --data "$dump" --config $c --out /tmp/recon_$c.safetensors \
+  timeout $(tl 120) $PY eval/peer/qvg_peer.py --data "$dump" --config $c --out /tmp/recon_$c.safetensors \
     --json /tmp/harness_$c.json
   rc=$?
   if [ $rc = 0 ]; then recons="$recons /tmp/recon_$c.safetensors"; else echo "qvg_peer $c: exit $rc"; fi
@@ -62,12 +67,12 @@ PY
 
 stamp "kvforge eval: schemes and peers (eval/frontier.py)"
 gflag=--gpu; [ "$gpu" = 0 ] && gflag=
-timeout 240 $PY eval/frontier.py run --kvforge out/bin/kvforge --data "$dump" --schemes $schemes \
+timeout $(tl 150) $PY eval/frontier.py run --kvforge out/bin/kvforge --data "$dump" --schemes $schemes \
   --peers $recons $gflag --threads 16 --out "$O/frontier.json" && \
   $PY eval/frontier.py plot "$O/frontier.json" --png "$O/frontier.png" --title "kvforge and QVG on $(basename $dump)"
 
 stamp "bench (bench/peer_bench.py)"
 if [ "$gpu" = 0 ]; then bargs="--device cpu --tokens 512 --heads 2 --reps 2 --warmup 1 --peers none"; else bargs=""; fi
-timeout 200 $PY bench/peer_bench.py $bargs --json "$O/peer_bench.json"
+timeout $(tl 200) $PY bench/peer_bench.py $bargs --json "$O/peer_bench.json"
 echo "peer_bench exit $?"
 stamp "done"
