@@ -151,13 +151,22 @@ class QvgCodec:
         return int(x.numel()) * int(x.element_size())
 
     # ----------------------------------------------------------------- codec
-    def compress(self, k, v):
+    def compress(self, k, v, seeded: bool = True):
+        """QVG's states of K and V [H, S, d]. seeded: under a forked RNG seeded with self.seed
+        (as LingBot-v2); False draws k-means' initial tokens from the global RNG (timing)."""
         torch = self.torch
         k4, v4 = k.unsqueeze(0).contiguous(), v.unsqueeze(0).contiguous()
         devices = [self.device] if self.device.type == "cuda" else []
+        if not seeded:
+            with torch.no_grad():
+                kq, vq = self._compress(k4, v4, self.cfg.quant_type, self.cfg, self._quantize_fn)
+            return self._info(k, kq, vq)
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
             torch.manual_seed(self.seed)
             kq, vq = self._compress(k4, v4, self.cfg.quant_type, self.cfg, self._quantize_fn)
+        return self._info(k, kq, vq)
+
+    def _info(self, k, kq, vq):
         if not (isinstance(kq, dict) and isinstance(vq, dict)):
             raise RuntimeError(f"{self.cfg.quant_type}: compress_kv_cache returned no packed state")
         info = {"output_dtype": k.dtype, "quant_config": self.cfg}
