@@ -967,9 +967,10 @@ static void recon_write(const synth_dump *sd, const char *path, const recon_opts
                 }
                 owned[nt] = (void *)w->data;
                 if (o->wrong_dtype && !strcmp(o->wrong_dtype, names[nt])) {
+                    static const float zeros[4];
                     w->dtype = KVF_ST_F32;
-                    w->shape[w->ndim - 1] = x < 2 ? c->d / 2 : 1;
-                    if (x == 2) w->shape[0] = 1;
+                    w->shape[w->ndim - 1] = x < 2 ? c->d / 2 : 1; /* the K/V bytes; a flag's: one float */
+                    if (x == 2) w->data = zeros;
                 }
                 if (o->wrong_shape && !strcmp(o->wrong_shape, names[nt])) {
                     w->shape[w->ndim - 1] -= 1;
@@ -1179,7 +1180,7 @@ static void test_report_utf8_cut(void **state) {
     (void)state;
     synth_dump *sd = synth_make(&small_cfg);
     const char *path = tmp_file("utf8.safetensors");
-    char source[700] = "x";
+    char source[800] = "x";
     for (int i = 0; i < 150; i++) strcat(source, "\xc3\xa9\xe2\x82\xac"); /* é€: 2 + 3 bytes */
     synth_write_opts o = {.meta_key = "source", .meta_value = source};
     synth_write(sd, path, &o);
