@@ -22,8 +22,13 @@ static int usage(void) {
           "  kvforge cache list | cache clear | cache dir    the JIT disk cache\n"
           "  kvforge demo [SCHEME.lua] [--cpu]                encode/decode a synthetic chunk\n"
           "  kvforge eval --scheme SCHEME.lua --data DUMP.safetensors [--gpu] [--json] [--threads N] [--warm]\n"
+          "               [--write-recon RECON.safetensors]\n"
           "                                                  attention-level quality on a KV dump; --warm:\n"
-          "                                                  k-means warm-started from the previous span\n"
+          "                                                  k-means warm-started from the previous span;\n"
+          "                                                  --write-recon: the scheme's cache as a recon file\n"
+          "  kvforge eval --peer RECON.safetensors --data DUMP.safetensors [--json] [--threads N]\n"
+          "                                                  the same metrics for another system's cache\n"
+          "                                                  (docs/QUALITY.md, eval/peer/)\n"
           "A SCHEME is a file path, or the name of a shipped scheme (rtn_int2).\n",
           stderr);
     return 2;
@@ -326,7 +331,7 @@ static int cmd_demo(int argc, char **argv) {
 
 /* ------------------------------------------------------------------ eval */
 
-typedef struct eval_args { const char *scheme, *data; int gpu, json, threads, warm; } eval_args;
+typedef struct eval_args { const char *scheme, *peer, *data, *recon_out; int gpu, json, threads, warm; } eval_args;
 
 static int parse_eval_args(int argc, char **argv, eval_args *a) {
     memset(a, 0, sizeof *a);
@@ -337,6 +342,8 @@ static int parse_eval_args(int argc, char **argv, eval_args *a) {
         else if (!strcmp(o, "--warm")) a->warm = 1;
         else if (i + 1 < argc && !strcmp(o, "--scheme")) a->scheme = argv[++i];
         else if (i + 1 < argc && !strcmp(o, "--data")) a->data = argv[++i];
+        else if (i + 1 < argc && !strcmp(o, "--peer")) a->peer = argv[++i];
+        else if (i + 1 < argc && !strcmp(o, "--write-recon")) a->recon_out = argv[++i];
         else if (i + 1 < argc && !strcmp(o, "--threads")) {
             long long n;
             if (!kvf_parse_int(argv[++i], 1, KVF_MAX_THREADS, &n)) {
@@ -349,9 +356,14 @@ static int parse_eval_args(int argc, char **argv, eval_args *a) {
             return usage();
         }
     }
-    if (!a->scheme || !a->data) {
-        fputs("kvforge eval: --scheme and --data are required\n", stderr);
+    if (!a->scheme == !a->peer || !a->data) {
+        fputs("kvforge eval: --data and one of --scheme or --peer are required\n", stderr);
         return usage();
+    }
+    if (a->peer && (a->gpu || a->warm || a->recon_out)) {
+        fprintf(stderr, "kvforge eval: --peer takes no %s: the recon file holds the peer's decoded cache\n",
+                a->gpu ? "--gpu" : a->warm ? "--warm" : "--write-recon");
+        return 2;
     }
     return 0;
 }
@@ -372,15 +384,21 @@ static int cmd_eval(int argc, char **argv) {
     eval_args a;
     int rc = parse_eval_args(argc, argv, &a);
     if (rc) return rc;
-    kvf_scheme *s;
-    if ((rc = load_scheme(a.scheme, &s))) return fail(rc);
+    kvf_scheme *s = NULL;
+    kvf_recon *recon = NULL;
+    if ((rc = a.peer ? kvf_recon_open(a.peer, &recon) : load_scheme(a.scheme, &s))) return fail(rc);
     kvf_dump *d;
-    if ((rc = kvf_dump_open(a.data, &d))) { kvf_scheme_free(s); return fail(rc); }
-    kvf_eval_options opt = {a.gpu ? 0 : KVF_DEVICE_CPU, a.threads, a.warm};
+    if ((rc = kvf_dump_open(a.data, &d))) {
+        kvf_scheme_free(s);
+        kvf_recon_close(recon);
+        return fail(rc);
+    }
+    kvf_eval_options opt = {a.gpu ? 0 : KVF_DEVICE_CPU, a.threads, a.warm, a.recon_out};
     kvf_eval_report r;
-    rc = kvf_eval_run(s, d, &opt, &r);
+    rc = recon ? kvf_eval_run_peer(recon, d, &opt, &r) : kvf_eval_run(s, d, &opt, &r);
     kvf_dump_close(d);
     kvf_scheme_free(s);
+    kvf_recon_close(recon);
     if (rc) return fail(rc);
     int status = print_report(&r, a.json);
     kvf_eval_report_free(&r);

@@ -33,10 +33,12 @@ $(WM_DATA)/vtest_frames.npz: $(WM_DATA)/vtest.avi eval/worldmodel/frames.py
 	$(WM_PYTHON) eval/worldmodel/frames.py $< $@.tmp.npz
 	mv $@.tmp.npz $@
 
-# The world-model tests (eval/worldmodel/tests): those needing torch skip without it.
+# The world-model tests (eval/worldmodel/tests): those needing torch skip without it;
+# the peer harness and frontier tests (eval/peer/tests) run fake peers on the CPU.
 .PHONY: wm-test
 wm-test:
 	$(WM_PYTHON) -m pytest -q eval/worldmodel/tests
+	O=$(O) $(WM_PYTHON) -m pytest -q -rs eval/peer/tests
 
 # `make wm-train-large` (GPU, about 5 minutes on one H200): retrain the large world
 # model (eval/worldmodel/model.py PRESETS["large"]: 8 layers, 8 query heads over 2 KV

@@ -10,16 +10,15 @@
 
 static const char *const role_names[KVF_DUMP_ROLES] = {"q", "k", "k_pre", "q_pre", "v"};
 
-/* Bounds that keep every product below in range and reject absurd headers. */
-#define MAX_LAYERS 4096
-#define MAX_CHUNKS 65536
-#define MAX_HEADS 4096
-#define MAX_HEAD_DIM 4096
-#define MAX_TOKENS (1 << 24)
+#define MAX_LAYERS KVF_DUMP_MAX_LAYERS
+#define MAX_CHUNKS KVF_DUMP_MAX_CHUNKS
+#define MAX_HEADS KVF_DUMP_MAX_HEADS
+#define MAX_HEAD_DIM KVF_DUMP_MAX_HEAD_DIM
+#define MAX_TOKENS KVF_DUMP_MAX_TOKENS
 
 /* --------------------------------------------------------------- metadata */
 
-static int meta_int(const kvf_st_file *f, const char *key, long long lo, long long hi, long long *out) {
+int kvf_dump_meta_int(const kvf_st_file *f, const char *key, long long lo, long long hi, long long *out) {
     const char *s = kvf_st_meta(f, key);
     if (!s) return kvf_set_error(KVF_EFORMAT, "%s: metadata \"%s\" is missing", kvf_st_label(f), key);
     if (!kvf_parse_int(s, lo, hi, out))
@@ -66,10 +65,10 @@ static int read_metadata(kvf_dump *d) {
     const kvf_st_file *f = d->file;
     long long layers, chunks, qh, kvh, hd, n;
     int rc;
-    if ((rc = meta_int(f, "layers", 1, MAX_LAYERS, &layers)) || (rc = meta_int(f, "chunks", 1, MAX_CHUNKS, &chunks)) ||
-        (rc = meta_int(f, "q_heads", 1, MAX_HEADS, &qh)) || (rc = meta_int(f, "kv_heads", 1, MAX_HEADS, &kvh)) ||
-        (rc = meta_int(f, "head_dim", 1, MAX_HEAD_DIM, &hd)) ||
-        (rc = meta_int(f, "tokens_per_chunk", 1, MAX_TOKENS, &n)) || (rc = meta_theta(f, &d->rope_theta)) ||
+    if ((rc = kvf_dump_meta_int(f, "layers", 1, MAX_LAYERS, &layers)) || (rc = kvf_dump_meta_int(f, "chunks", 1, MAX_CHUNKS, &chunks)) ||
+        (rc = kvf_dump_meta_int(f, "q_heads", 1, MAX_HEADS, &qh)) || (rc = kvf_dump_meta_int(f, "kv_heads", 1, MAX_HEADS, &kvh)) ||
+        (rc = kvf_dump_meta_int(f, "head_dim", 1, MAX_HEAD_DIM, &hd)) ||
+        (rc = kvf_dump_meta_int(f, "tokens_per_chunk", 1, MAX_TOKENS, &n)) || (rc = meta_theta(f, &d->rope_theta)) ||
         (rc = meta_sections(f, d)))
         return rc;
     if (qh % kvh)
@@ -89,7 +88,7 @@ static int read_metadata(kvf_dump *d) {
 /* ---------------------------------------------------------------- tensors */
 
 /* Decimal without leading zeros; advances *p. */
-static int parse_index(const char **p, int max, int *out) {
+int kvf_dump_parse_index(const char **p, int max, int *out) {
     const char *s = *p;
     long v = 0;
     if (*s < '0' || *s > '9' || (s[0] == '0' && s[1] >= '0' && s[1] <= '9')) return 0;
@@ -105,8 +104,8 @@ static int parse_index(const char **p, int max, int *out) {
 /* "l{layer}.c{chunk}.{role}" with layer < layers and chunk < chunks. */
 static int parse_name(const kvf_dump *d, const char *name, int *layer, int *chunk, int *role) {
     const char *p = name;
-    if (*p++ != 'l' || !parse_index(&p, d->layers, layer) || *p++ != '.' || *p++ != 'c' ||
-        !parse_index(&p, d->chunks, chunk) || *p++ != '.')
+    if (*p++ != 'l' || !kvf_dump_parse_index(&p, d->layers, layer) || *p++ != '.' || *p++ != 'c' ||
+        !kvf_dump_parse_index(&p, d->chunks, chunk) || *p++ != '.')
         return 0;
     for (int r = 0; r < KVF_DUMP_ROLES; r++)
         if (!strcmp(p, role_names[r])) { *role = r; return 1; }

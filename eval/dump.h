@@ -16,6 +16,12 @@
 #include "safetensors.h"
 
 #define KVF_DUMP_MAX_SECTIONS 8
+/* Bounds that keep every product of them in range and reject absurd headers. */
+#define KVF_DUMP_MAX_LAYERS 4096
+#define KVF_DUMP_MAX_CHUNKS 65536
+#define KVF_DUMP_MAX_HEADS 4096
+#define KVF_DUMP_MAX_HEAD_DIM 4096
+#define KVF_DUMP_MAX_TOKENS (1 << 24)
 
 enum kvf_dump_role { KVF_DUMP_Q, KVF_DUMP_K, KVF_DUMP_K_PRE, KVF_DUMP_Q_PRE, KVF_DUMP_V, KVF_DUMP_ROLES };
 
@@ -45,5 +51,11 @@ const kvf_st_tensor *kvf_dump_tensor(const kvf_dump *d, int layer, int chunk, in
 void kvf_dump_bf16(const kvf_st_tensor *t, size_t first, size_t n, uint16_t *out);
 void kvf_dump_f32(const kvf_st_tensor *t, size_t first, size_t n, float *out);
 void kvf_dump_i32(const kvf_st_tensor *t, size_t first, size_t n, int32_t *out);
+
+/* Shared with recon.c: a metadata value that must be a plain decimal in
+ * [lo, hi] (KVF_EFORMAT naming the key otherwise), and a decimal index
+ * without leading zeros below max at *p (advanced; 0 when there is none). */
+int kvf_dump_meta_int(const kvf_st_file *f, const char *key, long long lo, long long hi, long long *out);
+int kvf_dump_parse_index(const char **p, int max, int *out);
 
 #endif

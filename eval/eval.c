@@ -14,9 +14,21 @@
 #include <string.h>
 #include <time.h>
 
+/* A scheme's cache at every step, kept to be written as a recon file (recon.h). */
+typedef struct recon_out {
+    uint16_t **k, **v; /* [layers * chunks]; step c: [kv_heads][c * tokens][d] */
+    uint8_t **packed;  /* [layers * chunks]; step c: [c] */
+    int64_t *bytes;    /* [layers][RECON_OUT_PARTS] */
+} recon_out;
+
+#define RECON_OUT_PARTS 3
+static const char *const recon_out_parts[RECON_OUT_PARTS] = {"packed", "bf16", "qstats"};
+
 typedef struct layer_run {
-    const kvf_scheme *s;
+    const kvf_scheme *s; /* NULL when scoring a recon */
     const kvf_dump *d;
+    const kvf_recon *recon; /* the peer's cache, or NULL: the scheme's */
+    recon_out *rout;        /* where the scheme's cache is kept for a recon file, or NULL */
     kvf_eval_backend *be;
     kvf_eval_report *rep;
     int threads, key_role, q_role, n_axes;
@@ -28,6 +40,7 @@ typedef struct layer_run {
     int32_t *span_pos;                    /* [span * tokens][n_axes] */
     float *q;                             /* [q_heads][max_queries][d] */
     uint16_t *q_bf16;
+    uint16_t *cmp_a, *cmp_b;              /* [tokens][d]: a recon's exact chunk against the dump's */
 } layer_run;
 
 static double now_s(void) {
@@ -83,7 +96,7 @@ static int q_role_of(const kvf_scheme *s, const kvf_dump *d) {
 
 static void free_run(layer_run *r) {
     void *p[] = {r->k_ref, r->v_ref, r->k_hat, r->v_hat, r->packed_chunk, r->mask, r->span_k,
-                 r->span_v, r->out_k, r->out_v, r->span_pos, r->q, r->q_bf16};
+                 r->span_v, r->out_k, r->out_v, r->span_pos, r->q, r->q_bf16, r->cmp_a, r->cmp_b};
     for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) free(p[i]);
 }
 
@@ -96,7 +109,9 @@ static void *alloc_n(size_t n, size_t size, int *ok) {
 static int alloc_run(layer_run *r) {
     const kvf_dump *d = r->d;
     const size_t kv = (size_t)d->kv_heads * r->rows * d->head_dim;
-    const size_t span = (size_t)d->kv_heads * r->rep->span * d->tokens * d->head_dim;
+    /* a recon brings its decoded history: no span buffers, two chunk buffers to compare */
+    const size_t span = r->recon ? 0 : (size_t)d->kv_heads * r->rep->span * d->tokens * d->head_dim;
+    const size_t chunk = r->recon ? (size_t)d->tokens * d->head_dim : 0;
     const size_t q = (size_t)d->q_heads * r->rep->max_queries * d->head_dim;
     int ok = 1;
     r->k_ref = alloc_n(kv, sizeof(float), &ok);
@@ -109,9 +124,11 @@ static int alloc_run(layer_run *r) {
     r->span_v = alloc_n(span, 2, &ok);
     r->out_k = alloc_n(span, 2, &ok);
     r->out_v = alloc_n(span, 2, &ok);
-    r->span_pos = alloc_n((size_t)r->rep->span * d->tokens * r->n_axes, sizeof(int32_t), &ok);
+    r->span_pos = alloc_n(r->recon ? 0 : (size_t)r->rep->span * d->tokens * r->n_axes, sizeof(int32_t), &ok);
     r->q = alloc_n(q, sizeof(float), &ok);
     r->q_bf16 = alloc_n(q, 2, &ok);
+    r->cmp_a = alloc_n(chunk, 2, &ok);
+    r->cmp_b = alloc_n(chunk, 2, &ok);
     if (ok) return KVF_OK;
     return kvf_set_error(KVF_ENOMEM, "out of memory for the evaluation buffers (%zu floats per K/V copy)", kv);
 }
@@ -182,6 +199,147 @@ static int pack_ready(layer_run *r, int layer, int t, kvf_eval_sums *bytes) {
     return pack_span(r, layer, (int)st.pack_first, (int)(st.pack_first + st.pack_chunks), bytes);
 }
 
+/* ------------------------------------------------------ recon files */
+
+/* Step c of a peer: the history (chunks < c) is what its recon holds. A chunk
+ * it marks exact must be the dump's own bits (the metrics count its errors as
+ * zero and leave it out of key/value MSE). */
+static int load_history(layer_run *r, int layer, int c) {
+    const kvf_dump *d = r->d;
+    const kvf_recon *rc = r->recon;
+    const kvf_st_tensor *t[2] = {kvf_recon_tensor(rc, layer, c, KVF_RECON_K), kvf_recon_tensor(rc, layer, c, KVF_RECON_V)};
+    const kvf_st_tensor *flags = kvf_recon_tensor(rc, layer, c, KVF_RECON_PACKED);
+    const size_t n = (size_t)d->tokens * d->head_dim;
+    memset(r->packed_chunk, 0, (size_t)d->chunks);
+    memcpy(r->packed_chunk, flags->data, (size_t)c);
+    for (int h = 0; h < d->kv_heads; h++)
+        for (int i = 0; i < c; i++) {
+            const size_t src = ((size_t)h * c + i) * n, dst = row(r, h, (int64_t)i * d->tokens);
+            for (int x = 0; x < 2; x++) {
+                float *hat = x ? r->v_hat : r->k_hat;
+                const float *ref = x ? r->v_ref : r->k_ref;
+                if (r->packed_chunk[i]) {
+                    kvf_dump_f32(t[x], src, n, hat + dst);
+                    continue;
+                }
+                const kvf_st_tensor *dt = kvf_dump_tensor(d, layer, i, x ? KVF_DUMP_V : KVF_DUMP_K);
+                kvf_dump_bf16(t[x], src, n, r->cmp_a);
+                kvf_dump_bf16(dt, (size_t)h * n, n, r->cmp_b);
+                if (memcmp(r->cmp_a, r->cmp_b, n * 2))
+                    return kvf_set_error(KVF_EFORMAT,
+                                         "%s: tensor \"%s\": chunk %d (KV head %d) is marked exact (packed = 0) but "
+                                         "differs from the dump's \"%s\"",
+                                         kvf_st_label(rc->file), t[x]->name, i, h, dt->name);
+                memcpy(hat + dst, ref + dst, n * sizeof(float));
+            }
+        }
+    return KVF_OK;
+}
+
+/* Step c of a scheme, kept for its recon file: chunks it returned decoded as
+ * they were decoded (BF16 again, exactly), the others the dump's bits. */
+static int snapshot_step(layer_run *r, int layer, int c) {
+    const kvf_dump *d = r->d;
+    const size_t n = (size_t)d->tokens * d->head_dim, all = (size_t)d->kv_heads * c * n, at = (size_t)layer * d->chunks + c;
+    uint16_t *k = malloc(all * 2), *v = malloc(all * 2);
+    uint8_t *flags = malloc((size_t)c);
+    r->rout->k[at] = k;
+    r->rout->v[at] = v;
+    r->rout->packed[at] = flags;
+    if (!k || !v || !flags) return kvf_set_error(KVF_ENOMEM, "out of memory keeping layer %d, step %d for the recon file", layer, c);
+    memcpy(flags, r->packed_chunk, (size_t)c);
+    for (int h = 0; h < d->kv_heads; h++)
+        for (int i = 0; i < c; i++) {
+            const size_t dst = ((size_t)h * c + i) * n, src = row(r, h, (int64_t)i * d->tokens);
+            if (!flags[i]) {
+                kvf_dump_bf16(kvf_dump_tensor(d, layer, i, KVF_DUMP_K), (size_t)h * n, n, k + dst);
+                kvf_dump_bf16(kvf_dump_tensor(d, layer, i, KVF_DUMP_V), (size_t)h * n, n, v + dst);
+                continue;
+            }
+            for (size_t e = 0; e < n; e++) {
+                k[dst + e] = kvf_f32_to_bf16(r->k_hat[src + e]);
+                v[dst + e] = kvf_f32_to_bf16(r->v_hat[src + e]);
+            }
+        }
+    return KVF_OK;
+}
+
+static void recon_out_free(recon_out *o, size_t cells) {
+    if (!o) return;
+    for (size_t i = 0; i < cells; i++) {
+        if (o->k) free(o->k[i]);
+        if (o->v) free(o->v[i]);
+        if (o->packed) free(o->packed[i]);
+    }
+    free(o->k);
+    free(o->v);
+    free(o->packed);
+    free(o->bytes);
+    free(o);
+}
+
+static recon_out *recon_out_new(const kvf_dump *d) {
+    const size_t cells = (size_t)d->layers * d->chunks;
+    recon_out *o = calloc(1, sizeof *o);
+    if (!o) return NULL;
+    o->k = calloc(cells, sizeof *o->k);
+    o->v = calloc(cells, sizeof *o->v);
+    o->packed = calloc(cells, sizeof *o->packed);
+    o->bytes = calloc((size_t)d->layers * RECON_OUT_PARTS, sizeof *o->bytes);
+    if (o->k && o->v && o->packed && o->bytes) return o;
+    recon_out_free(o, 0);
+    return NULL;
+}
+
+static int write_recon(const recon_out *o, const kvf_dump *d, const kvf_eval_report *rep, const char *path) {
+    const int per_layer = 3 * (d->chunks - 1) + 1, n = d->layers * per_layer;
+    kvf_st_write_tensor *t = calloc((size_t)n, sizeof *t);
+    char (*names)[48] = calloc((size_t)n, sizeof *names);
+    if (!t || !names) {
+        free(t);
+        free(names);
+        return kvf_set_error(KVF_ENOMEM, "%s: out of memory writing the recon file", path);
+    }
+    int nt = 0;
+    for (int l = 0; l < d->layers; l++) {
+        for (int c = 1; c < d->chunks; c++) {
+            const size_t at = (size_t)l * d->chunks + c;
+            const int64_t rows = (int64_t)c * d->tokens;
+            snprintf(names[nt], sizeof names[nt], "l%d.s%d.k", l, c);
+            t[nt] = (kvf_st_write_tensor){names[nt], KVF_ST_BF16, 3, {d->kv_heads, rows, d->head_dim}, o->k[at]};
+            nt++;
+            snprintf(names[nt], sizeof names[nt], "l%d.s%d.v", l, c);
+            t[nt] = (kvf_st_write_tensor){names[nt], KVF_ST_BF16, 3, {d->kv_heads, rows, d->head_dim}, o->v[at]};
+            nt++;
+            snprintf(names[nt], sizeof names[nt], "l%d.s%d.packed", l, c);
+            t[nt] = (kvf_st_write_tensor){names[nt], KVF_ST_U8, 1, {c}, o->packed[at]};
+            nt++;
+        }
+        snprintf(names[nt], sizeof names[nt], "l%d.stored_bytes", l);
+        t[nt] = (kvf_st_write_tensor){names[nt], KVF_ST_I64, 1, {RECON_OUT_PARTS}, o->bytes + (size_t)l * RECON_OUT_PARTS};
+        nt++;
+    }
+    char num[8][24], peer[1024];
+    snprintf(num[0], sizeof num[0], "%d", d->layers);
+    snprintf(num[1], sizeof num[1], "%d", d->chunks);
+    snprintf(num[2], sizeof num[2], "%d", d->kv_heads);
+    snprintf(num[3], sizeof num[3], "%d", d->head_dim);
+    snprintf(num[4], sizeof num[4], "%lld", (long long)d->tokens);
+    snprintf(num[5], sizeof num[5], "%d", rep->sink);
+    snprintf(num[6], sizeof num[6], "%d", rep->recent);
+    snprintf(num[7], sizeof num[7], "%d", rep->span);
+    snprintf(peer, sizeof peer, "kvforge %s, scheme %s (%s), %s", KVF_VERSION_STRING, rep->scheme_id,
+             rep->scheme_source, rep->backend);
+    const char *meta[] = {"format", KVF_RECON_FORMAT, "layers", num[0], "chunks", num[1], "kv_heads", num[2],
+                          "head_dim", num[3], "tokens_per_chunk", num[4], "sink", num[5], "recent", num[6],
+                          "span", num[7], "name", rep->scheme_id, "peer", peer, "dump", rep->data,
+                          "stored_bytes_parts", "packed,bf16,qstats"};
+    int rc = kvf_st_write(path, meta, (int)(sizeof meta / sizeof meta[0] / 2), t, nt);
+    free(t);
+    free(names);
+    return rc;
+}
+
 /* ------------------------------------------------------------ one step */
 
 static int score_step(layer_run *r, int layer, int c, kvf_eval_sums *out) {
@@ -214,7 +372,7 @@ static int run_layer(layer_run *r, int layer, kvf_eval_sums *overall) {
     kvf_eval_sums total = {0}, bytes = {0}, *steps = calloc((size_t)d->chunks, sizeof *steps);
     if (!steps) return kvf_set_error(KVF_ENOMEM, "out of memory for %d steps", d->chunks);
     load_layer(r, layer);
-    kvf_eval_backend_new_layer(r->be);
+    if (r->be) kvf_eval_backend_new_layer(r->be);
     int rc = KVF_OK;
     if (rep->uses_qstats) {
         size_t qs = 0;
@@ -222,19 +380,32 @@ static int run_layer(layer_run *r, int layer, kvf_eval_sums *overall) {
         rep->qstats_bytes = qs;
     }
     for (int c = 0; c < d->chunks && !rc; c++) {
-        if (c > 0) rc = score_step(r, layer, c, &steps[c]);
-        if (!rc) rc = pack_ready(r, layer, c, &bytes);
+        if (c > 0 && r->recon) rc = load_history(r, layer, c);
+        if (c > 0 && !rc && r->rout) rc = snapshot_step(r, layer, c);
+        if (c > 0 && !rc) rc = score_step(r, layer, c, &steps[c]);
+        if (!rc && !r->recon) rc = pack_ready(r, layer, c, &bytes);
         if (!rc && rep->uses_qstats) rc = update_qstats(r, layer, c);
     }
     if (!rc) {
         const double chunk_bf16 = 4.0 * (double)d->kv_heads * d->tokens * d->head_dim;
+        double parts[KVF_RECON_MAX_PARTS] = {0};
+        if (r->recon) {
+            bytes.stored_bytes = kvf_recon_layer_bytes(r->recon, layer, parts);
+        } else {
+            parts[0] = bytes.stored_bytes; /* the packed spans */
+            for (int c = 0; c < d->chunks; c++)
+                if (!r->packed_chunk[c]) parts[1] += chunk_bf16;
+            parts[2] = rep->uses_qstats ? (double)rep->qstats_bytes : 0;
+            bytes.stored_bytes += parts[1] + parts[2];
+            for (int i = 0; r->rout && i < RECON_OUT_PARTS; i++)
+                r->rout->bytes[(size_t)layer * RECON_OUT_PARTS + i] = (int64_t)parts[i];
+        }
+        for (int i = 0; i < rep->n_parts; i++) rep->part_bytes[i] += parts[i];
         for (int c = 0; c < d->chunks; c++) {
             kvf_eval_sums_add(&total, &steps[c]);
             kvf_eval_finish(&steps[c], &rep->step[(size_t)layer * d->chunks + c]);
-            if (!r->packed_chunk[c]) bytes.stored_bytes += chunk_bf16;
         }
         bytes.bf16_bytes = chunk_bf16 * d->chunks;
-        if (rep->uses_qstats) bytes.stored_bytes += (double)rep->qstats_bytes;
         kvf_eval_sums_add(&total, &bytes);
         kvf_eval_finish(&total, &rep->layer[layer]);
         kvf_eval_sums_add(overall, &total);
@@ -245,30 +416,78 @@ static int run_layer(layer_run *r, int layer, kvf_eval_sums *overall) {
 
 /* ------------------------------------------------------------ the run */
 
-static void describe(kvf_eval_report *rep, const kvf_scheme *s, const kvf_dump *d, kvf_eval_backend *be) {
-    snprintf(rep->scheme_id, sizeof rep->scheme_id, "%s", kvf_scheme_id(s));
-    snprintf(rep->scheme_source, sizeof rep->scheme_source, "%s", s->source);
-    snprintf(rep->backend, sizeof rep->backend, "%s", kvf_eval_backend_describe(be));
-    snprintf(rep->data, sizeof rep->data, "%s", kvf_st_label(d->file));
-    snprintf(rep->source, sizeof rep->source, "%s", d->source ? d->source : "");
-    snprintf(rep->q_subsample, sizeof rep->q_subsample, "%s", d->q_subsample ? d->q_subsample : "");
+/* src into dst[cap], cut (when too long) at a UTF-8 character boundary: the
+ * texts come from the files' JSON (valid UTF-8) and go into JSON again. */
+static void copy_text(char *dst, size_t cap, const char *src) {
+    size_t n = strlen(src);
+    if (n >= cap) {
+        n = cap - 1;
+        while (n > 0 && ((unsigned char)src[n] & 0xC0) == 0x80) n--; /* src[n] is where the cut falls */
+    }
+    memcpy(dst, src, n);
+    dst[n] = 0;
+}
+
+static void describe_dump(kvf_eval_report *rep, const kvf_dump *d) {
+    copy_text(rep->data, sizeof rep->data, kvf_st_label(d->file));
+    copy_text(rep->source, sizeof rep->source, d->source ? d->source : "");
+    copy_text(rep->q_subsample, sizeof rep->q_subsample, d->q_subsample ? d->q_subsample : "");
     rep->layers = d->layers;
     rep->chunks = d->chunks;
     rep->q_heads = d->q_heads;
     rep->kv_heads = d->kv_heads;
     rep->head_dim = d->head_dim;
     rep->tokens = d->tokens;
+    for (int l = 0; l < d->layers; l++)
+        for (int c = 0; c < d->chunks; c++) {
+            int64_t nq = kvf_dump_tensor(d, l, c, KVF_DUMP_Q)->shape[1];
+            if (nq > rep->max_queries) rep->max_queries = nq;
+        }
+}
+
+static void describe(kvf_eval_report *rep, const kvf_scheme *s, const kvf_dump *d, kvf_eval_backend *be) {
+    copy_text(rep->scheme_id, sizeof rep->scheme_id, kvf_scheme_id(s));
+    copy_text(rep->scheme_source, sizeof rep->scheme_source, s->source);
+    copy_text(rep->backend, sizeof rep->backend, kvf_eval_backend_describe(be));
+    describe_dump(rep, d);
     rep->uses_qstats = kvf_scheme_reads_qstats(s);
     rep->pre_rope = s->rope.placement == KVF_ROPE_PRE;
     rep->sink = s->chunk.sink;
     rep->recent = s->chunk.recent;
     rep->span = s->chunk.span > 0 ? s->chunk.span : 1;
     rep->has_centroids = s->key.centroids > 0 || s->value.centroids > 0;
-    for (int l = 0; l < d->layers; l++)
-        for (int c = 0; c < d->chunks; c++) {
-            int64_t nq = kvf_dump_tensor(d, l, c, KVF_DUMP_Q)->shape[1];
-            if (nq > rep->max_queries) rep->max_queries = nq;
-        }
+    rep->n_parts = RECON_OUT_PARTS;
+    for (int i = 0; i < RECON_OUT_PARTS; i++) copy_text(rep->part_name[i], sizeof rep->part_name[i], recon_out_parts[i]);
+}
+
+static void describe_peer(kvf_eval_report *rep, const kvf_recon *rc, const kvf_dump *d) {
+    copy_text(rep->scheme_id, sizeof rep->scheme_id, rc->name);
+    copy_text(rep->scheme_source, sizeof rep->scheme_source, kvf_st_label(rc->file));
+    copy_text(rep->backend, sizeof rep->backend, "peer (the recon file's decoded cache)");
+    copy_text(rep->peer_text, sizeof rep->peer_text, rc->peer);
+    describe_dump(rep, d);
+    rep->peer = 1;
+    rep->sink = rc->sink;
+    rep->recent = rc->recent;
+    rep->span = rc->span;
+    rep->n_parts = rc->n_parts;
+    for (int i = 0; i < rc->n_parts; i++) copy_text(rep->part_name[i], sizeof rep->part_name[i], rc->part[i]);
+}
+
+/* Every layer of r (set up), into r->rep; frees r's buffers. */
+static int run_layers(layer_run *r) {
+    kvf_eval_report *rep = r->rep;
+    const kvf_dump *d = r->d;
+    int rc = KVF_OK;
+    rep->layer = calloc((size_t)d->layers, sizeof *rep->layer);
+    rep->step = calloc((size_t)d->layers * d->chunks, sizeof *rep->step);
+    if (!rep->layer || !rep->step) rc = kvf_set_error(KVF_ENOMEM, "out of memory for the report");
+    if (!rc) rc = alloc_run(r);
+    kvf_eval_sums overall = {0};
+    for (int l = 0; l < d->layers && !rc; l++) rc = run_layer(r, l, &overall);
+    free_run(r);
+    if (!rc) kvf_eval_finish(&overall, &rep->overall);
+    return rc;
 }
 
 int kvf_eval_run(const kvf_scheme *s, const kvf_dump *d, const kvf_eval_options *opt, kvf_eval_report *rep) {
@@ -285,16 +504,27 @@ int kvf_eval_run(const kvf_scheme *s, const kvf_dump *d, const kvf_eval_options 
                    .key_role = rep->pre_rope ? KVF_DUMP_K_PRE : KVF_DUMP_K, .q_role = q_role_of(s, d),
                    .n_axes = kvf_rope_sections(s, NULL), .rows = (int64_t)d->chunks * d->tokens};
     rep->q_pre_used = r.q_role == KVF_DUMP_Q_PRE;
-    rep->layer = calloc((size_t)d->layers, sizeof *rep->layer);
-    rep->step = calloc((size_t)d->layers * d->chunks, sizeof *rep->step);
-    if (!rep->layer || !rep->step) rc = kvf_set_error(KVF_ENOMEM, "out of memory for the report");
-    if (!rc) rc = alloc_run(&r);
-    kvf_eval_sums overall = {0};
-    for (int l = 0; l < d->layers && !rc; l++) rc = run_layer(&r, l, &overall);
-    free_run(&r);
+    if (opt->recon_out && !(r.rout = recon_out_new(d)))
+        rc = kvf_set_error(KVF_ENOMEM, "out of memory for the recon file's tensors");
+    if (!rc) rc = run_layers(&r);
     kvf_eval_backend_close(be);
+    if (!rc && r.rout) rc = write_recon(r.rout, d, rep, opt->recon_out);
+    recon_out_free(r.rout, (size_t)d->layers * d->chunks);
     if (rc) { kvf_eval_report_free(rep); return rc; }
-    kvf_eval_finish(&overall, &rep->overall);
+    rep->seconds = now_s() - t0;
+    return KVF_OK;
+}
+
+int kvf_eval_run_peer(const kvf_recon *recon, const kvf_dump *d, const kvf_eval_options *opt, kvf_eval_report *rep) {
+    if (!recon || !d || !opt || !rep) return kvf_set_error(KVF_EINVAL, "kvf_eval_run_peer: NULL argument");
+    memset(rep, 0, sizeof *rep);
+    int rc = kvf_recon_check_dump(recon, d);
+    if (rc) return rc;
+    const double t0 = now_s();
+    describe_peer(rep, recon, d);
+    layer_run r = {.d = d, .recon = recon, .rep = rep, .threads = opt->threads > 0 ? opt->threads : kvf_cpu_count(),
+                   .key_role = KVF_DUMP_K, .q_role = KVF_DUMP_Q, .rows = (int64_t)d->chunks * d->tokens};
+    if ((rc = run_layers(&r))) { kvf_eval_report_free(rep); return rc; }
     rep->seconds = now_s() - t0;
     return KVF_OK;
 }

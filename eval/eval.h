@@ -11,11 +11,13 @@
 #include "dump.h"
 #include "kvforge.h"
 #include "metrics.h"
+#include "recon.h"
 
 typedef struct kvf_eval_options {
     int device;  /* KVF_DEVICE_CPU or a CUDA ordinal */
     int threads; /* metric threads; <= 0: the online CPUs */
     int warm;    /* k-means of each span warm-started from the layer's previous span (kvf_encode_warm) */
+    const char *recon_out; /* kvf_eval_run: also write the scheme's cache as a recon file (recon.h) here */
 } kvf_eval_options;
 
 typedef struct kvf_eval_report {
@@ -27,6 +29,11 @@ typedef struct kvf_eval_report {
     int warm, has_centroids;         /* warm start asked; a section has k-means (else warm changes nothing) */
     int sink, recent, span;
     size_t qstats_bytes;             /* per layer, counted in stored_bytes */
+    int peer;                        /* scored from a recon file (kvf_eval_run_peer) */
+    char peer_text[256];             /* the recon's "peer" metadata */
+    int n_parts;                     /* stored bytes by part, summed over layers */
+    char part_name[KVF_RECON_MAX_PARTS][KVF_RECON_PART_NAME];
+    double part_bytes[KVF_RECON_MAX_PARTS];
     kvf_eval_metrics overall;
     kvf_eval_metrics *layer;         /* [layers] */
     kvf_eval_metrics *step;          /* [layers][chunks]; chunk 0 has no queries scored */
@@ -34,6 +41,11 @@ typedef struct kvf_eval_report {
 } kvf_eval_report;
 
 int kvf_eval_run(const kvf_scheme *s, const kvf_dump *dump, const kvf_eval_options *opt, kvf_eval_report *out);
+/* The same streaming and metrics over a peer's recon file of this dump: at
+ * every step the history is what the recon holds (chunks marked packed are
+ * the decoded ones, the others must equal the dump bit for bit) and the
+ * stored bytes are the recon's. opt->device, warm and recon_out are ignored. */
+int kvf_eval_run_peer(const kvf_recon *recon, const kvf_dump *dump, const kvf_eval_options *opt, kvf_eval_report *out);
 void kvf_eval_report_free(kvf_eval_report *r);
 
 /* A table per layer and overall. */

@@ -28,7 +28,12 @@ static void table_row(FILE *out, const char *label, const kvf_eval_metrics *m) {
 }
 
 void kvf_eval_print_table(const kvf_eval_report *r, FILE *out) {
-    fprintf(out, "scheme:  %s (%s)\n", r->scheme_id, r->scheme_source);
+    if (r->peer) {
+        fprintf(out, "peer:    %s (%s)\n", r->scheme_id, r->scheme_source);
+        if (*r->peer_text) fprintf(out, "         %s\n", r->peer_text);
+    } else {
+        fprintf(out, "scheme:  %s (%s)\n", r->scheme_id, r->scheme_source);
+    }
     fprintf(out, "data:    %s: %d layers x %d chunks x %lld tokens, %d query heads / %d KV heads, d = %d, "
                  "up to %lld queries per chunk and head\n",
             r->data, r->layers, r->chunks, (long long)r->tokens, r->q_heads, r->kv_heads, r->head_dim,
@@ -36,17 +41,24 @@ void kvf_eval_print_table(const kvf_eval_report *r, FILE *out) {
     if (*r->source || *r->q_subsample)
         fprintf(out, "         source: %s; q_subsample: %s\n", *r->source ? r->source : "-",
                 *r->q_subsample ? r->q_subsample : "-");
-    fprintf(out, "policy:  sink %d, recent %d, span %d chunks; keys cached %s; ", r->sink, r->recent, r->span,
-            r->pre_rope ? "before RoPE (k_pre, decoded with pos)" : "after RoPE (k)");
-    if (r->uses_qstats)
-        fprintf(out, "query statistics from %s queries, %zu bytes per layer (counted)\n",
+    fprintf(out, "policy:  sink %d, recent %d, span %d chunks; ", r->sink, r->recent, r->span);
+    if (r->peer)
+        fprintf(out, "as the peer ran it; history as the recon file holds it\n");
+    else if (r->uses_qstats)
+        fprintf(out, "keys cached %s; query statistics from %s queries, %zu bytes per layer (counted)\n",
+                r->pre_rope ? "before RoPE (k_pre, decoded with pos)" : "after RoPE (k)",
                 r->q_pre_used ? "pre-RoPE (q_pre)" : "post-RoPE (q)", r->qstats_bytes);
     else
-        fprintf(out, "no query statistics\n");
+        fprintf(out, "keys cached %s; no query statistics\n",
+                r->pre_rope ? "before RoPE (k_pre, decoded with pos)" : "after RoPE (k)");
     if (r->warm)
         fprintf(out, "         k-means warm-started from the layer's previous span%s\n",
                 r->has_centroids ? "" : " (asked; the scheme has no k-means, so nothing changes)");
-    fprintf(out, "backend: %s, %.2f s\n\n", r->backend, r->seconds);
+    fprintf(out, "backend: %s, %.2f s\n", r->backend, r->seconds);
+    fprintf(out, "stored:  ");
+    for (int i = 0; i < r->n_parts; i++)
+        fprintf(out, "%s%s %.0f B", i ? ", " : "", r->part_name[i], r->part_bytes[i]);
+    fprintf(out, "%s\n\n", r->n_parts ? " (all layers, end of stream)" : "-");
     fprintf(out, "%-8s %12s %12s %16s %12s %12s %12s %12s\n", "layer", "top1_shift", "top5_overlap", "attn_out_rel_err",
             "key_mse", "value_mse", "qk_err", "compression");
     char label[16];
@@ -109,6 +121,18 @@ char *kvf_eval_report_json(const kvf_eval_report *r) {
         "qstats_bytes_per_layer", (json_int_t)(r->uses_qstats ? r->qstats_bytes : 0), "warm_start", r->warm, "overall",
         metrics_json(&r->overall, 1), "layers", layers);
     if (!root) return NULL;
+    json_t *parts = json_object();
+    for (int i = 0; parts && i < r->n_parts; i++)
+        if (json_object_set_new(parts, r->part_name[i], json_integer((json_int_t)r->part_bytes[i]))) {
+            json_decref(parts);
+            parts = NULL;
+        }
+    if (!parts || json_object_set_new(root, "stored_bytes_parts", parts) ||
+        json_object_set_new(root, "kind", json_string(r->peer ? "peer" : "scheme")) ||
+        (r->peer && json_object_set_new(root, "peer", json_string(r->peer_text)))) {
+        json_decref(root);
+        return NULL;
+    }
     char *text = json_dumps(root, JSON_INDENT(2) | JSON_REAL_PRECISION(10));
     json_decref(root);
     return text;

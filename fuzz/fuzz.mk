@@ -7,7 +7,7 @@
 #                  a sanitizer report or a timeout fails, the input lands in
 #                  $(FUZZ_O)/artifacts/TARGET/
 # make fuzz-build  only build them
-# make fuzz-seeds  regenerate the committed seeds fuzz/corpus/packed and fuzz/corpus/roundtrip
+# make fuzz-seeds  regenerate the committed seeds fuzz/corpus/packed, fuzz/corpus/roundtrip and fuzz/corpus/dump
 # make test-asan   the whole cmocka suite and the CPU demo under ASan + UBSan ($(SAN_O))
 #
 # Needs clang with compiler-rt (Debian 12: clang, libclang-rt-14-dev).
@@ -17,7 +17,7 @@ FUZZ_O ?= out/fuzz
 FUZZ_SECONDS ?= 60
 # Extra libFuzzer flags, e.g. FUZZ_FLAGS=-jobs=2 or -runs=N
 FUZZ_FLAGS ?=
-FUZZ_TARGETS := fuzz_scheme fuzz_packed fuzz_roundtrip
+FUZZ_TARGETS := fuzz_scheme fuzz_packed fuzz_roundtrip fuzz_dump
 FUZZ_SAN := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
 FUZZ_CFLAGS := -std=c11 -D_GNU_SOURCE $(WARN) -O1 -g $(FUZZ_SAN) -pthread \
 	-Iinclude -Iruntime -Itemplates -Igen -Ieval -Ifuzz -I$(O)/gen $(LUA_CFLAGS) -I$(CUDA_HOME)/include \
@@ -27,9 +27,11 @@ FUZZ_LIB_OBJ := $(patsubst %.c,$(FUZZ_O)/obj/%.o,$(LIB_SRC) $(EVAL_SRC)) $(FUZZ_
 FUZZ_SEEDS_fuzz_scheme := fuzz/corpus/scheme fuzz/regress/scheme schemes tests/schemes_bad
 FUZZ_SEEDS_fuzz_packed := fuzz/corpus/packed fuzz/regress/packed
 FUZZ_SEEDS_fuzz_roundtrip := fuzz/corpus/roundtrip fuzz/regress/roundtrip
+FUZZ_SEEDS_fuzz_dump := fuzz/corpus/dump fuzz/regress/dump
 FUZZ_OPTS_fuzz_scheme := -dict=fuzz/scheme.dict -timeout=10 -max_len=4096
 FUZZ_OPTS_fuzz_packed := -timeout=10 -max_len=32768
 FUZZ_OPTS_fuzz_roundtrip := -timeout=10 -max_len=8192
+FUZZ_OPTS_fuzz_dump := -dict=fuzz/dump.dict -timeout=10 -max_len=32768
 
 .PHONY: fuzz fuzz-build fuzz-seeds test-asan
 
@@ -48,14 +50,17 @@ $(FUZZ_O)/%: fuzz/%.c fuzz/fuzz_common.h $(FUZZ_LIB_OBJ)
 
 .SECONDARY: $(FUZZ_LIB_OBJ)
 
+$(FUZZ_O)/fuzz_dump: fuzz/fuzz_dump.h
+
 fuzz-build: $(addprefix $(FUZZ_O)/,$(FUZZ_TARGETS))
 
 fuzz: fuzz-build
-	@mkdir -p fuzz/regress/scheme fuzz/regress/packed fuzz/regress/roundtrip
+	@mkdir -p fuzz/regress/scheme fuzz/regress/packed fuzz/regress/roundtrip fuzz/regress/dump
 	@status=0; for t in $(FUZZ_TARGETS); do \
 	  case $$t in \
 	    fuzz_scheme) seeds="$(FUZZ_SEEDS_fuzz_scheme)"; opts="$(FUZZ_OPTS_fuzz_scheme)";; \
 	    fuzz_packed) seeds="$(FUZZ_SEEDS_fuzz_packed)"; opts="$(FUZZ_OPTS_fuzz_packed)";; \
+	    fuzz_dump) seeds="$(FUZZ_SEEDS_fuzz_dump)"; opts="$(FUZZ_OPTS_fuzz_dump)";; \
 	    *) seeds="$(FUZZ_SEEDS_fuzz_roundtrip)"; opts="$(FUZZ_OPTS_fuzz_roundtrip)";; \
 	  esac; \
 	  sh fuzz/run.sh $(FUZZ_O)/$$t $(FUZZ_SECONDS) $(FUZZ_O)/work/$$t $(FUZZ_O)/artifacts/$$t \
@@ -67,11 +72,17 @@ $(FUZZ_O)/mkseeds: fuzz/mkseeds.c fuzz/fuzz_common.h $(O)/lib/libkvforge.a
 	@mkdir -p $(dir $@)
 	$(CC) $(ALL_CFLAGS) -o $@ $< $(O)/lib/libkvforge.a $(STATIC_DEPS)
 
-fuzz-seeds: $(FUZZ_O)/mkseeds
-	rm -rf fuzz/corpus/packed fuzz/corpus/roundtrip
-	mkdir -p fuzz/corpus/packed fuzz/corpus/roundtrip
+# Seeds for the dump target: small synthetic dumps and recon files (< 100 KB).
+$(FUZZ_O)/mkseeds_dump: fuzz/mkseeds_dump.c fuzz/fuzz_dump.h $(EVAL_LIB) $(O)/lib/libkvforge.a
+	@mkdir -p $(dir $@)
+	$(CC) $(ALL_CFLAGS) -Ifuzz -o $@ $< $(EVAL_LIB) $(O)/lib/libkvforge.a $(STATIC_DEPS)
+
+fuzz-seeds: $(FUZZ_O)/mkseeds $(FUZZ_O)/mkseeds_dump
+	rm -rf fuzz/corpus/packed fuzz/corpus/roundtrip fuzz/corpus/dump
+	mkdir -p fuzz/corpus/packed fuzz/corpus/roundtrip fuzz/corpus/dump
 	$(FUZZ_O)/mkseeds fuzz/corpus
-	@du -sh fuzz/corpus/packed fuzz/corpus/roundtrip
+	$(FUZZ_O)/mkseeds_dump fuzz/corpus/dump
+	@du -sh fuzz/corpus/packed fuzz/corpus/roundtrip fuzz/corpus/dump
 
 # tests/test_fuzz_replay.c includes the targets: rebuild it when they change.
 $(O)/obj/tests/test_fuzz_replay.o: $(wildcard fuzz/*.c fuzz/*.h)

@@ -7,12 +7,13 @@
 PY_VENV ?= .venv
 PY_HOST ?= python3
 PY := $(PY_VENV)/bin/python
-PY_PACKAGES ?= numpy pytest setuptools wheel opencv-python-headless==5.0.0.93
+PY_PACKAGES ?= numpy pytest setuptools wheel opencv-python-headless==5.0.0.93 matplotlib==3.11.2
 PY_RUN ?= $(PY)
 
 .PHONY: py-setup py-test py-install py-example
 
-$(PY_VENV)/.kvforge-setup:
+# Rebuilt when this file (its package list) changes.
+$(PY_VENV)/.kvforge-setup: python/python.mk
 	$(PY_HOST) -m venv $(PY_VENV)
 	$(PY) -m pip install --disable-pip-version-check -q $(PY_PACKAGES)
 	@touch $@

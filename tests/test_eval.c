@@ -534,7 +534,7 @@ static void test_dump_corrupted(void **state) {
 static kvf_eval_report run_eval_opt(const kvf_scheme *s, const char *path, int device, int warm) {
     kvf_dump *d;
     assert_int_equal(kvf_dump_open(path, &d), KVF_OK);
-    kvf_eval_options opt = {device, 0, warm};
+    kvf_eval_options opt = {device, 0, warm, NULL};
     kvf_eval_report r;
     int rc = kvf_eval_run(s, d, &opt, &r);
     if (rc) fail_msg("kvf_eval_run: %s: %s", kvf_status_name(rc), kvf_last_error());
@@ -781,7 +781,7 @@ static void test_mismatch_errors(void **state) {
     synth_write(sd, path, NULL);
     kvf_dump *d;
     assert_int_equal(kvf_dump_open(path, &d), KVF_OK);
-    kvf_eval_options opt = {KVF_DEVICE_CPU, 1, 0};
+    kvf_eval_options opt = {KVF_DEVICE_CPU, 1, 0, NULL};
     kvf_eval_report r;
     kvf_scheme *s = tu_scheme_text("return { base = 'rtn_int2', head_dim = 64 }");
     assert_error_has(kvf_eval_run(s, d, &opt, &r), KVF_EINVAL, "head_dim = 128, scheme scheme has head_dim = 64");
@@ -860,6 +860,341 @@ static void test_cli_json(void **state) {
     synth_free(sd);
 }
 
+/* ============================================================ recon files (peers) */
+
+/* Every metric of two reports equal bit for bit (NaN included): overall, per layer, per step. */
+static void assert_same_report(const kvf_eval_report *a, const kvf_eval_report *b) {
+    assert_int_equal(a->layers, b->layers);
+    assert_int_equal(a->chunks, b->chunks);
+    assert_memory_equal(&a->overall, &b->overall, sizeof a->overall);
+    assert_memory_equal(a->layer, b->layer, (size_t)a->layers * sizeof *a->layer);
+    assert_memory_equal(a->step, b->step, (size_t)a->layers * a->chunks * sizeof *a->step);
+}
+
+/* A scheme's cache written as a recon file (--write-recon) and scored as a
+ * peer gives exactly the scheme's numbers: the peer path is the scheme path. */
+static void test_recon_matches_scheme(void **state) {
+    (void)state;
+    synth_cfg c = small_cfg;
+    c.layers = 2;
+    c.chunks = 4;
+    synth_dump *sd = synth_make(&c);
+    const char *path = tmp_file("recon_dump.safetensors"), *rpath = tmp_file("recon.safetensors");
+    synth_write(sd, path, NULL);
+    static const char *const schemes[] = {
+        "return { base = 'rtn_int2' }",
+        "return { base = 'qvg_int2' }",
+        "return { base = 'kivi_int2' }",                               /* recent = 1: exact chunks in the history */
+        "return { base = 'quantwm_int2', chunk = { sink = 1, span = 2 } }", /* query statistics, sink, span */
+        "return { base = 'rtn_int4', name = 'pre', rope = { placement = 'pre', sections = {16, 24, 24} } }",
+    };
+    kvf_dump *d;
+    assert_int_equal(kvf_dump_open(path, &d), KVF_OK);
+    for (size_t i = 0; i < sizeof schemes / sizeof schemes[0]; i++) {
+        kvf_scheme *s = tu_scheme_text(schemes[i]);
+        kvf_eval_options opt = {KVF_DEVICE_CPU, 2, 0, rpath};
+        kvf_eval_report a, b;
+        int rc = kvf_eval_run(s, d, &opt, &a);
+        if (rc) fail_msg("%s: %s", schemes[i], kvf_last_error());
+        kvf_recon *r;
+        if (kvf_recon_open(rpath, &r)) fail_msg("%s", kvf_last_error());
+        assert_int_equal(r->n_parts, 3);
+        assert_int_equal(r->sink, a.sink);
+        assert_int_equal(r->span, a.span);
+        assert_string_equal(r->name, a.scheme_id);
+        opt.threads = 1; /* the metrics do not depend on it */
+        rc = kvf_eval_run_peer(r, d, &opt, &b);
+        if (rc) fail_msg("%s: peer: %s", schemes[i], kvf_last_error());
+        print_metrics(a.scheme_id, &a.overall);
+        assert_same_report(&a, &b);
+        assert_true(b.peer && !a.peer);
+        assert_true(a.overall.stored_bytes > 0 && a.overall.kv_values > 0);
+        for (int p = 0; p < 3; p++) assert_true(a.part_bytes[p] == b.part_bytes[p]);
+        if (i == 2) assert_true(a.part_bytes[1] > 0); /* KIVI's recent chunk */
+        if (i == 3) assert_true(a.part_bytes[2] > 0); /* QuantWM's statistics */
+        kvf_eval_report_free(&a);
+        kvf_eval_report_free(&b);
+        kvf_recon_close(r);
+        kvf_scheme_free(s);
+    }
+    kvf_dump_close(d);
+    synth_free(sd);
+}
+
+/* Tweaks of a hand-made recon file (the dump's own K/V as the history). */
+typedef struct recon_opts {
+    int flag;                      /* the packed flag of every chunk (0 or 1) */
+    const char *drop;              /* a tensor left out */
+    const char *wrong_dtype;       /* a tensor written as F32 */
+    const char *wrong_shape;       /* a tensor one element longer in its last dimension */
+    const char *extra;             /* an extra tensor */
+    int bad_flag;                  /* l0.s2.packed[1] = 2 */
+    int64_t bytes0;                /* l0.stored_bytes[0] */
+    int flip;                      /* flip a bit of l0.s2.k's chunk 1, head 1 */
+    const char *meta_key, *meta_value; /* one metadata value replaced ("" = removed) */
+} recon_opts;
+
+static void recon_write(const synth_dump *sd, const char *path, const recon_opts *o) {
+    const synth_cfg *c = &sd->c;
+    const size_t n = (size_t)c->tokens * c->d;
+    int nt = 0, cap = c->layers * (3 * c->chunks + 2);
+    kvf_st_write_tensor *t = calloc((size_t)cap, sizeof *t);
+    char (*names)[40] = calloc((size_t)cap, 40);
+    void **owned = calloc((size_t)cap, sizeof *owned);
+    int64_t *bytes = calloc((size_t)c->layers * 2, sizeof *bytes);
+    for (int l = 0; l < c->layers; l++) {
+        for (int st = 1; st < c->chunks; st++) {
+            for (int x = 0; x < 3; x++) {
+                static const char *const role[3] = {"k", "v", "packed"};
+                snprintf(names[nt], 40, "l%d.s%d.%s", l, st, role[x]);
+                if (o->drop && !strcmp(o->drop, names[nt])) continue;
+                kvf_st_write_tensor *w = &t[nt];
+                w->name = names[nt];
+                if (x < 2) {
+                    uint16_t *h = malloc((size_t)c->kv_heads * st * n * 2);
+                    for (int hd = 0; hd < c->kv_heads; hd++)
+                        for (int i = 0; i < st; i++) {
+                            const uint16_t *src = (x ? sd->v : sd->k)[l * c->chunks + i] + (size_t)hd * n;
+                            memcpy(h + ((size_t)hd * st + i) * n, src, n * 2);
+                        }
+                    if (o->flip && l == 0 && st == 2 && x == 0) h[((size_t)1 * st + 1) * n + 3] ^= 1;
+                    *w = (kvf_st_write_tensor){names[nt], KVF_ST_BF16, 3, {c->kv_heads, (int64_t)st * c->tokens, c->d}, h};
+                } else {
+                    uint8_t *f = malloc((size_t)st);
+                    memset(f, o->flag, (size_t)st);
+                    if (o->bad_flag && l == 0 && st == 2) f[1] = 2;
+                    *w = (kvf_st_write_tensor){names[nt], KVF_ST_U8, 1, {st}, f};
+                }
+                owned[nt] = (void *)w->data;
+                if (o->wrong_dtype && !strcmp(o->wrong_dtype, names[nt])) {
+                    static const float zeros[4];
+                    w->dtype = KVF_ST_F32;
+                    w->shape[w->ndim - 1] = x < 2 ? c->d / 2 : 1; /* the K/V bytes; a flag's: one float */
+                    if (x == 2) w->data = zeros;
+                }
+                if (o->wrong_shape && !strcmp(o->wrong_shape, names[nt])) {
+                    w->shape[w->ndim - 1] -= 1;
+                }
+                nt++;
+            }
+        }
+        snprintf(names[nt], 40, "l%d.stored_bytes", l);
+        bytes[2 * l] = l == 0 ? o->bytes0 : 1000;
+        bytes[2 * l + 1] = 24;
+        if (!(o->drop && !strcmp(o->drop, names[nt]))) {
+            t[nt] = (kvf_st_write_tensor){names[nt], KVF_ST_I64, 1, {2}, bytes + 2 * l};
+            nt++;
+        }
+    }
+    uint8_t extra[4] = {0};
+    if (o->extra) t[nt++] = (kvf_st_write_tensor){o->extra, KVF_ST_U8, 1, {4}, extra};
+    char num[5][16];
+    snprintf(num[0], 16, "%d", c->layers);
+    snprintf(num[1], 16, "%d", c->chunks);
+    snprintf(num[2], 16, "%d", c->kv_heads);
+    snprintf(num[3], 16, "%d", c->d);
+    snprintf(num[4], 16, "%d", c->tokens);
+    const char *meta[] = {"format", "kvforge-recon 1", "layers", num[0], "chunks", num[1], "kv_heads", num[2],
+                          "head_dim", num[3], "tokens_per_chunk", num[4], "sink", "0", "recent", "0", "span", "1",
+                          "name", "hand", "stored_bytes_parts", "codes,extra_1", "peer", "test_eval"};
+    int n_meta = (int)(sizeof meta / sizeof meta[0] / 2);
+    for (int i = 0; i < n_meta && o->meta_key; i++)
+        if (!strcmp(meta[2 * i], o->meta_key)) {
+            if (*o->meta_value) meta[2 * i + 1] = o->meta_value;
+            else {
+                meta[2 * i] = meta[2 * (n_meta - 1)];
+                meta[2 * i + 1] = meta[2 * (n_meta - 1) + 1];
+                n_meta--;
+            }
+            break;
+        }
+    assert_int_equal(kvf_st_write(path, meta, n_meta, t, nt), KVF_OK);
+    for (int i = 0; i < cap; i++) free(owned[i]);
+    free(owned);
+    free(t);
+    free(names);
+    free(bytes);
+}
+
+/* A lossless peer (the dump's own K/V, marked packed): zero errors, its bytes
+ * as it declares them; marked exact: nothing counted as packed. */
+static void test_recon_lossless(void **state) {
+    (void)state;
+    synth_dump *sd = synth_make(&small_cfg);
+    const char *path = tmp_file("ll_dump.safetensors"), *rpath = tmp_file("ll.safetensors");
+    synth_write(sd, path, NULL);
+    kvf_dump *d;
+    assert_int_equal(kvf_dump_open(path, &d), KVF_OK);
+    for (int flag = 0; flag < 2; flag++) {
+        recon_opts o = {.flag = flag, .bytes0 = 4000};
+        recon_write(sd, rpath, &o);
+        kvf_recon *r;
+        if (kvf_recon_open(rpath, &r)) fail_msg("%s", kvf_last_error());
+        kvf_eval_options opt = {KVF_DEVICE_CPU, 1, 0, NULL};
+        kvf_eval_report rep;
+        if (kvf_eval_run_peer(r, d, &opt, &rep)) fail_msg("%s", kvf_last_error());
+        const kvf_eval_metrics *m = &rep.overall;
+        assert_true(m->top1_shift == 0 && m->top5_overlap == 1 && m->attn_out_rel_err == 0);
+        assert_true(m->stored_bytes == 4024 && m->bf16_bytes == 3.0 * 4 * 2 * 64 * 128);
+        assert_true(rep.n_parts == 2 && !strcmp(rep.part_name[1], "extra_1") && rep.part_bytes[0] == 4000);
+        /* steps 1 and 2 see 1 and 2 packed chunks of 64 tokens x 2 heads */
+        if (flag) assert_true(m->key_tokens == 3 * 64 * 2 && m->key_mse == 0 && m->qk_err == 0);
+        else assert_true(m->key_tokens == 0 && isnan(m->key_mse));
+        char *js = kvf_eval_report_json(&rep);
+        assert_non_null(js);
+        assert_non_null(strstr(js, "\"kind\": \"peer\""));
+        assert_non_null(strstr(js, "\"extra_1\": 24"));
+        free(js);
+        kvf_eval_report_free(&rep);
+        kvf_recon_close(r);
+    }
+    kvf_dump_close(d);
+    synth_free(sd);
+}
+
+static void test_recon_malformed(void **state) {
+    (void)state;
+    synth_dump *sd = synth_make(&small_cfg);
+    const char *path = tmp_file("bad_dump.safetensors"), *rpath = tmp_file("bad.safetensors");
+    synth_write(sd, path, NULL);
+    kvf_dump *d;
+    assert_int_equal(kvf_dump_open(path, &d), KVF_OK);
+    const struct { recon_opts o; const char *msg; } bad[] = {
+        {{.drop = "l0.s2.v"}, "tensor \"l0.s2.v\" is missing"},
+        {{.drop = "l0.stored_bytes"}, "\"l0.stored_bytes\" is missing"},
+        {{.wrong_dtype = "l0.s1.k"}, "\"l0.s1.k\": dtype F32, expected BF16"},
+        {{.wrong_dtype = "l0.s2.packed"}, "\"l0.s2.packed\": dtype F32, expected U8"},
+        {{.wrong_shape = "l0.s2.v"}, "\"l0.s2.v\": shape [2, 128, 127], expected [kv_heads = 2, 2 chunks x 64"},
+        {{.wrong_shape = "l0.s1.packed"}, "\"l0.s1.packed\": shape [0], expected [1]"},
+        {{.extra = "l0.s3.k"}, "unexpected tensor \"l0.s3.k\""},
+        {{.extra = "l0.s0.k"}, "unexpected tensor \"l0.s0.k\""},
+        {{.extra = "notes"}, "unexpected tensor \"notes\""},
+        {{.bad_flag = 1}, "\"l0.s2.packed\": element 1 is 2, must be 0 (exact) or 1 (packed)"},
+        {{.bytes0 = -5}, "part \"codes\" = -5 bytes"},
+        {{.meta_key = "format", .meta_value = ""}, "metadata \"format\" is missing, expected \"kvforge-recon 1\""},
+        {{.meta_key = "format", .meta_value = "kvforge-recon 2"}, "\"format\" is \"kvforge-recon 2\""},
+        {{.meta_key = "name", .meta_value = ""}, "metadata \"name\" is missing"},
+        {{.meta_key = "span", .meta_value = "0"}, "\"span\" = \"0\": must be an integer in [1, 65536]"},
+        {{.meta_key = "stored_bytes_parts", .meta_value = "codes,,x"}, "\"stored_bytes_parts\" = \"codes,,x\""},
+        {{.meta_key = "stored_bytes_parts", .meta_value = "Codes,x"}, "must be 1..8 comma-separated names"},
+        {{.meta_key = "stored_bytes_parts", .meta_value = "codes"}, "\"l0.stored_bytes\": shape [2], expected [1]"},
+        {{.meta_key = "chunks", .meta_value = "9"}, "tensor \"l0.s3.k\" is missing"},
+        {{.meta_key = "chunks", .meta_value = "65536"}, "1 layers x 65536 chunks need 196606 tensors, the file has 7"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        recon_opts o = bad[i].o;
+        o.flag = 1;
+        if (!o.bytes0) o.bytes0 = 10;
+        recon_write(sd, rpath, &o);
+        kvf_recon *r = (kvf_recon *)1;
+        int rc = kvf_recon_open(rpath, &r);
+        if (rc != KVF_EFORMAT || !strstr(kvf_last_error(), bad[i].msg))
+            fail_msg("case %zu: status %d, message \"%s\", expected \"%s\"", i, rc, kvf_last_error(), bad[i].msg);
+        assert_null(r);
+    }
+    /* valid alone, but not a recon of this dump */
+    recon_opts other = {.flag = 1, .bytes0 = 10, .meta_key = "tokens_per_chunk", .meta_value = "32"};
+    synth_cfg half = small_cfg;
+    half.tokens = 32;
+    synth_dump *sd2 = synth_make(&half);
+    recon_write(sd2, rpath, &other);
+    kvf_recon *r;
+    assert_int_equal(kvf_recon_open(rpath, &r), KVF_OK);
+    kvf_eval_options opt = {KVF_DEVICE_CPU, 1, 0, NULL};
+    kvf_eval_report rep;
+    assert_error_has(kvf_eval_run_peer(r, d, &opt, &rep), KVF_EFORMAT, "tokens_per_chunk = 32, but the dump");
+    kvf_recon_close(r);
+    synth_free(sd2);
+    /* a chunk marked exact that is not the dump's */
+    recon_opts flip = {.flag = 0, .bytes0 = 10, .flip = 1};
+    recon_write(sd, rpath, &flip);
+    assert_int_equal(kvf_recon_open(rpath, &r), KVF_OK);
+    assert_error_has(kvf_eval_run_peer(r, d, &opt, &rep), KVF_EFORMAT,
+                     "\"l0.s2.k\": chunk 1 (KV head 1) is marked exact (packed = 0) but differs from the dump's "
+                     "\"l0.c1.k\"");
+    kvf_recon_close(r);
+    /* a dump is not a recon */
+    assert_error_has(kvf_recon_open(path, &r), KVF_EFORMAT, "metadata \"format\" is missing");
+    kvf_dump_close(d);
+    synth_free(sd);
+}
+
+/* `kvforge eval --write-recon` then `--peer` through the command line; option errors. */
+static void test_cli_peer(void **state) {
+    (void)state;
+    char bin[1200], cmd[4096];
+    if (!tu_built_program("kvforge", bin, sizeof bin)) skip();
+    synth_dump *sd = synth_make(&small_cfg);
+    const char *path = tmp_file("clip.safetensors"), *rpath = tmp_file("clip_recon.safetensors");
+    const char *a = tmp_file("clip_a.json"), *b = tmp_file("clip_b.json"), *e = tmp_file("clip_err.txt");
+    synth_write(sd, path, NULL);
+    snprintf(cmd, sizeof cmd, "'%s' eval --scheme rtn_int2 --data '%s' --json --threads 2 --write-recon '%s' > '%s'",
+             bin, path, rpath, a);
+    assert_int_equal(system(cmd), 0);
+    snprintf(cmd, sizeof cmd, "'%s' eval --peer '%s' --data '%s' --json > '%s'", bin, rpath, path, b);
+    assert_int_equal(system(cmd), 0);
+    json_error_t err;
+    json_t *ja = json_load_file(a, 0, &err), *jb = json_load_file(b, 0, &err);
+    assert_non_null(ja);
+    assert_non_null(jb);
+    assert_string_equal(json_string_value(json_object_get(ja, "kind")), "scheme");
+    assert_string_equal(json_string_value(json_object_get(jb, "kind")), "peer");
+    assert_true(json_equal(json_object_get(ja, "overall"), json_object_get(jb, "overall")));
+    assert_true(json_equal(json_object_get(ja, "layers"), json_object_get(jb, "layers")));
+    assert_true(json_equal(json_object_get(ja, "stored_bytes_parts"), json_object_get(jb, "stored_bytes_parts")));
+    json_decref(ja);
+    json_decref(jb);
+    static const struct { const char *args, *msg; } bad[] = {
+        {"--peer R --data D --gpu", "--peer takes no --gpu"},
+        {"--peer R --data D --warm", "--peer takes no --warm"},
+        {"--peer R --scheme rtn_int2 --data D", "one of --scheme or --peer"},
+        {"--peer R", "one of --scheme or --peer"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        snprintf(cmd, sizeof cmd, "'%s' eval %s > '%s' 2>&1", bin, bad[i].args, e);
+        int status = system(cmd);
+        assert_true(WIFEXITED(status) && WEXITSTATUS(status) == 2);
+        char text[4096] = "";
+        FILE *f = fopen(e, "r");
+        size_t n = fread(text, 1, sizeof text - 1, f);
+        text[n] = 0;
+        fclose(f);
+        if (!strstr(text, bad[i].msg)) fail_msg("'%s': \"%s\" not in: %s", bad[i].args, bad[i].msg, text);
+    }
+    /* the dump given as the recon: exit 1 and why */
+    snprintf(cmd, sizeof cmd, "'%s' eval --peer '%s' --data '%s' > '%s' 2>&1", bin, path, path, e);
+    int status = system(cmd);
+    assert_true(WIFEXITED(status) && WEXITSTATUS(status) == 1);
+    char text[4096] = "";
+    FILE *f = fopen(e, "r");
+    size_t n = fread(text, 1, sizeof text - 1, f);
+    text[n] = 0;
+    fclose(f);
+    assert_non_null(strstr(text, "(not a recon file?)"));
+    synth_free(sd);
+}
+
+/* A dump whose texts are long, multi-byte UTF-8: the report's copies are cut
+ * at a character boundary, so the JSON report builds. */
+static void test_report_utf8_cut(void **state) {
+    (void)state;
+    synth_dump *sd = synth_make(&small_cfg);
+    const char *path = tmp_file("utf8.safetensors");
+    char source[800] = "x";
+    for (int i = 0; i < 150; i++) strcat(source, "\xc3\xa9\xe2\x82\xac"); /* é€: 2 + 3 bytes */
+    synth_write_opts o = {.meta_key = "source", .meta_value = source};
+    synth_write(sd, path, &o);
+    kvf_scheme *s = tu_scheme("rtn_int2");
+    kvf_eval_report r = run_eval(s, path, KVF_DEVICE_CPU);
+    assert_true(strlen(r.source) < sizeof r.source && strlen(r.source) > 200);
+    char *js = kvf_eval_report_json(&r);
+    assert_non_null(js);
+    free(js);
+    kvf_eval_report_free(&r);
+    kvf_scheme_free(s);
+    synth_free(sd);
+}
+
 /* The committed world-model dump, when it exists. */
 static void test_committed_dump(void **state) {
     (void)state;
@@ -904,6 +1239,11 @@ int main(void) {
         cmocka_unit_test(test_mismatch_errors),
         cmocka_unit_test(test_gpu_matches_cpu),
         cmocka_unit_test(test_cli_json),
+        cmocka_unit_test(test_recon_matches_scheme),
+        cmocka_unit_test(test_recon_lossless),
+        cmocka_unit_test(test_recon_malformed),
+        cmocka_unit_test(test_cli_peer),
+        cmocka_unit_test(test_report_utf8_cut),
         cmocka_unit_test(test_committed_dump),
     };
     return cmocka_run_group_tests(tests, setup, teardown);

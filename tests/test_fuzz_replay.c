@@ -28,6 +28,9 @@ static char current[1024]; /* the input being replayed, for messages */
 #define LLVMFuzzerTestOneInput fuzz_roundtrip_one
 #include "../fuzz/fuzz_roundtrip.c"
 #undef LLVMFuzzerTestOneInput
+#define LLVMFuzzerTestOneInput fuzz_dump_one
+#include "../fuzz/fuzz_dump.c"
+#undef LLVMFuzzerTestOneInput
 
 typedef int (*target_fn)(const uint8_t *, size_t);
 
@@ -121,11 +124,38 @@ static void replay_roundtrip(void **state) {
     print_message("roundtrip: %d saved findings replayed\n", found);
 }
 
+/* The dump seeds are accepted dumps or recon files of the fixed dump (so the
+ * evaluation runs on them), and every saved finding replays. */
+static int dump_seed(const uint8_t *data, size_t size) {
+    fuzz_dump_one(data, size);
+    kvf_dump *d;
+    kvf_recon *r;
+    if (kvf_dump_parse(data, size, current, &d) == KVF_OK) {
+        kvf_dump_close(d);
+    } else if (kvf_recon_parse(data, size, current, &r) == KVF_OK) {
+        int ok = kvf_recon_check_dump(r, fd_get()->dump) == KVF_OK;
+        kvf_recon_close(r);
+        if (!ok) FUZZ_FAIL("recon seed of another dump (stale: run make fuzz-seeds)");
+    } else {
+        FUZZ_FAIL("dump seed is neither a dump nor a recon file (stale: run make fuzz-seeds)");
+    }
+    return 0;
+}
+
+static void replay_dump(void **state) {
+    (void)state;
+    assert_true(replay_dir(dump_seed, "fuzz/corpus/dump", NULL) >= 7);
+    int found = replay_dir(fuzz_dump_one, "fuzz/regress/dump", NULL);
+    print_message("dump: %d saved findings replayed\n", found);
+    fuzz_dump_one(NULL, 0);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(replay_scheme),
         cmocka_unit_test(replay_packed),
         cmocka_unit_test(replay_roundtrip),
+        cmocka_unit_test(replay_dump),
     };
     return cmocka_run_group_tests_name("fuzz replay", tests, NULL, NULL);
 }

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# QVG (quant-videogen, the peer) beside kvforge on the GPU machine: out/ and .whl/ carried
+# (.whl/: quant_videogen-0.1.0, termcolor, loguru and einops wheels from `pip download
+# --no-deps`; torch and triton are the machine's). Steps, each bounded by `timeout`:
+#   1. install the wheels into /tmp/site (no index, no dependencies);
+#   2. the KV dump: all 6 layers, 5 chunks, every 16th query (eval/worldmodel/dump_kv.py)
+#      when out/data/vtest.avi was carried, else the committed eval/worldmodel/kv_small;
+#   3. eval/peer/qvg_peer.py over it for the three QVG configurations (shipped default,
+#      asymmetric, QVG-Pro) -> recon files;
+#   4. eval/frontier.py: `kvforge eval --gpu` for kvforge's schemes and `kvforge eval --peer`
+#      for the recon files -> one combined JSON and the Pareto plot;
+#   5. bench/peer_bench.py: encode/decode of the LongCat layer, QVG and kvforge in one process.
+# Files under $OUT: peer.log, harness.json, frontier.json, frontier.png, peer_bench.json.
+# Expected: about 4 minutes on one H200 (Triton's autotuning included); every step is cut
+# to what is left of KVF_PEER_BUDGET (560 s) so the whole stays within one 600 s command.
+# KVF_PEER_SCHEMES: kvforge's schemes to score (default below); KVF_PEER_GPU=0: score and
+# bench on the CPU (to try the script where there is no GPU: the peer then skips).
+set -u
+O=${OUT:-/tmp/out}; mkdir -p "$O"
+PY=${PYTHON:-python3}
+exec > >(tee "$O/peer.log") 2>&1
+export PYTHONUNBUFFERED=1 LD_LIBRARY_PATH=$PWD/out/lib KVF_SRC=$PWD KVFORGE_CACHE_DIR=/tmp/kc
+export KVFORGE_LIB=$PWD/out/lib/libkvforge.so PYTHONPATH=/tmp/site:$PWD/python:$PWD/eval/peer
+schemes=${KVF_PEER_SCHEMES:-rtn_int2 qvg_int2 quantwm_int2 qvg_pro_int2}
+gpu=${KVF_PEER_GPU:-1}
+configs="qvg-peer_int2_g64 qvg-peer_int2_g64_asym qvg-peer_pro_int2_g16"
+t0=$(date +%s)
+stamp() { echo "== [$(( $(date +%s) - t0 )) s] $*"; }
+# Seconds a step may take: its cap, or what is left of the whole run's budget (one
+# command on the GPU machine runs at most 600 s), at least 5.
+budget=${KVF_PEER_BUDGET:-560}
+tl() { local left=$(( budget - ($(date +%s) - t0) )); local c=$1; [ $left -lt $c ] && c=$left; [ $c -lt 5 ] && c=5; echo $c; }
+
+stamp "install the peer's wheels"
+ls .whl/*.whl || { echo "no .whl/ carried: run 'pip download --no-deps quant-videogen termcolor loguru einops -d .whl'"; exit 1; }
+$PY -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
+$PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())"
+
+stamp "dump"
+dump=eval/worldmodel/kv_small.safetensors
+if [ -f out/data/vtest.avi ]; then
+  dev=cuda; [ "$gpu" = 0 ] && dev=cpu
+  timeout $(tl 60) $PY eval/worldmodel/frames.py out/data/vtest.avi /tmp/f.npz && \
+  timeout $(tl 90) $PY eval/worldmodel/dump_kv.py --weights eval/worldmodel/weights.safetensors --frames /tmp/f.npz \
+    --layers all --chunks 5 --q-stride 16 --device $dev --out /tmp/kv_full.safetensors 2>&1 | tail -2 && \
+  [ -f /tmp/kv_full.safetensors ] && dump=/tmp/kv_full.safetensors
+fi
+echo "dump: $dump"
+
+stamp "QVG over the dump (eval/peer/qvg_peer.py)"
+recons=""
+for c in $configs; do
+  timeout $(tl 120) $PY eval/peer/qvg_peer.py --data "$dump" --config $c --out /tmp/recon_$c.safetensors \
+    --json /tmp/harness_$c.json
+  rc=$?
+  if [ $rc = 0 ]; then recons="$recons /tmp/recon_$c.safetensors"; else echo "qvg_peer $c: exit $rc"; fi
+done
+$PY - "$O/harness.json" $configs <<'PY'
+import json, os, sys
+out = {}
+for c in sys.argv[2:]:
+    p = f"/tmp/harness_{c}.json"
+    if os.path.exists(p):
+        out[c] = json.load(open(p))
+json.dump(out, open(sys.argv[1], "w"), indent=1)
+PY
+
+stamp "kvforge eval: schemes and peers (eval/frontier.py)"
+gflag=--gpu; [ "$gpu" = 0 ] && gflag=
+timeout $(tl 150) $PY eval/frontier.py run --kvforge out/bin/kvforge --data "$dump" --schemes $schemes \
+  --peers $recons $gflag --threads 16 --out "$O/frontier.json" && \
+  $PY eval/frontier.py plot "$O/frontier.json" --png "$O/frontier.png" --title "kvforge and QVG on $(basename $dump)"
+
+stamp "bench (bench/peer_bench.py)"
+if [ "$gpu" = 0 ]; then bargs="--device cpu --tokens 512 --heads 2 --reps 2 --warmup 1 --peers none"; else bargs=""; fi
+timeout $(tl 200) $PY bench/peer_bench.py $bargs --json "$O/peer_bench.json"
+echo "peer_bench exit $?"
+stamp "done"
