@@ -252,3 +252,21 @@ def test_cli_demo_runs_a_pre_rope_scheme(tmp_path, sections):
     # RoPE keeps norms: the turned keys' error is the plain scheme's (an error against
     # unturned keys would be near sqrt(2)).
     assert len(err) == 2 and abs(err[0] - err[1]) < 0.01, err
+
+
+# ------------------------------------------------------- attention example
+
+@pytest.mark.parametrize("sections", [None, "{ 22, 21, 21 }"])
+def test_attention_example_runs_pre_rope_schemes(tmp_path, sections):
+    pytest.importorskip("torch")
+    f = tmp_path / "pre.lua"
+    rope = 'placement = "pre"' + (f", sections = {sections}" if sections else "")
+    f.write_text(f'return {{ base = "rtn_int4", name = "rtn_int4_pre", rope = {{ {rope} }} }}\n')
+    env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
+    r = subprocess.run([os.sys.executable, str(REPO / "examples" / "attention_layer.py"), "--scheme", str(f),
+                        "--device", "cpu", "--chunks", "3", "--heads", "4", "--kv-heads", "2",
+                        "--tokens-per-frame", "104"], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "RoPE before the cache" in r.stdout
+    m = re.search(r"relative error mean ([0-9.]+)", r.stdout)
+    assert m and 0 < float(m.group(1)) < 0.1, r.stdout[-800:]  # 4 bits, turned keys compared with turned keys
