@@ -66,6 +66,26 @@ def test_pip_install_bundles_the_library(tmp_path):
 
 
 @needs_build_tools
+@pytest.mark.skipif(shutil.which("make") is None or shutil.which("cc") is None, reason="needs make and cc")
+def test_pip_install_builds_the_library_first(tmp_path):
+    """A source tree never built: `pip install ./python` runs `make lib` and bundles
+    what it built (the newcomer's order: clone, pip install)."""
+    src = tmp_path / "src"
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".git", ".venv", "out", "out-*", "build", "*.egg-info",
+                                                             "__pycache__", ".pytest_cache"))
+    assert not (src / "out").exists()
+    r = _pip_target(src / "python", tmp_path / "site", _clean_env())
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert (src / "out" / "lib" / "libkvforge.so").is_file()
+    for so in ("libkvforge.so",) + DEPS:
+        assert (tmp_path / "site" / "kvforge" / "_lib" / so).is_file(), so
+    code = "import kvforge; print(kvforge.library_path()); print(kvforge.Scheme('rtn_int2').id)"
+    r = subprocess.run([sys.executable, "-c", code], env=_clean_env(PYTHONPATH=str(tmp_path / "site")),
+                       capture_output=True, text=True, cwd=str(tmp_path))
+    assert r.returncode == 0 and r.stdout.startswith(str(tmp_path / "site")), r.stdout + r.stderr
+
+
+@needs_build_tools
 def test_pip_install_refuses_a_missing_library(tmp_path):
     """KVFORGE_BUILD_DIR naming a directory without the library is an error, not a
     pure-Python install whose first call would fail."""
