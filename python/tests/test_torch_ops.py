@@ -35,6 +35,16 @@ def step_fn(scheme, n, heads):
     return f
 
 
+def _same_attention(a, b, device):
+    """Bit for bit on the CPU (measured); on CUDA inductor may pick another SDPA
+    kernel or expand the KV heads for grouped-query attention, so within BF16
+    rounding there (the kvforge ops' outputs are still compared bit for bit)."""
+    if device == "cpu":
+        assert torch.equal(a, b)
+    else:
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+
+
 def _compile_matches_eager(device):
     s = kvforge.Scheme("quantwm_int2")  # reads query statistics: the mutating op is exercised
     n = 128
@@ -49,7 +59,7 @@ def _compile_matches_eager(device):
         o_e, p_e = f(q, k, v, qs_e)
         assert torch.equal(qs_c, qs_e), t
         assert torch.equal(p_c, p_e), t
-        assert torch.equal(o_c, o_e), t
+        _same_attention(o_c, o_e, device)
         q = rand(2 * H, 32, D, seed=10 + t, device=device)
 
 
@@ -187,12 +197,15 @@ def test_compile_reduce_overhead_cuda():
 
     def f(q, packed):
         K, V = ops.decode(packed, n, H, s)
-        return torch.nn.functional.scaled_dot_product_attention(q[None], K[None], V[None], enable_gqa=True)
+        return K, torch.nn.functional.scaled_dot_product_attention(q[None], K[None], V[None], enable_gqa=True)
 
     cf = torch.compile(f, mode="reduce-overhead", fullgraph=True)
     for t in range(4):
         q = rand(2 * H, 64, D, seed=70 + t, device=dev)
-        assert torch.equal(cf(q, packed).clone(), f(q, packed)), t
+        Kc, oc = (x.clone() for x in cf(q, packed))  # a replay's outputs are overwritten by the next
+        Ke, oe = f(q, packed)
+        assert torch.equal(Kc, Ke), t
+        _same_attention(oc, oe, dev)
 
 
 @cuda
