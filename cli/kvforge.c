@@ -3,6 +3,7 @@
 #include "eval.h"
 #include "gen.h"
 #include "gpu/jit.h"
+#include "cpu/ref.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -215,7 +216,8 @@ static double now_ms(void) {
 
 /* Round trip through a device: copies in, encode, decode, copies out. */
 static int demo_gpu(kvf_context *ctx, const uint16_t *k, const uint16_t *v, const uint16_t *q, const kvf_shape *sh,
-                    size_t packed_bytes, uint16_t *k2, uint16_t *v2, double *ms) {
+                    const int32_t *pos, size_t pos_bytes, size_t packed_bytes, uint16_t *k2, uint16_t *v2,
+                    double *ms) {
     const kvf_cuda_api *cu;
     int rc = kvf_cuda_load(&cu);
     if (rc) return rc;
@@ -233,6 +235,11 @@ static int demo_gpu(kvf_context *ctx, const uint16_t *k, const uint16_t *v, cons
     KVF_CU(cu, 0, cuMemAlloc(&dp, packed_bytes));
     KVF_CU(cu, 0, cuMemcpyHtoD(dk, k, n));
     KVF_CU(cu, 0, cuMemcpyHtoD(dv, v, n));
+    CUdeviceptr dpos = 0;
+    if (pos) {
+        KVF_CU(cu, 0, cuMemAlloc(&dpos, pos_bytes));
+        KVF_CU(cu, 0, cuMemcpyHtoD(dpos, pos, pos_bytes));
+    }
     CUdeviceptr dq = 0, dqs = 0;
     size_t qbytes = 0;
     if (q) { /* statistics of the previous chunk's queries */
@@ -246,7 +253,8 @@ static int demo_gpu(kvf_context *ctx, const uint16_t *k, const uint16_t *v, cons
     }
     double t0 = now_ms();
     if (!(rc = kvf_encode(ctx, (void *)dk, (void *)dv, sh, q ? (void *)dqs : NULL, (void *)dp, packed_bytes, NULL)))
-        rc = kvf_decode(ctx, (void *)dp, packed_bytes, sh, NULL, (void *)dk2, (void *)dv2, NULL);
+        rc = kvf_decode(ctx, (void *)dp, packed_bytes, sh, pos ? (const int32_t *)dpos : NULL, (void *)dk2,
+                        (void *)dv2, NULL);
     if (rc) return rc;
     KVF_CU(cu, 0, cuCtxSynchronize());
     *ms = now_ms() - t0;
@@ -254,9 +262,39 @@ static int demo_gpu(kvf_context *ctx, const uint16_t *k, const uint16_t *v, cons
     KVF_CU(cu, 0, cuMemcpyDtoH(v2, dv2, n));
     cu->cuMemFree(dk); cu->cuMemFree(dv); cu->cuMemFree(dk2); cu->cuMemFree(dv2); cu->cuMemFree(dp);
     if (dq) { cu->cuMemFree(dq); cu->cuMemFree(dqs); }
+    if (dpos) cu->cuMemFree(dpos);
     cu->cuCtxPopCurrent(&popped);
     cu->cuDevicePrimaryCtxRelease(dev);
     return KVF_OK;
+}
+
+/* Token positions of the demo's chunk for a scheme that caches keys before
+ * RoPE (METHODS.md 6): int32 [tokens][axes]. One axis: the token's index;
+ * more: (frame, row, column) of a 480p latent grid of 30 x 52 patches, 1560
+ * tokens a frame, further axes 0. */
+static int32_t *demo_positions(int64_t tokens, int axes) {
+    int32_t *p = malloc((size_t)tokens * axes * sizeof *p);
+    if (!p) return NULL;
+    for (int64_t t = 0; t < tokens; t++)
+        for (int a = 0; a < axes; a++) {
+            int64_t r = t % 1560, v = axes == 1 ? t : a == 0 ? t / 1560 : a == 1 ? r / 52 : a == 2 ? r % 52 : 0;
+            p[t * axes + a] = (int32_t)v;
+        }
+    return p;
+}
+
+/* The keys the decode should give back for a pre-RoPE scheme: the input keys
+ * turned by the same RoPE (the CPU reference's), [heads][tokens][d]. */
+static void demo_rope_keys(const kvf_scheme *s, uint16_t *k, int64_t tokens, int heads, const int32_t *pos) {
+    const int d = s->head_dim, axes = s->rope.n_sections < 1 ? 1 : s->rope.n_sections;
+    float x[KVF_REF_MAX_DIM];
+    for (int h = 0; h < heads; h++)
+        for (int64_t t = 0; t < tokens; t++) {
+            uint16_t *row = k + ((size_t)h * tokens + t) * d;
+            for (int c = 0; c < d; c++) x[c] = kvf_bf16_to_f32(row[c]);
+            kvf_ref_rope(x, d, &s->rope, pos + t * axes);
+            for (int c = 0; c < d; c++) row[c] = kvf_f32_to_bf16(x[c]);
+        }
 }
 
 static int cmd_demo(int argc, char **argv) {
@@ -280,6 +318,11 @@ static int cmd_demo(int argc, char **argv) {
         if (!q) return fail(kvf_set_error(KVF_ENOMEM, "demo buffers"));
         kvf_synth_kv(q, tokens, heads, d, 3);
     }
+    /* Keys cached before RoPE: the decode turns them, and needs the positions. */
+    const int pre = s->rope.placement == KVF_ROPE_PRE, axes = s->rope.n_sections < 1 ? 1 : s->rope.n_sections;
+    int32_t *pos = NULL;
+    if (pre && !(pos = demo_positions(tokens, axes))) return fail(kvf_set_error(KVF_ENOMEM, "demo positions"));
+    const size_t pos_bytes = (size_t)tokens * axes * sizeof(int32_t);
 
     int count = 0, want_cpu = has_flag(argc, argv, "--cpu");
     kvf_context *ctx = NULL;
@@ -292,7 +335,7 @@ static int cmd_demo(int argc, char **argv) {
     double ms = 0;
     if (ctx) {
         printf("backend: GPU %s (kernels from %s)\n", kvf_context_backend(ctx), kvf_context_origin(ctx));
-        if ((rc = demo_gpu(ctx, k, v, q, &sh, packed_bytes, k2, v2, &ms))) return fail(rc);
+        if ((rc = demo_gpu(ctx, k, v, q, &sh, pos, pos_bytes, packed_bytes, k2, v2, &ms))) return fail(rc);
     } else {
         printf("backend: CPU reference (no GPU: %s)\n", why);
         if ((rc = kvf_context_create(s, KVF_DEVICE_CPU, &ctx))) return fail(rc);
@@ -305,13 +348,19 @@ static int cmd_demo(int argc, char **argv) {
             return fail(rc);
         double t0 = now_ms();
         if ((rc = kvf_encode(ctx, k, v, &sh, qs, packed, packed_bytes, NULL)) ||
-            (rc = kvf_decode(ctx, packed, packed_bytes, &sh, NULL, k2, v2, NULL)))
+            (rc = kvf_decode(ctx, packed, packed_bytes, &sh, pos, k2, v2, NULL)))
             return fail(rc);
         ms = now_ms() - t0;
         free(qs);
     }
     if (q) printf("query statistics: from one earlier synthetic chunk of queries (QSAC weights, PSAC basis)\n");
     free(q);
+    if (pre) {
+        demo_rope_keys(s, k, tokens, heads, pos);
+        printf("RoPE: keys cached before RoPE; decode turned them with %d-axis positions (%s), compared with "
+               "the input keys turned the same way\n", axes, axes == 1 ? "token index" : "frame, row, column");
+    }
+    free(pos);
     kvf_footprint f;
     kvf_footprint_of(s, tokens, heads, &f);
     demo_err ek = compare(k, k2, n), ev = compare(v, v2, n);

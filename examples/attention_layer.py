@@ -15,6 +15,12 @@ error and cosine similarity); at the end, the memory saved.
     PYTHONPATH=python KVFORGE_LIB=out/lib/libkvforge.so \\
         python3 examples/attention_layer.py --scheme schemes/rtn_int2.lua --chunks 4
 
+Schemes with rope.placement = "pre" cache keys before RoPE: the layer then
+makes pre-RoPE queries and keys, gives the cache each chunk's token positions
+((frame, row, column) on a 30 x 52 latent grid for 3-axis RoPE, the token's
+index for 1-axis), and attends with keys and queries turned by the scheme's
+RoPE (docs/METHODS.md section 6), in the reference too.
+
 The K/V are synthetic with the statistics that make video caches hard to
 quantize (per-channel offsets, a few outlier channels, neighbouring tokens
 alike); pass --kv-heads 8 for grouped-query attention (32 query heads over 8
@@ -49,6 +55,21 @@ def synthetic(gen, heads, frames, tokens_per_frame, d, *, outliers, device, scal
     x = 0.5 * frame.reshape(heads, n, d) + torch.randn(heads, n, d, generator=gen)
     x = 0.7 * x + 0.3 * torch.roll(x, 1, dims=1)
     return ((x * scale + off) * scale_all).to(torch.bfloat16).to(device)
+
+
+def positions(chunk, frames, tokens_per_frame, axes, device):
+    """int32 [frames * tokens_per_frame, axes]: the chunk's tokens' RoPE positions,
+    frames counted from the start of the video."""
+    width = 52 if tokens_per_frame % 52 == 0 else tokens_per_frame
+    t = torch.arange(frames * tokens_per_frame)
+    if axes == 1:
+        p = (t + chunk * frames * tokens_per_frame)[:, None]
+    else:
+        r = t % tokens_per_frame
+        cols = [chunk * frames + t // tokens_per_frame, r // width, r % width]
+        cols += [torch.zeros_like(t)] * (axes - 3)
+        p = torch.stack(cols[:axes], 1)
+    return p.to(torch.int32).to(device)
 
 
 def attention(q, k, v):
@@ -97,6 +118,12 @@ def main():
           f"{a.frames_per_chunk} frames = {n} tokens/chunk, {a.chunks} chunks on {dev}")
     print(f"{'chunk':>5} {'cached':>8} {'cache MiB':>10} {'BF16 MiB':>9} {'ratio':>6} "
           f"{'rel.err':>8} {'cosine':>8} {'append ms':>9} {'decode ms':>9}")
+    info = cache.info
+    pre = info.rope_placement == "pre"
+    if pre:
+        from kvforge._rope import rope_torch
+        print(f"RoPE before the cache: {info.rope_axes}-axis positions, sections {info.rope_sections}, "
+              f"theta {info.rope_theta}, layout {info.rope_layout}")
     ks, vs = [], []
     errs = []
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
@@ -110,22 +137,26 @@ def main():
             lg = (q[:rep, :256].float() @ k[:1].float().transpose(1, 2)) / a.head_dim ** 0.5
             print(f"(synthetic data: attention logits' std over keys {lg.std(-1).mean().item():.2f}, "
                   f"largest softmax weight {torch.softmax(lg, -1).max(-1).values.mean().item():.3f} on average)")
-        ks.append(k)
+        pos = positions(t, a.frames_per_chunk, a.tokens_per_frame, info.rope_axes, dev) if pre else None
+        # q, k are what the model computes before RoPE when the scheme caches them so;
+        # attention always sees turned ones.
+        q_att, k_att = (rope_torch(q, pos, info), rope_torch(k, pos, info)) if pre else (q, k)
+        ks.append(k_att)
         vs.append(v)
-        ref = attention(q, torch.cat(ks, 1), torch.cat(vs, 1)).float()
+        ref = attention(q_att, torch.cat(ks, 1), torch.cat(vs, 1)).float()
         sync()
         t1 = time.perf_counter()
         Kc, Vc = cache.keys_values(0)
         sync()
         t_dec = time.perf_counter() - t1
-        out = attention(q, torch.cat([Kc, k], 1), torch.cat([Vc, v], 1)).float()
+        out = attention(q_att, torch.cat([Kc, k_att], 1), torch.cat([Vc, v], 1)).float()
         rel = ((out - ref).norm() / ref.norm()).item()
         cos = torch.nn.functional.cosine_similarity(out.double().flatten(), ref.double().flatten(), dim=0).item()
         errs.append(rel)
         del Kc, Vc
         sync()
         t1 = time.perf_counter()
-        cache.append(0, k, v, q=q)
+        cache.append(0, k, v, q=q, positions=pos)
         sync()
         t_app = time.perf_counter() - t1
         m = cache.memory()

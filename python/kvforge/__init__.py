@@ -3,9 +3,11 @@
 A ctypes binding of libkvforge (no compiler step): schemes, contexts (CPU
 reference or CUDA with JIT-compiled kernels), encode/decode of numpy arrays and
 torch tensors, and :class:`QuantizedKVCache` for chunked autoregressive
-generation. See python/README.md.
+generation. See python/README.md. With torch: ``kvforge.ops`` (custom ops for
+torch.compile and CUDA graphs), ``kvforge.dump`` (Q/K/V dumps for `kvforge
+eval`), ``kvforge.diffusers`` (the cache in a diffusers transformer).
 """
-from ._lib import KvforgeError, LibraryNotFoundError, library_path
+from ._lib import KvforgeError, LibraryNotFoundError, library_path, status_codes
 from .cache import QuantizedKVCache
 from .context import Context, device_count
 from .scheme import Scheme, SchemeInfo, builtin_schemes, load_scheme
@@ -13,7 +15,7 @@ from .scheme import Scheme, SchemeInfo, builtin_schemes, load_scheme
 __version__ = "0.2.0"
 
 __all__ = [
-    "KvforgeError", "LibraryNotFoundError", "library_path", "version", "QuantizedKVCache",
+    "KvforgeError", "LibraryNotFoundError", "library_path", "status_codes", "version", "QuantizedKVCache",
     "Context", "device_count", "Scheme", "SchemeInfo", "builtin_schemes", "load_scheme",
     "cache_dir", "cache_clear", "float32_to_bf16_bits", "bf16_bits_to_float32",
 ]

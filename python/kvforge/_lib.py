@@ -24,23 +24,13 @@ from ctypes import (POINTER, Structure, c_char_p, c_double, c_int, c_int32, c_in
                     c_uint64, c_void_p)
 from pathlib import Path
 
-__all__ = ["KvforgeError", "LibraryNotFoundError", "lib", "check", "library_path"]
+__all__ = ["KvforgeError", "LibraryNotFoundError", "lib", "check", "library_path", "status_codes"]
 
-# Status codes of include/kvforge.h (kvf_status).
+# Status codes: only KVF_OK is fixed here. Every other code's name and text come
+# from the library (kvf_status_name / kvf_strerror; status_codes() lists them),
+# so the binding cannot drift from include/kvforge.h.
 KVF_OK = 0
-KVF_EINVAL = -1
-KVF_ENOMEM = -2
-KVF_ESCHEME = -3
-KVF_ENOTIMPL = -4
-KVF_ENOCUDA = -5
-KVF_ENODEV = -6
-KVF_ENONVRTC = -7
-KVF_ECOMPILE = -8
-KVF_ECUDA = -9
-KVF_EIO = -10
-KVF_EFORMAT = -11
-KVF_ERANGE = -12
-KVF_ETOOL = -13
+_STATUS_SCAN = 1024  # codes 0, -1, ... are asked for until the library says KVF_UNKNOWN
 
 KVF_DEVICE_CPU = -1
 
@@ -265,6 +255,40 @@ def error_for(status: int, function: str = "") -> KvforgeError:
     L = lib()
     return KvforgeError(status, _s(L.kvf_status_name(status)), _s(L.kvf_strerror(status)),
                         _s(L.kvf_last_error()), function)
+
+
+def status_codes() -> dict:
+    """{"KVF_OK": 0, "KVF_EINVAL": -1, ...}: every status the loaded library names,
+    asked of it (kvf_status_name over 0, -1, -2, ... up to the first unknown code)."""
+    global _status_codes
+    if _status_codes is None:
+        L = lib()
+        out = {}
+        for code in range(0, -_STATUS_SCAN, -1):
+            name = _s(L.kvf_status_name(code))
+            if not name or name == "KVF_UNKNOWN":
+                break
+            out[name] = code
+        _status_codes = out
+    return dict(_status_codes)
+
+
+def status_descriptions() -> dict:
+    """{code: kvf_strerror(code)} for every code of :func:`status_codes`."""
+    L = lib()
+    return {code: _s(L.kvf_strerror(code)) for code in status_codes().values()}
+
+
+_status_codes = None
+
+
+def __getattr__(name):
+    """``_lib.KVF_EINVAL`` and so on, looked up in the library (module __getattr__)."""
+    if name.startswith("KVF_E"):
+        codes = status_codes()
+        if name in codes:
+            return codes[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def check(status: int, function: str = "") -> None:

@@ -150,13 +150,44 @@ class NumpyBackend:
         if p.shape != (n_tokens, n_axes):
             raise ValueError(f"{name}: expected shape ({n_tokens}, {n_axes}) [N, axes], got {p.shape}")
         if p.dtype != np.int32:
-            if p.size and (p.min() < -2**31 or p.max() >= 2**31):
-                raise ValueError(f"{name}: values do not fit in int32")
+            _check_int32(name, p, int(p.min()) if p.size else 0, int(p.max()) if p.size else 0)
             p = p.astype(np.int32)
         return np.ascontiguousarray(p)
 
     def ptr(self, a):
         return a.ctypes.data if a is not None else None
+
+    def nonfinite(self, x):
+        """(count, first index, value) of NaN/Inf elements of BF16 bits or float32, or None."""
+        np = self.np
+        if x.dtype == np.uint16:
+            bad = (x & 0x7F80) == 0x7F80
+        else:
+            bad = ~np.isfinite(x)
+        n = int(np.count_nonzero(bad))
+        if not n:
+            return None
+        first = tuple(int(i) for i in np.unravel_index(int(np.argmax(bad)), x.shape))
+        val = x[first]
+        if x.dtype == np.uint16:
+            from ._bf16 import bf16_bits_to_float32
+            val = bf16_bits_to_float32(np.asarray([val], dtype=np.uint16))[0]
+        return n, first, float(val)
+
+    def check_writable(self, a, name):
+        if isinstance(a, self.np.ndarray) and not a.flags.writeable:
+            raise ValueError(f"{name}: the array is read-only (flags.writeable is False); "
+                             f"pass a writable array (np.empty(...)) or None to allocate one")
+
+    def flat_heads(self, x, layout):
+        """[B, H, N, d] / [B, N, H, d] -> [B*H, N, d] (a view where the strides allow)."""
+        if layout == "nhd":
+            x = x.transpose(0, 2, 1, 3)
+        return x.reshape(x.shape[0] * x.shape[1], x.shape[2], x.shape[3])
+
+    def to_nhd(self, x4):
+        """[B, H, T, d] -> a new contiguous [B, T, H, d]."""
+        return self.np.ascontiguousarray(x4.transpose(0, 2, 1, 3))
 
     def empty_u8(self, n):
         return self.np.empty(int(n), dtype=self.np.uint8)
@@ -267,10 +298,41 @@ class TorchBackend:
             p = p.reshape(-1, 1)
         if tuple(p.shape) != (n_tokens, n_axes):
             raise ValueError(f"{name}: expected shape ({n_tokens}, {n_axes}) [N, axes], got {tuple(p.shape)}")
+        if p.dtype != torch.int32 and p.numel():
+            # A silent wrap-around would turn the keys by wrong angles.
+            _check_int32(name, p, int(p.min()), int(p.max()))
         return p.to(device=self.device, dtype=torch.int32).contiguous()
 
     def ptr(self, a):
         return a.data_ptr() if a is not None else None
+
+    def nonfinite(self, x):
+        """(count, first index, value) of NaN/Inf elements, or None (synchronizes on a GPU)."""
+        torch = self.torch
+        bad = ~torch.isfinite(x)
+        n = int(bad.sum())
+        if not n:
+            return None
+        flat = int(bad.reshape(-1).nonzero()[0, 0])
+        first = []
+        for size in reversed(x.shape):
+            first.append(flat % size)
+            flat //= size
+        first = tuple(reversed(first))
+        return n, first, float(x[first])
+
+    def check_writable(self, a, name):
+        pass  # torch tensors carry no read-only flag
+
+    def flat_heads(self, x, layout):
+        """[B, H, N, d] / [B, N, H, d] -> [B*H, N, d] (a view where the strides allow)."""
+        if layout == "nhd":
+            x = x.permute(0, 2, 1, 3)
+        return x.reshape(x.shape[0] * x.shape[1], x.shape[2], x.shape[3])
+
+    def to_nhd(self, x4):
+        """[B, H, T, d] -> a new contiguous [B, T, H, d]."""
+        return x4.permute(0, 2, 1, 3).contiguous()
 
     def empty_u8(self, n):
         return self.torch.empty(int(n), dtype=self.torch.uint8, device=self.device)
@@ -300,6 +362,23 @@ class TorchBackend:
     def sync(self):
         if self.is_gpu:
             self.torch.cuda.current_stream(self.device).synchronize()
+
+
+def _check_int32(name, p, lo, hi):
+    if lo < -2**31 or hi >= 2**31:
+        bad = lo if lo < -2**31 else hi
+        raise ValueError(f"{name}: value {bad} does not fit in int32 (the library's positions are int32: "
+                         f"[{-2**31}, {2**31 - 1}])")
+
+
+def check_finite(be, x, name):
+    """strict=True: refuse NaN or Inf in an input, naming how many and the first one."""
+    r = be.nonfinite(x)
+    if r is not None:
+        n, first, val = r
+        total = int(x.size) if be.kind == "numpy" else int(x.numel())
+        raise ValueError(f"{name}: {n} of {total} values are NaN or Inf (strict=True); the first at index "
+                         f"{list(first)} of shape {list(x.shape)} is {val}")
 
 
 def make_backend(device):

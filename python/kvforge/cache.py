@@ -2,7 +2,7 @@
 by a kvforge scheme chunk by chunk."""
 from __future__ import annotations
 
-from ._tensors import check_layout
+from ._tensors import check_finite, check_layout
 from .context import Context
 from .scheme import load_scheme
 
@@ -57,6 +57,17 @@ class QuantizedKVCache:
     qstats: ``"auto"`` keeps per-layer query statistics when the scheme reads them
         (QSAC or PSAC keys); ``True`` always; ``False`` never (q is then checked
         and ignored, and such schemes encode from a cold start).
+    batch_size: ``None`` (default): k, v and q of one sequence ([Hkv, N, d], or
+        [1, ...]), and keys_values returns [Hkv, T, d]. An int B >= 1: a leading batch
+        dimension everywhere ([B, Hkv, N, d] / [B, N, Hkv, d] in, [B, Hkv, T, d] /
+        [B, T, Hkv, d] out). The batch entries share the chunk schedule and positions;
+        each span of a layer is one packed buffer over B x Hkv heads (every plane of
+        the packed format is per head, so each entry is encoded as it would be alone,
+        with its own query statistics: query head j of entry b feeds KV head j / g of
+        entry b), one kernel launch and one header for the whole batch.
+    strict: ``True``: append refuses K or V holding NaN or Inf (a ValueError naming
+        how many and where the first is); ``False`` (default) lets the library take
+        them (docs/METHODS.md). On a GPU the check synchronizes.
     warm_start: ``True``: each span's k-means starts from the centroids of the
         layer's previous packed span (``Context.encode(warm_from=...)``); the first
         span, and schemes without centroids, as without it. ``False`` (default): a
@@ -75,7 +86,7 @@ class QuantizedKVCache:
 
     def __init__(self, scheme, num_layers: int, num_kv_heads: int, head_dim: int | None = None, *,
                  device=None, layout: str = "hnd", num_q_heads: int | None = None, qstats="auto",
-                 warm_start: bool = False):
+                 warm_start: bool = False, batch_size: int | None = None, strict: bool = False):
         self.scheme = load_scheme(scheme)
         info = self.info = self.scheme.info
         if head_dim is None:
@@ -88,8 +99,15 @@ class QuantizedKVCache:
                              f"{info.head_dim} (set head_dim in the scheme file)")
         if num_q_heads is not None and (num_q_heads < 1 or num_q_heads % num_kv_heads):
             raise ValueError(f"num_q_heads = {num_q_heads} is not a multiple of num_kv_heads = {num_kv_heads}")
+        if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool)
+                                       or batch_size < 1):
+            raise ValueError(f"batch_size must be None or a positive int, got {batch_size!r}")
+        self.batch_size = batch_size
+        self.strict = bool(strict)
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
+        # Heads as the library sees them: the batch entries' heads side by side.
+        self._heads = (batch_size or 1) * num_kv_heads
         self.num_q_heads = num_q_heads
         self.head_dim = head_dim
         self.layout = check_layout(layout)
@@ -103,11 +121,10 @@ class QuantizedKVCache:
         if warm_start not in (True, False):
             raise ValueError(f"warm_start must be True or False, got {warm_start!r}")
         self.warm_start = bool(warm_start)
-        self._qstats_bytes = self.scheme.qstats_size(num_kv_heads) if self.uses_qstats else 0
         self._layers = [_Layer() for _ in range(num_layers)]
         if self.uses_qstats:
             for st in self._layers:
-                st.qstats = self.ctx.qstats_new(num_kv_heads)
+                st.qstats = self.ctx.qstats_new(self._heads)
 
     # ------------------------------------------------------------ properties
     @property
@@ -121,6 +138,7 @@ class QuantizedKVCache:
 
     def __repr__(self):
         return (f"QuantizedKVCache({self.scheme.id!r}, layers={self.num_layers}, kv_heads={self.num_kv_heads}, "
+                f"batch={self.batch_size}, "
                 f"head_dim={self.head_dim}, {self.be!r}, tokens={self.num_tokens()}, "
                 f"nbytes={self.nbytes}, ratio={self.compression_ratio:.3f})")
 
@@ -148,7 +166,33 @@ class QuantizedKVCache:
         return self._layer(layer).qstats
 
     # ------------------------------------------------------------ append
-    def append(self, layer: int, k, v, q=None, positions=None):
+    def _flat(self, x, name, n_heads=None, heads_multiple_of=None):
+        """A batched input [B, H, N, d] / [B, N, H, d] as the library's [B*H, N, d] ("hnd")."""
+        be, d, B = self.be, self.head_dim, self.batch_size
+        shape = tuple(int(s) for s in getattr(x, "shape", ()))
+        what = "[B, H, N, d]" if self.layout == "hnd" else "[B, N, H, d]"
+        if len(shape) != 4 or shape[0] != B:
+            raise ValueError(f"{name}: this cache has batch_size={B}: expected a 4-D {what} tensor with "
+                             f"B = {B}, got shape {shape}")
+        h = shape[1] if self.layout == "hnd" else shape[2]
+        if n_heads is not None and h != n_heads:
+            raise ValueError(f"{name}: {h} heads in shape {shape} (layout {self.layout!r} = {what}), "
+                             f"expected {n_heads}")
+        if heads_multiple_of is not None and h % heads_multiple_of:
+            raise ValueError(f"{name}: {h} query heads in shape {shape} is not a multiple of the "
+                             f"{heads_multiple_of} KV heads")
+        if shape[3] != d:
+            raise ValueError(f"{name}: last dimension is {shape[3]}, the scheme's head_dim is {d}")
+        if be.kind == "torch":
+            be._check_tensor(x, name)
+            if x.dtype != be.torch.bfloat16:
+                raise TypeError(f"{name}: dtype must be torch.bfloat16, got {x.dtype}")
+        flat = be.flat_heads(x, self.layout)
+        mult = None if heads_multiple_of is None else B * heads_multiple_of
+        return be.kv(flat, name, "hnd", d, n_heads=None if n_heads is None else B * n_heads,
+                     heads_multiple_of=mult)
+
+    def append(self, layer: int, k, v, q=None, positions=None, *, strict: bool | None = None):
         """Add one finished chunk of a layer.
 
         k, v: the chunk's keys and values, [Hkv, N, d] (or [N, Hkv, d] with
@@ -160,17 +204,30 @@ class QuantizedKVCache:
         that waits in BF16 before being packed is packed with the statistics as
         of its own append, a copy of which waits with it). positions: int32 [N, axes],
         required for rope.placement = "pre" schemes (k then holds keys before RoPE
-        and q queries before RoPE) and refused otherwise.
+        and q queries before RoPE) and refused otherwise; with a batch, one [N, axes]
+        for every entry. strict: overrides the cache's ``strict`` for this call.
+
+        With ``batch_size=B``: k, v [B, Hkv, N, d] (or [B, N, Hkv, d]), q [B, Hq, Nq, d].
         """
         st = self._layer(layer)
         be, d, info = self.be, self.head_dim, self.info
-        ka = be.kv(k, "k", self.layout, d, n_heads=self.num_kv_heads)
-        va = be.kv(v, "v", self.layout, d, n_heads=self.num_kv_heads)
+        if self.batch_size is None:
+            ka = be.kv(k, "k", self.layout, d, n_heads=self.num_kv_heads)
+            va = be.kv(v, "v", self.layout, d, n_heads=self.num_kv_heads)
+        else:
+            ka = self._flat(k, "k", n_heads=self.num_kv_heads)
+            va = self._flat(v, "v", n_heads=self.num_kv_heads)
         if va.n_tokens != ka.n_tokens:
             raise ValueError(f"v has {va.n_tokens} tokens, k has {ka.n_tokens}")
+        if self.strict if strict is None else strict:
+            check_finite(be, k, "k")
+            check_finite(be, v, "v")
         qa = None
         if q is not None:
-            qa = be.kv(q, "q", self.layout, d, n_heads=self.num_q_heads, heads_multiple_of=self.num_kv_heads)
+            if self.batch_size is None:
+                qa = be.kv(q, "q", self.layout, d, n_heads=self.num_q_heads, heads_multiple_of=self.num_kv_heads)
+            else:
+                qa = self._flat(q, "q", n_heads=self.num_q_heads, heads_multiple_of=self.num_kv_heads)
         if info.rope_placement == "pre":
             if positions is None:
                 raise ValueError(f"positions: scheme {self.scheme.name} caches keys before RoPE "
@@ -189,7 +246,7 @@ class QuantizedKVCache:
             entries = st.entries + [_Entry("sink", idx, 1, n, k=be.hnd_copy(ka), v=be.hnd_copy(va), positions=pos)]
         elif span == 1 and recent == 0:
             # Packed at once, straight from the caller's tensors (no copy).
-            packed = be.empty_u8(self.ctx.packed_size(n, self.num_kv_heads))
+            packed = be.empty_u8(self.ctx.packed_size(n, self._heads))
             self.ctx.encode_args(ka, va, st.qstats, packed, warm=self._warm(st.entries))
             entries = st.entries + [_Entry("packed", idx, 1, n, packed=packed, positions=pos)]
         else:
@@ -233,7 +290,7 @@ class QuantizedKVCache:
             ka = be.kv(k, "k", "hnd", self.head_dim)
             va = be.kv(v, "v", "hnd", self.head_dim)
             n = sum(e.n_tokens for e in group)
-            packed = be.empty_u8(self.ctx.packed_size(n, self.num_kv_heads))
+            packed = be.empty_u8(self.ctx.packed_size(n, self._heads))
             self.ctx.encode_args(ka, va, group[0].qstats, packed, warm=self._warm(entries[:first]))
             packed_entry = _Entry("packed", group[0].first_chunk, len(group), n, packed=packed, positions=pos)
             entries = entries[:first] + [packed_entry] + waiting[info.chunk_span:]
@@ -242,31 +299,46 @@ class QuantizedKVCache:
     def keys_values(self, layer: int, *, layout: str | None = None, out=None, bits: bool = False):
         """Decoded keys and values of every cached token of a layer, oldest first.
 
-        Returns (K, V) of shape [Hkv, T, d] (layout "hnd") or [T, Hkv, d] ("nhd"):
-        torch.bfloat16 on the cache's device, or numpy float32 (uint16 BF16 bits
-        with bits=True). Every packed span is decoded straight into its slice of
-        one preallocated buffer (no concatenation), the BF16 chunks are copied in.
-        For rope.placement = "pre" schemes the keys come back rotated. ``out``:
-        (K, V) BF16 tensors / uint16 arrays of that shape to write into.
+        Returns (K, V) of shape [Hkv, T, d] (layout "hnd") or [T, Hkv, d] ("nhd"),
+        [B, Hkv, T, d] / [B, T, Hkv, d] with a batch: torch.bfloat16 on the cache's
+        device, or numpy float32 (uint16 BF16 bits with bits=True). Every packed span
+        is decoded straight into its slice of one preallocated buffer (no
+        concatenation), the BF16 chunks are copied in (with a batch and "nhd", the
+        decode goes through one [B, Hkv, T, d] buffer first). For rope.placement =
+        "pre" schemes the keys come back rotated. ``out``: (K, V) contiguous BF16
+        tensors / writable uint16 arrays of that shape to write into.
         """
         st = self._layer(layer)
         layout = check_layout(layout or self.layout)
-        be, H, d, T = self.be, self.num_kv_heads, self.head_dim, st.n_tokens
-        shape = (H, T, d) if layout == "hnd" else (T, H, d)
+        be, H, d, T, B = self.be, self._heads, self.head_dim, st.n_tokens, self.batch_size
+        Hkv = self.num_kv_heads
+        if B is None:
+            shape = (H, T, d) if layout == "hnd" else (T, H, d)
+        else:
+            shape = (B, Hkv, T, d) if layout == "hnd" else (B, T, Hkv, d)
         if out is not None:
             K, V = out
             for name, x in (("out[0]", K), ("out[1]", V)):
+                be.check_writable(x, name)
                 if tuple(x.shape) != shape:
                     raise ValueError(f"{name}: shape {tuple(x.shape)}, expected {shape}")
-                a = be.kv(x, name, layout, d, n_heads=H) if T else None
-                if a is not None and (a.obj is not x or a.token_stride != (d if layout == "hnd" else H * d)
-                                      or a.head_stride != (T * d if layout == "hnd" else d)):
-                    raise ValueError(f"{name}: must be a contiguous BF16 {'torch.bfloat16 tensor' if be.kind == 'torch' else 'uint16 array'}")
+                if T:
+                    kind = "torch.bfloat16 tensor" if be.kind == "torch" else "uint16 array"
+                    if not _is_contiguous(be, x):
+                        raise ValueError(f"{name}: must be a contiguous BF16 {kind}")
+                    flat = x.reshape(-1, x.shape[-2], d)  # a view of a contiguous x (checks dtype, device)
+                    if be.kv(flat, name, "hnd", d).obj is not flat:
+                        raise ValueError(f"{name}: must be a contiguous BF16 {kind}")
         else:
             K, V = be.empty_bf16(shape), be.empty_bf16(shape)
         if T:
-            tok_stride, head_stride = (d, T * d) if layout == "hnd" else (H * d, d)
-            kbase, vbase = be.ptr(K), be.ptr(V)
+            via = B is not None and layout == "nhd"  # decode [B*Hkv, T, d], then transpose
+            dl = "hnd" if B is not None else layout
+            Kd, Vd = (be.empty_bf16((B, Hkv, T, d)), be.empty_bf16((B, Hkv, T, d))) if via else (K, V)
+            tok_stride, head_stride = (d, T * d) if dl == "hnd" else (H * d, d)
+            kbase, vbase = be.ptr(Kd), be.ptr(Vd)
+            Kf = Kd if B is None else Kd.reshape(H, T, d)
+            Vf = Vd if B is None else Vd.reshape(H, T, d)
             t0 = 0
             for e in st.entries:
                 if e.kind == "packed":
@@ -277,9 +349,12 @@ class QuantizedKVCache:
                     k = e.k
                     if e.positions is not None:
                         k = self._rope(k, e.positions)
-                    self._put(K, k, t0, e.n_tokens, layout)
-                    self._put(V, e.v, t0, e.n_tokens, layout)
+                    self._put(Kf, k, t0, e.n_tokens, dl)
+                    self._put(Vf, e.v, t0, e.n_tokens, dl)
                 t0 += e.n_tokens
+            if via:
+                K[...] = be.to_nhd(Kd)
+                V[...] = be.to_nhd(Vd)
         if be.kind == "numpy" and not bits:
             from ._bf16 import bf16_bits_to_float32
             return bf16_bits_to_float32(K), bf16_bits_to_float32(V)
@@ -315,7 +390,7 @@ class QuantizedKVCache:
                 m["qstats"] += be.nbytes(st.qstats)
             m["tokens"] += st.n_tokens
         m["total"] = m["packed"] + m["bf16"] + m["positions"] + m["qstats"]
-        m["kv_bf16"] = 2 * m["tokens"] * self.num_kv_heads * self.head_dim * 2
+        m["kv_bf16"] = 2 * m["tokens"] * self._heads * self.head_dim * 2
         m["compression_ratio"] = m["kv_bf16"] / m["total"] if m["total"] else 1.0
         return m
 
@@ -340,5 +415,11 @@ class QuantizedKVCache:
             q = st.qstats
             self._layers[i] = _Layer()
             if q is not None:
-                self.ctx.qstats_init(q, self.num_kv_heads)
+                self.ctx.qstats_init(q, self._heads)
                 self._layers[i].qstats = q
+
+
+def _is_contiguous(be, x):
+    if be.kind == "torch":
+        return x.is_contiguous()
+    return bool(x.flags.c_contiguous)

@@ -6,7 +6,7 @@ import threading
 from ctypes import byref, c_int, c_uint64, c_void_p
 
 from ._lib import KVF_DEVICE_CPU, KvfShape, check, cstr, lib
-from ._tensors import check_layout, make_backend
+from ._tensors import check_finite, check_layout, make_backend
 from .scheme import Scheme, load_scheme
 
 __all__ = ["Context", "device_count"]
@@ -88,8 +88,10 @@ class Context:
         return self.scheme.packed_size(n_tokens, n_heads)
 
     # ------------------------------------------------------------ helpers
-    def _buffer(self, buf, name, min_bytes=None):
+    def _buffer(self, buf, name, min_bytes=None, writable=False):
         be = self.be
+        if writable:
+            be.check_writable(buf, name)
         if be.kind == "numpy":
             import numpy as np
             if not isinstance(buf, np.ndarray) or buf.dtype != np.uint8 or not buf.flags.c_contiguous:
@@ -120,7 +122,7 @@ class Context:
 
         warm: None, or (the previous span's packed buffer, its token count): the
         k-means starts from that span's centroids (kvf_encode_warm)."""
-        pptr, pbytes = self._buffer(packed, "packed")
+        pptr, pbytes = self._buffer(packed, "packed", writable=True)
         if warm is not None:
             wbuf, wtokens = warm
             if not isinstance(wtokens, int) or isinstance(wtokens, bool) or wtokens < 1:
@@ -164,7 +166,8 @@ class Context:
         return self.be.positions(positions, n_tokens, self.info.rope_axes)
 
     # ------------------------------------------------------------ public
-    def encode(self, k, v, *, qstats=None, layout: str = "hnd", out=None, warm_from=None, warm_tokens=None):
+    def encode(self, k, v, *, qstats=None, layout: str = "hnd", out=None, warm_from=None, warm_tokens=None,
+               strict: bool = False):
         """Pack one span of K and V. Returns the packed buffer (uint8; ``out`` if given).
 
         k, v: ``[H, N, d]`` (layout ``"hnd"``) or ``[N, H, d]`` (``"nhd"``), optionally
@@ -175,6 +178,10 @@ class Context:
         its token count: each k-means starts from its centroids instead of a sample of
         this span's tokens (docs/METHODS.md section 3; sections without centroids
         ignore it). Whether that helps depends on how alike the spans are.
+        ``strict=True``: a NaN or Inf in k or v is a ValueError naming how many there
+        are and where the first is (otherwise the library takes them as they come:
+        RTN, QVG and KIVI drop a NaN from the group's range, QuaRot's rotation spreads
+        it over the token's channels). On a GPU the check synchronizes.
         """
         if (warm_from is None) != (warm_tokens is None):
             raise ValueError("warm_from and warm_tokens go together (the previous span's packed buffer and tokens)")
@@ -183,6 +190,9 @@ class Context:
         va = self.be.kv(v, "v", layout, self.head_dim, n_heads=ka.n_heads)
         if va.n_tokens != ka.n_tokens:
             raise ValueError(f"v has {va.n_tokens} tokens, k has {ka.n_tokens}")
+        if strict:
+            check_finite(self.be, k, "k")
+            check_finite(self.be, v, "v")
         size = self.packed_size(ka.n_tokens, ka.n_heads)
         if out is None:
             out = self.be.empty_u8(size)
@@ -206,6 +216,8 @@ class Context:
             ko, vo = self.be.empty_bf16(shape), self.be.empty_bf16(shape)
         else:
             ko, vo = out
+            self.be.check_writable(ko, "out[0]")
+            self.be.check_writable(vo, "out[1]")
         ka = self.be.kv(ko, "out[0]", layout, self.head_dim, n_heads=n_heads)
         va = self.be.kv(vo, "out[1]", layout, self.head_dim, n_heads=n_heads)
         if ka.obj is not ko or va.obj is not vo:
@@ -234,7 +246,7 @@ class Context:
         return buf
 
     def qstats_init(self, qstats, n_kv_heads: int):
-        ptr, n = self._buffer(qstats, "qstats")
+        ptr, n = self._buffer(qstats, "qstats", writable=True)
         check(lib().kvf_qstats_init(self._c.ptr, ptr, n, int(n_kv_heads), self.be.stream()), "kvf_qstats_init")
 
     def qstats_update(self, qstats, q, *, layout: str = "hnd", n_kv_heads: int | None = None):
@@ -254,7 +266,7 @@ class Context:
         return n.value
 
     def qstats_update_arg(self, qstats, qa):
-        ptr, n = self._buffer(qstats, "qstats")
+        ptr, n = self._buffer(qstats, "qstats", writable=True)
         sh = qa.shape()
         check(lib().kvf_qstats_update(self._c.ptr, ptr, n, qa.ptr, byref(sh), self.be.stream()),
               "kvf_qstats_update")

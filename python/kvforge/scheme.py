@@ -103,6 +103,9 @@ class Scheme:
         self.source = _origin
         self._finalizer = weakref.finalize(self, _free_scheme, L, _ptr)
         self._info = None
+        # Kept as a plain attribute: torch.compile traces `scheme.id` without a C call.
+        self._id = cstr(L.kvf_scheme_id(_ptr))
+        _by_id.setdefault(self._id, self)
 
     @classmethod
     def from_string(cls, text: str, chunkname: str | None = None) -> "Scheme":
@@ -128,7 +131,8 @@ class Scheme:
 
     @property
     def id(self) -> str:
-        return cstr(lib().kvf_scheme_id(self._ptr))
+        """name_xxxxxxxx: the name and the hash of the canonical configuration."""
+        return self._id
 
     @property
     def hash(self) -> int:
@@ -189,6 +193,24 @@ class Scheme:
 
     def __repr__(self) -> str:
         return f"Scheme({self.id!r}, source={self.source!r})"
+
+
+# Every scheme loaded in this process, by id: the torch custom ops (kvforge.ops)
+# name their scheme by id, a string a graph can hold.
+_by_id: dict = {}
+
+
+def scheme_by_id(scheme_id: str) -> Scheme:
+    """The loaded scheme of this id; a shipped scheme is loaded on demand."""
+    s = _by_id.get(scheme_id)
+    if s is None:
+        name = scheme_id.rsplit("_", 1)[0]
+        if name in builtin_schemes():
+            s = Scheme.builtin(name)
+        if s is None or s.id != scheme_id:
+            raise KeyError(f"no scheme with id {scheme_id!r} is loaded in this process (load it with "
+                           f"kvforge.Scheme(...) first)")
+    return s
 
 
 def load_scheme(scheme) -> Scheme:
