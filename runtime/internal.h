@@ -63,6 +63,19 @@ typedef struct kvf_chunk_cfg {
     int sink;   /* first chunks never quantized */
 } kvf_chunk_cfg;
 
+/* The practitioner's temporally stable pipeline (docs/METHODS.md section 8):
+ * outlier separation, temporal anchors, error feedback and calibrated mixed
+ * precision. Zero everywhere: off. */
+typedef struct kvf_pipeline_cfg {
+    int outliers[2];         /* per section (key, value): values a token row keeps exactly (0: off) */
+    int anchor_every;        /* chunks from one anchor to the next (0: no anchors) */
+    int anchor_bits;         /* the anchors' precision: 4, 8 or 16 */
+    double feedback_decay;   /* error feedback's decay in [0, 1) (0: off) */
+    double mp_fraction[2];   /* mixed precision: the share of channels refined, per section (0: off) */
+    int mp_refine_bits;      /* the refinement codes' bits: 2, 4 or 8 */
+    char mp_table[512];      /* the sensitivity table (kvforge calibrate), as written in the scheme */
+} kvf_pipeline_cfg;
+
 /* ------------------------------------------------------------- plan (core/plan.c) */
 
 /* Kernels a scheme may need, by role. The entry of role R is named
@@ -102,6 +115,12 @@ typedef struct kvf_section_plan {
     int bf16_source;  /* k-means stage 0 reads the BF16 input (no rotation, one stage) */
     int kmeans_owner; /* the section (0 key, 1 value) whose k-means kernels it runs */
     int decode_tiles; /* token tiles a decode block loops over per pass */
+    /* The pipeline (kvf_pipeline_cfg), as template arguments: */
+    int outliers;     /* values a row keeps exactly (0: none) */
+    int mp_channels;  /* refined channels a head (0: none) */
+    int mp_bits;      /* their refinement codes' bits */
+    int anchor_bits;  /* 0, or the anchors' bits: spans code x - the anchor's row */
+    int feedback;     /* the encode adds the carried error and writes the new one */
 } kvf_section_plan;
 
 typedef struct kvf_plan {
@@ -139,6 +158,7 @@ struct kvf_scheme {
     kvf_tensor_cfg key, value;
     kvf_rope_cfg rope;
     kvf_chunk_cfg chunk;
+    kvf_pipeline_cfg pipe;
     char canonical[4096]; /* normalized configuration (Lua text) */
     uint64_t hash;        /* XXH3-64 of canonical */
     char id[96];          /* name_xxxxxxxx */
@@ -214,6 +234,14 @@ typedef struct kvf_section_layout {
     size_t bscale_off, bscale_bytes; /* PSAC: f32 [H] basis scales */
     size_t coef_off, coef_bytes;     /* PSAC: int8 [H][N][r] */
     size_t cscale_off, cscale_bytes; /* PSAC: fp16 [H][N] */
+    /* The pipeline's planes (METHODS.md 8), after the others, so a scheme
+     * without them keeps its layout: */
+    int outliers, mp_channels, mp_bits;
+    size_t oidx_off, oidx_bytes;     /* outliers: u8 [H][N][K] channels */
+    size_t oval_off, oval_bytes;     /* outliers: bf16 [H][N][K] values, exactly as given */
+    size_t mmap_off, mmap_bytes;     /* mixed precision: u8 [H][d] slot of each channel (255: not refined) */
+    size_t mcode_off, mcode_bytes;   /* mixed precision: [H][N][M * bits / 8] refinement codes */
+    size_t mscale_off, mscale_bytes; /* mixed precision: fp16 [H][N] refinement scales */
 } kvf_section_layout;
 
 typedef struct kvf_layout {
@@ -233,6 +261,17 @@ void kvf_header_fill(const struct kvf_scheme *s, const kvf_layout *l, kvf_packed
  * first packed_bytes, KVF_ERANGE when prev_bytes cannot hold that layout. */
 int kvf_warm_check(const struct kvf_scheme *s, const void *prev, size_t prev_bytes, int64_t prev_n_tokens,
                    int32_t n_heads, const void *packed, size_t packed_bytes, kvf_layout *L);
+
+/* ----------------------------------------------------------- anchors (anchor.c) */
+
+/* The anchor scheme of s (kvf_scheme_anchor) into a caller's struct. */
+int kvf_anchor_scheme_of(const struct kvf_scheme *s, struct kvf_scheme *a);
+/* An encode's or decode's anchor (NULL: none, KVF_OK): its scheme into
+ * *anchor_s, its layout into *AL, its size and place checked against the
+ * output's first packed_bytes (fn names the caller in messages). */
+int kvf_pipeline_args_check(const struct kvf_scheme *s, const kvf_layout *L, const void *packed, size_t packed_bytes,
+                            const void *anchor, size_t anchor_bytes, int64_t anchor_n_tokens,
+                            struct kvf_scheme *anchor_s, kvf_layout *AL, const char *fn);
 
 /* ------------------------------------------------- number formats (numfmt.c) */
 
@@ -259,6 +298,12 @@ typedef struct kvf_warm_src {
 int kvf_ref_encode_warm(const struct kvf_scheme *s, const uint16_t *k, const uint16_t *v, const kvf_shape *shape,
                         const void *qstats, const uint8_t *prev, size_t prev_bytes, int64_t prev_n_tokens,
                         uint8_t *packed, size_t packed_bytes);
+/* kvf_encode_ex and kvf_decode_ex on host memory: every input of the
+ * pipeline (anchors, error feedback, mixed precision's channel map). */
+int kvf_ref_encode_ex(const struct kvf_scheme *s, const uint16_t *k, const uint16_t *v, const kvf_shape *shape,
+                      const kvf_encode_args *args, uint8_t *packed, size_t packed_bytes);
+int kvf_ref_decode_ex(const struct kvf_scheme *s, const uint8_t *packed, size_t packed_bytes, const kvf_shape *shape,
+                      const kvf_decode_args *args, uint16_t *k_out, uint16_t *v_out);
 int kvf_ref_decode(const struct kvf_scheme *s, const uint8_t *packed, size_t packed_bytes,
                    const kvf_shape *shape, const int32_t *positions, uint16_t *k_out, uint16_t *v_out);
 

@@ -67,10 +67,27 @@ struct kvf_stage_planes {
     unsigned long long codes, scales, tscales, zeros, index, centroids;
 };
 
-/* A tensor section's planes: its stages, then PSAC's. */
+/* The pipeline's planes of a section (METHODS.md 8): outliers' channels and
+ * exact values; mixed precision's channel map, refinement codes and scales. */
+struct kvf_pipe_planes {
+    unsigned long long oidx, oval, mmap, mcode, mscale;
+};
+
+/* A tensor section's planes: its stages, then PSAC's, then the pipeline's. */
 struct kvf_section_planes {
     struct kvf_stage_planes stage[KVF_MAX_STAGES];
     unsigned long long basis, coef, cscale, bscale;
+    struct kvf_pipe_planes pipe;
+};
+
+/* The anchor a span is coded against (temporal anchors): its packed span
+ * (the anchor scheme's: RTN at the anchor's bits, or BF16 rows at 16), the
+ * planes of the section's rows there, and its tokens (token t of the span
+ * reads the anchor's row t % tokens). */
+struct kvf_anchor_ref {
+    KVF_DPTR(const unsigned char) packed;
+    unsigned long long codes, scales, zeros;
+    int tokens, pad;
 };
 
 /* RoPE of keys cached before RoPE (METHODS.md 6): log2(theta), and the

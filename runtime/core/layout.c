@@ -103,6 +103,18 @@ static void place_section(placer *p, const kvf_section_plan *c, int head_dim, in
         place(p, rows, r, &l->coef_off, &l->coef_bytes);
         place(p, rows, 2, &l->cscale_off, &l->cscale_bytes);
     }
+    l->outliers = c->outliers;
+    l->mp_channels = c->mp_channels;
+    l->mp_bits = c->mp_bits;
+    if (c->outliers > 0) {
+        place(p, rows, (size_t)c->outliers, &l->oidx_off, &l->oidx_bytes);
+        place(p, rows, (size_t)c->outliers * 2, &l->oval_off, &l->oval_bytes);
+    }
+    if (c->mp_channels > 0) {
+        place(p, heads, (size_t)head_dim, &l->mmap_off, &l->mmap_bytes);
+        place(p, rows, (size_t)c->mp_channels * (size_t)c->mp_bits / 8, &l->mcode_off, &l->mcode_bytes);
+        place(p, rows, 2, &l->mscale_off, &l->mscale_bytes);
+    }
 }
 
 int kvf_layout_compute(const struct kvf_scheme *s, int64_t n_tokens, int32_t n_heads,

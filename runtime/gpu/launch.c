@@ -269,7 +269,9 @@ static int encode_kmeans(kvf_context *ctx, int t, const void *x, const kvf_shape
 /* -------------------------------------------------------------- encode */
 
 int kvf_gpu_encode(kvf_context *ctx, const void *k, const void *v, const kvf_shape *sh, const kvf_layout *l,
-                   const void *qstats, const kvf_warm_src *warm, void *packed, void *stream) {
+                   const kvf_gpu_inputs *in, void *packed, void *stream) {
+    const void *qstats = in->qstats;
+    const kvf_warm_src *warm = &in->warm;
     kvf_packed_header hdr;
     kvf_header_fill(ctx->scheme, l, &hdr);
     struct kvf_header_words words;
@@ -307,7 +309,9 @@ int kvf_gpu_encode(kvf_context *ctx, const void *k, const void *v, const kvf_sha
 /* -------------------------------------------------------------- decode */
 
 int kvf_gpu_decode(kvf_context *ctx, const void *packed, const kvf_shape *sh, const kvf_layout *l,
-                   const int32_t *positions, void *k_out, void *v_out, void *stream) {
+                   const int32_t *positions, const void *anchor, const kvf_layout *anchor_layout, void *k_out,
+                   void *v_out, void *stream) {
+    (void)anchor, (void)anchor_layout;
     const kvf_scheme *s = ctx->scheme;
     struct kvf_decode_params p;
     memset(&p, 0, sizeof p);
