@@ -149,6 +149,18 @@ struct kvf_header_params {
     struct kvf_header_words hdr;
 };
 
+/* What an encode kernel of a section needs of the pipeline (METHODS.md 8):
+ * where the pipeline's planes go, the anchor the span is coded against, the
+ * carried error, the channel map. Zero where the scheme has none. */
+struct kvf_pipe_io {
+    struct kvf_pipe_planes planes;
+    struct kvf_anchor_ref anchor;      /* packed 0: no anchor */
+    KVF_DPTR(float) fb;                /* the section's carried error [H][N][d], read if fb_in, written */
+    KVF_DPTR(const unsigned char) map; /* the section's channel map [H][d] */
+    int fb_in;
+    float decay;
+};
+
 /* One-launch encodes (paths rows and token_groups). */
 struct kvf_encode_params {
     struct kvf_bf16_src in;
@@ -157,6 +169,7 @@ struct kvf_encode_params {
     struct kvf_stage_planes planes;
     int write_header, pad;
     struct kvf_header_words hdr;
+    struct kvf_pipe_io pipe;
 };
 
 /* The decode of both sections: grid (k_blocks + v_blocks, heads). */
@@ -169,6 +182,7 @@ struct kvf_decode_params {
     KVF_DPTR(const int) positions;       /* [n_tokens][n_sections] for decode RoPE, else 0 */
     struct kvf_rope_args rope;
     unsigned blocks[2];                  /* blocks of the key section, of the value section */
+    struct kvf_anchor_ref anchor[2];     /* the anchor the span was coded against (packed 0: none) */
 };
 
 /* The k-means path (METHODS.md 3). src: the BF16 input (when stage 0 reads
@@ -182,6 +196,7 @@ struct kvf_kmeans_prep_params {
     struct kvf_bf16_src in;
     int n, nh;
     KVF_DPTR(float) e;
+    struct kvf_pipe_io pipe; /* the anchor's row is subtracted, decay x the carried error added */
 };
 
 struct kvf_kmeans_init_params {
@@ -235,6 +250,8 @@ struct kvf_kmeans_residual_params {
     int n, nh, write_e, pad;
     KVF_DPTR(unsigned char) packed;
     struct kvf_stage_planes planes;
+    struct kvf_bf16_src in;  /* the input as given: outliers keep it, the carried error is taken from it */
+    struct kvf_pipe_io pipe;
 };
 
 /* PSAC (METHODS.md 4) and QSAC's channel weights. */

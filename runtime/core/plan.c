@@ -146,6 +146,10 @@ static int check_pipeline(const rules *r) {
         if (c->psac_rank > 0)
             return report(r, field, "cannot be combined with key.psac_rank > 0 (PSAC fits the error the pipeline "
                                     "changes)", NULL, NULL);
+        if (feedback && c->stages > 1)
+            return report(r, "error_feedback.decay",
+                          "needs stages = 1 (the carried error is taken from the one stage's reconstruction)", NULL,
+                          NULL);
         if (k >= s->head_dim)
             return bad(r, "outliers", sec, "must be below head_dim (%d) (got %d)", s->head_dim, k);
         if (mp) {
@@ -191,11 +195,6 @@ static void check_gpu(const struct kvf_scheme *s, kvf_plan *p) {
         snprintf(p->gpu_reason, sizeof p->gpu_reason,
                  "key.psac_rank = %d with head_dim = %d: the GPU statistics kernel needs head_dim x psac_rank <= "
                  "4096 (the CPU backend, KVF_DEVICE_CPU, takes any rank)", r, s->head_dim);
-    else if (s->pipe.outliers[0] || s->pipe.outliers[1] || s->pipe.anchor_every || s->pipe.feedback_decay > 0 ||
-             s->pipe.mp_fraction[0] > 0 || s->pipe.mp_fraction[1] > 0)
-        snprintf(p->gpu_reason, sizeof p->gpu_reason,
-                 "scheme %s uses the stable pipeline (outliers, anchors, error_feedback, mixed_precision), which "
-                 "only the CPU backend (KVF_DEVICE_CPU) runs in this build", s->name);
     else if (s->value.qsac_candidates > 1)
         snprintf(p->gpu_reason, sizeof p->gpu_reason,
                  "value.qsac_candidates = %d: the GPU encoder runs QSAC for keys only (the CPU backend, "
