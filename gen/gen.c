@@ -80,7 +80,9 @@ static void upper_id(const struct kvf_scheme *s, char *buf, size_t len) {
 /* kvf_abi.h's names of a plan's enum values, so the generated file reads as
  * the configuration it is. */
 static const char *mode_name(int m) { return m == KVF_MODE_SYMMETRIC ? "KVF_MODE_SYMMETRIC" : "KVF_MODE_AFFINE"; }
-static const char *sfmt_name(int f) { return f == KVF_SCALE_INT8_FP16 ? "KVF_SCALE_INT8_FP16" : "KVF_SCALE_FP16"; }
+static const char *sfmt_name(int f) {
+    return f == KVF_SCALE_INT8_FP16 ? "KVF_SCALE_INT8_FP16" : f == KVF_SCALE_FP8 ? "KVF_SCALE_FP8" : "KVF_SCALE_FP16";
+}
 static const char *axis_name(int a) { return a == KVF_AXIS_TOKEN ? "KVF_AXIS_TOKEN" : "KVF_AXIS_CHANNEL"; }
 static const char *decode_rope_name(int r) {
     return r == KVF_DECODE_ROPE_HALF          ? "KVF_DECODE_ROPE_HALF"

@@ -279,6 +279,11 @@ float kvf_bf16_to_f32(uint16_t b);
 uint16_t kvf_f32_to_bf16(float f);  /* round to nearest even; a NaN is 0x7FC0 (FORMAT.md) */
 float kvf_f16_to_f32(uint16_t h);
 uint16_t kvf_f32_to_f16(float f);   /* round to nearest even; saturates to +-65504 */
+/* FP8 E4M3 (FORMAT.md): round to nearest even, +-448 for larger values and
+ * infinities, 0x7F for a NaN; kvf_e4m3_encode refuses NaN and Inf (KVF_ERANGE). */
+uint8_t kvf_f32_to_e4m3(float f);
+float kvf_e4m3_to_f32(uint8_t c);
+int kvf_e4m3_encode(float f, uint8_t *out);
 
 /* --------------------------------------------------- CPU reference (ref_*.c) */
 

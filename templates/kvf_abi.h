@@ -28,7 +28,7 @@
 
 enum { KVF_AXIS_CHANNEL = 0, KVF_AXIS_TOKEN = 1 };          /* groups along channels of a token, or tokens of a channel */
 enum { KVF_MODE_AFFINE = 0, KVF_MODE_SYMMETRIC = 1 };       /* scale + zero, or scale alone */
-enum { KVF_SCALE_FP16 = 0, KVF_SCALE_INT8_FP16 = 1 };       /* group scale formats (FORMAT.md) */
+enum { KVF_SCALE_FP16 = 0, KVF_SCALE_INT8_FP16 = 1, KVF_SCALE_FP8 = 2 }; /* group scale formats (FORMAT.md) */
 enum { KVF_ROPE_NONE = 0, KVF_ROPE_PRE = 1, KVF_ROPE_POST = 2 }; /* rope.placement */
 enum { KVF_ROPE_HALF = 0, KVF_ROPE_INTERLEAVED = 1 };        /* rope.layout: pair p is (p, p + d/2) or (2p, 2p + 1) */
 enum { KVF_ROTATION_NONE = 0, KVF_ROTATION_HADAMARD = 1 };

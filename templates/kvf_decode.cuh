@@ -406,7 +406,7 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
                         if (MODE == KVF_MODE_AFFINE) zr[u][hf] = kvf_ldg_u8(zeros_h + at);
                     }
                 }
-                if (SFMT != KVF_SCALE_FP16) ts[u] = kvf_ldg_u16(tscales_h + (u64)t[u] * 2);
+                if (SFMT == KVF_SCALE_INT8_FP16) ts[u] = kvf_ldg_u16(tscales_h + (u64)t[u] * 2);
             }
             if (NCENT) {
 #pragma unroll
@@ -478,11 +478,16 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
                         yh[0][i] = __fmaf_rn(S, __fsub_rn(m, MAGIC + (float)(QMAX << P)), 0.0f);
                     }
                 }
-            } else if (SFMT == KVF_SCALE_FP16) {
+            } else if (SFMT == KVF_SCALE_FP16 || SFMT == KVF_SCALE_FP8) {
+                // (FP8 E4M3 values are multiples of 2^-9, fp16 ones of 2^-24:
+                // the argument below holds for both.)
 #pragma unroll
                 for (int hf = 0; hf < NH; hf++) {
-                    const float S = kvf_f16_to_f32((u16)sc[u][hf]);
-                    const float M = MODE == KVF_MODE_AFFINE ? __fadd_rn(kvf_f16_to_f32((u16)zr[u][hf]), 0.0f) : 0.0f;
+                    const float S = SFMT == KVF_SCALE_FP8 ? kvf_e4m3_to_f32(sc[u][hf]) : kvf_f16_to_f32((u16)sc[u][hf]);
+                    const float M = MODE == KVF_MODE_AFFINE
+                                        ? __fadd_rn(SFMT == KVF_SCALE_FP8 ? kvf_e4m3_to_f32(zr[u][hf])
+                                                                          : kvf_f16_to_f32((u16)zr[u][hf]), 0.0f)
+                                        : 0.0f;
 #pragma unroll
                     for (int i = 0; i < 8; i++) {
                         const int P = code_pos(BITS, i);

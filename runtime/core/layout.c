@@ -55,9 +55,10 @@ static void place_quant(placer *p, const kvf_section_layout *l, size_t rows, siz
         size_t grows = heads * (size_t)l->groups_along_tokens; /* cannot overflow: <= rows */
         place(p, grows, (size_t)head_dim * 2, &st->scales_off, &st->scales_bytes);
         if (affine) place(p, grows, (size_t)head_dim * 2, &st->zeros_off, &st->zeros_bytes);
-    } else if (l->scale_format == KVF_SCALE_FP16) {
-        place(p, rows, gpt * 2, &st->scales_off, &st->scales_bytes);
-        if (affine) place(p, rows, gpt * 2, &st->zeros_off, &st->zeros_bytes);
+    } else if (l->scale_format == KVF_SCALE_FP16 || l->scale_format == KVF_SCALE_FP8) {
+        const size_t b = l->scale_format == KVF_SCALE_FP8 ? 1 : 2; /* an fp16 or FP8 E4M3 scale (and zero) a group */
+        place(p, rows, gpt * b, &st->scales_off, &st->scales_bytes);
+        if (affine) place(p, rows, gpt * b, &st->zeros_off, &st->zeros_bytes);
     } else {
         place(p, rows, gpt, &st->scales_off, &st->scales_bytes);   /* u8 group scale codes */
         place(p, rows, 2, &st->tscales_off, &st->tscales_bytes);   /* fp16 token scales */

@@ -70,7 +70,8 @@ static int check_groups(const rules *r, const char *sec, const kvf_tensor_cfg *t
                    "smoothing) (got %d)", t->centroids);
     if (t->axis == KVF_AXIS_TOKEN && t->scale_format != KVF_SCALE_FP16)
         return bad(r, sec, "scale_format",
-                   "must be \"fp16\" when axis = \"token\" (two-level scales are per token) (got \"int8_fp16\")");
+                   "must be \"fp16\" when axis = \"token\" (its scales are per channel and group of tokens) (got \"%s\")",
+                   t->scale_format == KVF_SCALE_FP8 ? "fp8" : "int8_fp16");
     if (t->scale_format == KVF_SCALE_INT8_FP16 && s->head_dim / t->group_size > 256)
         return bad(r, sec, "group_size", "at most 256 groups per token with two-level scales (got %d)",
                    t->group_size);
