@@ -521,8 +521,8 @@ static const bad_case bad_cases[] = {
      "key.group_size: must divide head_dim (64) when axis = \"channel\" (got 128)", NULL},
     {"token_axis_centroids.lua", 6, "key.centroids: must be 0 when axis = \"token\"", NULL},
     {"token_axis_int8.lua", 6,
-     "value.scale_format: must be \"fp16\" when axis = \"token\" (two-level scales are per "
-     "token) (got \"int8_fp16\")", NULL},
+     "value.scale_format: must be \"fp16\" when axis = \"token\" (its scales are per channel and "
+     "group of tokens) (got \"int8_fp16\")", NULL},
     {"rope_sections_sum.lua", 6,
      "rope.sections: must add up to head_dim / 2 (64) frequency pairs (got 60)", NULL},
     {"rope_sections_hole.lua", 4,
