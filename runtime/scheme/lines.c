@@ -1,8 +1,9 @@
 /*
  * The line index. Lua tables keep no line numbers, so a small tokenizer over
- * the scheme's source text records the first line of every `name = ...` field
- * path ("key.bits"), and the line of the last top-level `return`: errors found
- * in the returned table name the line that set the field.
+ * the text Lua reads (load.c skips a byte-order mark and a '#' line first)
+ * records the first line of every `name = ...` field path ("key.bits"), and
+ * the line of the last top-level `return`: errors found in the returned table
+ * name the line that set the field.
  */
 #include "scheme_impl.h"
 
@@ -292,8 +293,6 @@ void kvf_sch_build_lines(const char *text, size_t len, kvf_sch_lines *li) {
     if (!r) return;
     r->li = li;
     r->prev = K_EOF;
-    if (len >= 1 && text[0] == '#') /* Lua skips a first line starting with '#' */
-        while (lx.p < lx.end && !is_nl(*lx.p)) lx.p++;
     do {
         next_token(&lx, &t);
         rec_token(r, &t);

@@ -9,11 +9,14 @@
 #include "scheme_impl.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #define SB_MAX_FILE (1u << 20)        /* largest scheme file */
 #define MAX_BASES 8                   /* `base` links in one chain */
@@ -51,14 +54,52 @@ typedef struct loader {
     double deadline; /* of the whole chain (kvf_sch_now() clock) */
 } loader;
 
+/* What a path that is not a regular file names, for its refusal. */
+static const char *file_kind(mode_t m) {
+    return S_ISDIR(m)    ? "a directory"
+           : S_ISFIFO(m) ? "a FIFO"
+           : S_ISCHR(m)  ? "a character device"
+           : S_ISBLK(m)  ? "a block device"
+           : S_ISSOCK(m) ? "a socket"
+                         : "not a regular file";
+}
+
+static int not_regular(const char *path, mode_t m) {
+    return kvf_set_error(KVF_EIO, "cannot read %s: it is %s; a scheme is read from a regular file",
+                         path, file_kind(m));
+}
+
+/* A scheme is read from a regular file only: opening a FIFO blocks until a
+ * writer comes, reading a device may never end (or opening it may act on
+ * the device), a directory has no text. stat refuses those without opening
+ * them; the open does not block, and fstat checks what was opened (the path
+ * may have changed in between). */
 static int read_file(const char *path, source *src) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return kvf_set_error(KVF_EIO, "cannot open %s: %s", path, strerror(errno));
+    struct stat st;
+    if (stat(path, &st) != 0)
+        return kvf_set_error(KVF_EIO, "cannot open %s: %s", path, strerror(errno));
+    if (!S_ISREG(st.st_mode)) return not_regular(path, st.st_mode);
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
+    if (fd < 0) return kvf_set_error(KVF_EIO, "cannot open %s: %s", path, strerror(errno));
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        int rc = S_ISREG(st.st_mode) ? kvf_set_error(KVF_EIO, "cannot read %s: %s", path,
+                                                     strerror(errno))
+                                     : not_regular(path, st.st_mode);
+        close(fd);
+        return rc;
+    }
     src->text = malloc(SB_MAX_FILE + 1);
     src->owned = true;
-    src->len = src->text ? fread(src->text, 1, SB_MAX_FILE + 1, f) : 0;
-    int err = ferror(f);
-    fclose(f);
+    src->len = 0;
+    bool err = false;
+    while (src->text && src->len < SB_MAX_FILE + 1) {
+        ssize_t k = read(fd, src->text + src->len, SB_MAX_FILE + 1 - src->len);
+        if (k < 0 && errno == EINTR) continue;
+        err = k < 0;
+        if (k <= 0) break;
+        src->len += (size_t)k;
+    }
+    close(fd);
     if (!src->text) return kvf_set_error(KVF_ENOMEM, "%s: out of memory", path);
     if (err) return kvf_set_error(KVF_EIO, "cannot read %s", path);
     if (src->len > SB_MAX_FILE)
@@ -118,16 +159,24 @@ static void source_release(source *src) {
 
 static int load_chain(loader *ld, const source *src, int depth);
 
+/* Whether DIR/NAME.lua is there for a base: a regular file that can be
+ * opened, or something else by that name (which read_file refuses, naming
+ * it). Nothing is opened but a regular file. */
+static bool beside(const char *path) {
+    struct stat st;
+    if (stat(path, &st) != 0) return false;
+    if (!S_ISREG(st.st_mode)) return true;
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
+    if (fd >= 0) close(fd);
+    return fd >= 0;
+}
+
 /* DIR/NAME.lua beside the child, else the shipped NAME.lua. */
 static int resolve_base(const source *child, const char *name, int line, source *bs) {
     char path[PATH_LEN + NAME_MAX_LEN + 8] = "";
     if (child->has_dir) {
         snprintf(path, sizeof path, "%s%s.lua", child->dir, name);
-        FILE *f = fopen(path, "rb");
-        if (f) {
-            fclose(f);
-            return source_from_file(path, bs);
-        }
+        if (beside(path)) return source_from_file(path, bs);
     }
     if (source_builtin(name, bs)) return KVF_OK;
     return kvf_set_error(KVF_ESCHEME,
@@ -186,17 +235,32 @@ static void apply(loader *ld, const kvf_sch_unit *u, int file, int depth) {
     }
 }
 
+/* Where the text Lua reads starts, as luaL_loadfile skips it: a UTF-8
+ * byte-order mark, then a first line starting with '#' (a Unix "#!" line) up
+ * to its '\n', which stays so that the lines after it keep their numbers
+ * (unless a binary chunk follows: then it starts there, and mode "t"
+ * refuses it). */
+static size_t lua_start(const char *text, size_t len) {
+    size_t k = len >= 3 && !memcmp(text, "\xEF\xBB\xBF", 3) ? 3 : 0;
+    if (k < len && text[k] == '#') {
+        while (k < len && text[k] != '\n') k++;
+        if (k + 1 < len && text[k + 1] == LUA_SIGNATURE[0]) k++;
+    }
+    return k;
+}
+
 static int load_chain(loader *ld, const source *src, int depth) {
     int file = ld->nfiles++;
     kvf_sch_unit *u = calloc(1, sizeof *u);
     if (!u) return kvf_set_error(KVF_ENOMEM, "out of memory");
     snprintf(ld->files[file], PATH_LEN, "%s", src->display);
     snprintf(ld->ident[file], PATH_LEN, "%s", src->ident);
-    u->text = src->text;
-    u->len = src->len;
+    size_t skip = lua_start(src->text, src->len);
+    u->text = src->text + skip;
+    u->len = src->len - skip;
     u->chunkname = src->chunkname;
     u->display = src->display;
-    kvf_sch_build_lines(src->text, src->len, &u->li);
+    kvf_sch_build_lines(u->text, u->len, &u->li);
     ld->return_line[file] = u->li.return_line > 0 ? u->li.return_line : 1;
     int rc = kvf_sch_run(u, ld->deadline);
     if (!rc && u->v[TOP_BASE].set) rc = load_base(ld, src, &u->v[TOP_BASE], depth);
