@@ -585,8 +585,8 @@ static const bad_case bad_cases[] = {
     {"return_number.lua", 2, "return value: must be a table (got 42)", NULL},
     {"no_return.lua", 1, "return value: must be a table (got nil)", NULL},
     {"non_string_key.lua", 2, "[1]: unknown field (field names are strings)", NULL},
-    {"outliers.lua", 4, "outliers: not implemented yet (a later issue adds it)", NULL},
-    {"anchors_true.lua", 3, "anchors: not implemented yet (a later issue adds it)", NULL},
+    {"outliers.lua", 4, "outliers: not implemented yet (only nil or false)", NULL},
+    {"anchors_true.lua", 3, "anchors: not implemented yet (only nil or false)", NULL},
     {"base_missing.lua", 3, "base: no scheme named \"no_such_scheme\"", NULL},
     {"base_path.lua", 3, "base: must be a string of 1..48 characters from [A-Za-z0-9_] "
                          "(got \"../schemes/rtn_int2\")", NULL},

@@ -164,7 +164,7 @@ void kvf_sch_describe(const kvf_sch_field *d, char *buf, size_t n) {
         snprintf(buf, n, "must be an array of 1..%d integers in %lld..%lld", KVF_MAX_ROPE_SECTIONS,
                  (long long)d->lo, (long long)d->hi);
         return;
-    default: snprintf(buf, n, "not implemented yet (a later issue adds it)"); return;
+    default: snprintf(buf, n, "not implemented yet (only nil or false)"); return;
     }
 }
 
