@@ -223,9 +223,9 @@ static void ptxas_report_parsed(void **state) {
  * kernel to 64 registers only where that holds (a bound for every
  * single-stage PSAC key spilled all of these but rank 2 and the two-stage
  * shape; Hadamard's 8/12 bytes). RoPE-pre keys
- * have a stack frame for RoPE's calls (64 bytes, no spills, since session
- * 17's shared PSAC basis; 4/8 bytes of spills and 72 before, 88/136 under
- * that bound): at most 8 bytes of spills. Every other kernel
+ * have a stack frame for RoPE's calls (64 bytes, no spills, with the PSAC
+ * basis in shared memory: docs/journal/benchmarks.md, entry 7f36120): at
+ * most 8 bytes of spills. Every other kernel
  * as check_usage requires. With NVRTC 13, as every_scheme_compiles. */
 static void psac_decode_shapes_do_not_spill(void **state) {
     (void)state;

@@ -1,4 +1,4 @@
--- temporal anchors are a later issue: only nil or false now
+-- temporal anchors are not implemented yet: only nil or false
 return {
   anchors = true,
 }
