@@ -215,10 +215,21 @@ static void test_defaults(void **state) {
     assert_int_equal(h64->rope.n_sections, 1);
     assert_int_equal(h64->rope.sections[0], 32);
     kvf_scheme_free(h64);
-    /* Later options: absent, nil and false are all fine. */
-    kvf_scheme *l = tu_scheme_text("return { outliers = false, anchors = nil, error_feedback = false,"
-                                   " mixed_precision = false }");
+    /* The pipeline's sections: absent or nil is off, and a section that turns
+     * nothing on is written as absent. */
+    kvf_scheme *l = tu_scheme_text("return { anchors = nil, outliers = { key = 0 }, error_feedback = { decay = 0 } }");
     assert_string_equal(kvf_scheme_canonical(l), kvf_scheme_canonical(s));
+    kvf_scheme_free(l);
+    /* One that does is written, and reads back the same. */
+    l = tu_scheme_text("return { outliers = { key = 2 }, anchors = { every = 8 }, error_feedback = { decay = 0.7 },"
+                       " mixed_precision = { key_fraction = 0.2, table = 'sens.json' } }");
+    assert_int_equal(l->pipe.outliers[0], 2);
+    assert_int_equal(l->pipe.anchor_bits, 8);
+    assert_non_null(strstr(kvf_scheme_canonical(l), "anchors = { bits = 8, every = 8 }"));
+    assert_non_null(strstr(kvf_scheme_canonical(l), "table = \"sens.json\""));
+    kvf_scheme *back = tu_scheme_text(kvf_scheme_canonical(l));
+    assert_string_equal(kvf_scheme_canonical(back), kvf_scheme_canonical(l));
+    kvf_scheme_free(back);
     kvf_scheme_free(l);
     kvf_scheme_free(s);
 }
@@ -585,8 +596,11 @@ static const bad_case bad_cases[] = {
     {"return_number.lua", 2, "return value: must be a table (got 42)", NULL},
     {"no_return.lua", 1, "return value: must be a table (got nil)", NULL},
     {"non_string_key.lua", 2, "[1]: unknown field (field names are strings)", NULL},
-    {"outliers.lua", 4, "outliers: not implemented yet (only nil or false)", NULL},
-    {"anchors_true.lua", 3, "anchors: not implemented yet (only nil or false)", NULL},
+    {"outliers.lua", 4, "outliers.fraction: unknown field", NULL},
+    {"anchors_true.lua", 3, "anchors: must be a table (got true)", NULL},
+    {"anchors_zero.lua", 3, "anchors.every: must be an integer in 1..100000 (got 0)", NULL},
+    {"feedback_decay_one.lua", 3, "error_feedback.decay: must be a number >= 0 and < 1", NULL},
+    {"mixed_all_channels.lua", 3, "mixed_precision.key_fraction: leaves no channel at the base precision", NULL},
     {"base_missing.lua", 3, "base: no scheme named \"no_such_scheme\"", NULL},
     {"base_path.lua", 3, "base: must be a string of 1..48 characters from [A-Za-z0-9_] "
                          "(got \"../schemes/rtn_int2\")", NULL},
@@ -753,11 +767,12 @@ static void test_hostile_strings(void **state) {
     expect_str_error("return { rope = { sections = setmetatable({ 64 }, {}) } }", "rope.sections");
     expect_str_error("return { head_dim = 64, rope = { sections = { 64 } } }",
                      "rope.sections: must add up to head_dim / 2 (32)");
-    expect_str_error("return { outliers = 0 }", "outliers: not implemented yet");
-    expect_str_error("return { mixed_precision = { fraction = 0.2 } }",
-                     "mixed_precision: not implemented yet");
-    expect_str_error("return { error_feedback = { beta = 0.7 } }",
-                     "error_feedback: not implemented yet");
+    expect_str_error("return { outliers = 0 }", "outliers: must be a table");
+    expect_str_error("return { mixed_precision = { fraction = 0.2 } }", "mixed_precision.fraction: unknown field");
+    expect_str_error("return { error_feedback = { beta = 0.7 } }", "error_feedback.beta: unknown field");
+    expect_str_error("return { outliers = { key = 2 }, key = { bits = 16 } }", "outliers.key: applies to quantized");
+    expect_str_error("return { anchors = { every = 3, bits = 8 }, chunk = { span = 2 } }",
+                     "anchors.every: must be a multiple of chunk.span");
     expect_str_error("return math.random(1)", "(field 'random')");
     expect_str_error("local s = getmetatable('').__index return s.dump(print)", "str:1:");
     /* __gc added after setmetatable never marks the object: closing does not hang. */

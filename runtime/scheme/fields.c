@@ -27,7 +27,8 @@ static const char *const labels_names[] = {"final", "last_step", NULL};
 
 #define SO(m) offsetof(struct kvf_scheme, m)
 #define TO(m) offsetof(kvf_tensor_cfg, m)
-/* Top level, in canonical order (base and the later options are not written). */
+/* Top level, in canonical order (base is not written, nor a pipeline section
+ * that is absent). */
 static const kvf_sch_field top_fields[N_TOP] = {
     {"name", F_NAME, SO(name), 1, NAME_MAX_LEN, NULL, NULL},
     {"base", F_BASE, 0, 1, NAME_MAX_LEN, NULL, NULL},
@@ -36,10 +37,10 @@ static const kvf_sch_field top_fields[N_TOP] = {
     {"value", F_SECTION, SO(value), S_VALUE, S_VALUE, NULL, NULL},
     {"rope", F_SECTION, SO(rope), S_ROPE, S_ROPE, NULL, NULL},
     {"chunk", F_SECTION, SO(chunk), S_CHUNK, S_CHUNK, NULL, NULL},
-    {"outliers", F_LATER, 0, 0, 0, NULL, NULL},
-    {"anchors", F_LATER, 0, 0, 0, NULL, NULL},
-    {"error_feedback", F_LATER, 0, 0, 0, NULL, NULL},
-    {"mixed_precision", F_LATER, 0, 0, 0, NULL, NULL},
+    {"outliers", F_SECTION, 0, S_OUTLIERS, S_OUTLIERS, NULL, NULL},
+    {"anchors", F_SECTION, 0, S_ANCHORS, S_ANCHORS, NULL, NULL},
+    {"error_feedback", F_SECTION, 0, S_FEEDBACK, S_FEEDBACK, NULL, NULL},
+    {"mixed_precision", F_SECTION, 0, S_MIXED, S_MIXED, NULL, NULL},
 };
 /* Nested sections: sorted by name (the canonical text relies on it). */
 static const kvf_sch_field tensor_fields[N_TENSOR] = {
@@ -71,13 +72,55 @@ static const kvf_sch_field chunk_fields[N_CHUNK] = {
     {"tokens", F_INT, offsetof(kvf_chunk_cfg, tokens), 1, 1048576, NULL, NULL},
 };
 
-const kvf_sch_section kvf_sch_sections[N_SECTIONS] = {
-    {"", 0, top_fields, N_TOP, 0},
-    {"key", SO(key), tensor_fields, N_TENSOR, N_TOP},
-    {"value", SO(value), tensor_fields, N_TENSOR, N_TOP + N_TENSOR},
-    {"rope", SO(rope), rope_fields, N_ROPE, N_TOP + 2 * N_TENSOR},
-    {"chunk", SO(chunk), chunk_fields, N_CHUNK, N_TOP + 2 * N_TENSOR + N_ROPE},
+#define PO(m) offsetof(kvf_pipeline_cfg, m)
+static const int anchor_bits_set[] = {4, 8, 16, 0};
+static const int refine_bits_set[] = {2, 4, 8, 0};
+static const kvf_sch_field outlier_fields[N_OUTLIERS] = {
+    {"key", F_INT, PO(outliers[0]), 0, 32, NULL, NULL},
+    {"value", F_INT, PO(outliers[1]), 0, 32, NULL, NULL},
 };
+static const kvf_sch_field anchor_fields[N_ANCHORS] = {
+    {"bits", F_INT, PO(anchor_bits), 4, 16, anchor_bits_set, NULL},
+    {"every", F_INT, PO(anchor_every), 1, 100000, NULL, NULL},
+};
+static const kvf_sch_field feedback_fields[N_FEEDBACK] = {
+    {"decay", F_FRAC, PO(feedback_decay), 0, 0, NULL, NULL},
+};
+static const kvf_sch_field mixed_fields[N_MIXED] = {
+    {"key_fraction", F_FRAC, PO(mp_fraction[0]), 0, 0, NULL, NULL},
+    {"refine_bits", F_INT, PO(mp_refine_bits), 2, 8, refine_bits_set, NULL},
+    {"table", F_PATH, PO(mp_table), 0, 0, NULL, NULL},
+    {"value_fraction", F_FRAC, PO(mp_fraction[1]), 0, 0, NULL, NULL},
+};
+
+enum {
+    FIRST_KEY = N_TOP, FIRST_VALUE = FIRST_KEY + N_TENSOR, FIRST_ROPE = FIRST_VALUE + N_TENSOR,
+    FIRST_CHUNK = FIRST_ROPE + N_ROPE, FIRST_OUTLIERS = FIRST_CHUNK + N_CHUNK,
+    FIRST_ANCHORS = FIRST_OUTLIERS + N_OUTLIERS, FIRST_FEEDBACK = FIRST_ANCHORS + N_ANCHORS,
+    FIRST_MIXED = FIRST_FEEDBACK + N_FEEDBACK
+};
+const kvf_sch_section kvf_sch_sections[N_SECTIONS] = {
+    {"", 0, top_fields, N_TOP, 0, 0},
+    {"key", SO(key), tensor_fields, N_TENSOR, FIRST_KEY, 0},
+    {"value", SO(value), tensor_fields, N_TENSOR, FIRST_VALUE, 0},
+    {"rope", SO(rope), rope_fields, N_ROPE, FIRST_ROPE, 0},
+    {"chunk", SO(chunk), chunk_fields, N_CHUNK, FIRST_CHUNK, 0},
+    {"outliers", SO(pipe), outlier_fields, N_OUTLIERS, FIRST_OUTLIERS, 1},
+    {"anchors", SO(pipe), anchor_fields, N_ANCHORS, FIRST_ANCHORS, 1},
+    {"error_feedback", SO(pipe), feedback_fields, N_FEEDBACK, FIRST_FEEDBACK, 1},
+    {"mixed_precision", SO(pipe), mixed_fields, N_MIXED, FIRST_MIXED, 1},
+};
+
+bool kvf_sch_section_on(const struct kvf_scheme *s, int sec) {
+    const kvf_pipeline_cfg *p = &s->pipe;
+    switch (sec) {
+    case S_OUTLIERS: return p->outliers[0] || p->outliers[1];
+    case S_ANCHORS: return p->anchor_every != 0;
+    case S_FEEDBACK: return p->feedback_decay != 0;
+    case S_MIXED: return p->mp_fraction[0] != 0 || p->mp_fraction[1] != 0 || p->mp_table[0];
+    default: return true;
+    }
+}
 
 const kvf_sch_field *kvf_sch_fid_desc(int fid, int *sec) {
     int s = N_SECTIONS - 1;
@@ -134,6 +177,15 @@ bool kvf_sch_enum_ok(const kvf_sch_field *d, int64_t v) {
 
 bool kvf_sch_num_ok(double v) { return isfinite(v) && v > 0 && v <= THETA_MAX; }
 
+bool kvf_sch_frac_ok(double v) { return isfinite(v) && v >= 0 && v < 1; }
+
+bool kvf_sch_path_ok(const char *s, size_t len) {
+    if (len < 1 || len >= PATH_FIELD_LEN) return false;
+    for (size_t i = 0; i < len; i++)
+        if ((unsigned char)s[i] < 32 || s[i] == 127) return false;
+    return true;
+}
+
 /* "must be ..." for a field, without the value found. */
 void kvf_sch_describe(const kvf_sch_field *d, char *buf, size_t n) {
     size_t k = 0;
@@ -155,6 +207,8 @@ void kvf_sch_describe(const kvf_sch_field *d, char *buf, size_t n) {
             k += (size_t)snprintf(buf + k, n - k, "%s \"%s\"", p == d->names ? "" : ",", *p);
         return;
     case F_NUM: snprintf(buf, n, "must be a finite number > 0 and <= 1e12"); return;
+    case F_FRAC: snprintf(buf, n, "must be a number >= 0 and < 1"); return;
+    case F_PATH: snprintf(buf, n, "must be a file path of 1..%d characters", PATH_FIELD_LEN - 1); return;
     case F_NAME:
     case F_BASE:
         snprintf(buf, n, "must be a string of 1..%d characters from [A-Za-z0-9_]", NAME_MAX_LEN);
@@ -164,7 +218,6 @@ void kvf_sch_describe(const kvf_sch_field *d, char *buf, size_t n) {
         snprintf(buf, n, "must be an array of 1..%d integers in %lld..%lld", KVF_MAX_ROPE_SECTIONS,
                  (long long)d->lo, (long long)d->hi);
         return;
-    default: snprintf(buf, n, "not implemented yet (only nil or false)"); return;
     }
 }
 
@@ -187,6 +240,10 @@ void kvf_scheme_defaults(struct kvf_scheme *s) {
     s->chunk.span = 1;
     s->chunk.recent = 0;
     s->chunk.sink = 0;
+    /* The pipeline is off (its sections absent); where a section is given,
+     * these fill the fields it leaves out. */
+    s->pipe.anchor_bits = 8;
+    s->pipe.mp_refine_bits = 2;
 }
 
 /* Defaults that depend on other fields, filled once the chain is merged: an
@@ -234,8 +291,15 @@ static void put_value(text *t, const kvf_sch_field *d, const void *p) {
     case F_INT: put(t, "%d", *(const int *)p); break;
     case F_I64: put(t, "%lld", (long long)*(const int64_t *)p); break;
     case F_ENUM: put(t, "\"%s\"", d->names[*(const int *)p]); break;
-    case F_NUM: put_double(t, *(const double *)p); break;
+    case F_NUM:
+    case F_FRAC: put_double(t, *(const double *)p); break;
     case F_NAME: put(t, "\"%s\"", (const char *)p); break;
+    case F_PATH: {
+        put(t, "\"");
+        for (const char *c = p; *c; c++) put(t, *c == '"' || *c == '\\' ? "\\%c" : "%c", *c);
+        put(t, "\"");
+        break;
+    }
     case F_SECTIONS: {
         const int *n = p, *a = kvf_sch_sections_of((void *)p);
         put(t, "{");
@@ -265,8 +329,8 @@ int kvf_sch_canonical(struct kvf_scheme *s) {
     for (int i = 0; i < N_TOP; i++) {
         const kvf_sch_field *d = &top_fields[i];
         if (d->kind == F_SECTION) {
-            put_section(t, s, (int)d->lo);
-        } else if (d->kind != F_BASE && d->kind != F_LATER) {
+            if (kvf_sch_section_on(s, (int)d->lo)) put_section(t, s, (int)d->lo);
+        } else if (d->kind != F_BASE) {
             put(t, "  %s = ", d->name);
             put_value(t, d, kvf_sch_field_ptr(s, FID(S_TOP, i)));
             put(t, ",\n");

@@ -222,8 +222,10 @@ static void apply(loader *ld, const kvf_sch_unit *u, int file, int depth) {
         case F_INT:
         case F_ENUM: *(int *)p = (int)v->i; break;
         case F_I64: *(int64_t *)p = v->i; break;
-        case F_NUM: *(double *)p = v->d; break;
+        case F_NUM:
+        case F_FRAC: *(double *)p = v->d; break;
         case F_NAME: snprintf(ld->s->name, sizeof ld->s->name, "%s", v->s); break;
+        case F_PATH: snprintf((char *)p, PATH_FIELD_LEN, "%s", v->s); break;
         case F_SECTIONS:
             *(int *)p = (int)v->i;
             memcpy(kvf_sch_sections_of(p), v->arr, sizeof v->arr);
@@ -306,19 +308,35 @@ static int conflict(const loader *ld, const struct kvf_scheme *s, int a, const c
     return blame_b ? bad(ld, s, b, "%s", msg_b) : bad(ld, s, a, "%s", msg_a);
 }
 
-/* Every field in its range (for schemes filled in by code). */
+/* Whether section sec is there: always, but for a pipeline section, which is
+ * there when a file sets one of its fields (in code: kvf_sch_section_on). */
+static bool section_present(const struct kvf_scheme *s, const loader *ld, int sec) {
+    const kvf_sch_section *S = &kvf_sch_sections[sec];
+    if (!S->optional) return true;
+    if (!ld) return kvf_sch_section_on(s, sec);
+    for (int i = 0; i < S->n; i++)
+        if (ld->org[FID(sec, i)].file >= 0) return true;
+    return false;
+}
+
+/* Every field of every section there in its range (for schemes filled in by
+ * code too). */
 static int check_ranges(const struct kvf_scheme *s, const loader *ld) {
     char what[160];
     for (int fid = 0; fid < NF; fid++) {
-        const kvf_sch_field *d = kvf_sch_fid_desc(fid, NULL);
+        int sec;
+        const kvf_sch_field *d = kvf_sch_fid_desc(fid, &sec);
+        if (!section_present(s, ld, sec)) continue;
         const void *p = kvf_sch_field_ptr(s, fid);
         int64_t i = d->kind == F_I64 ? *(const int64_t *)p : 0;
-        double x = d->kind == F_NUM ? *(const double *)p : 0;
+        double x = d->kind == F_NUM || d->kind == F_FRAC ? *(const double *)p : 0;
         bool ok = true;
         if (d->kind == F_INT || d->kind == F_ENUM) i = *(const int *)p;
         if (d->kind == F_INT || d->kind == F_I64) ok = kvf_sch_int_ok(d, i);
         if (d->kind == F_ENUM) ok = kvf_sch_enum_ok(d, i);
         if (d->kind == F_NUM) ok = kvf_sch_num_ok(x);
+        if (d->kind == F_FRAC) ok = kvf_sch_frac_ok(x);
+        if (d->kind == F_PATH) ok = !*(const char *)p || kvf_sch_path_ok((const char *)p, strlen((const char *)p));
         if (d->kind == F_NAME) ok = kvf_sch_valid_name(s->name, strlen(s->name));
         if (d->kind == F_SECTIONS) {
             const int *n = p, *a = kvf_sch_sections_of((void *)p);
@@ -331,7 +349,8 @@ static int check_ranges(const struct kvf_scheme *s, const loader *ld) {
         }
         if (ok) continue;
         kvf_sch_describe(d, what, sizeof what);
-        if (d->kind == F_NUM) return bad(ld, s, fid, "%s (got %g)", what, x);
+        if (d->kind == F_NUM || d->kind == F_FRAC) return bad(ld, s, fid, "%s (got %g)", what, x);
+        if (d->kind == F_PATH) return bad(ld, s, fid, "%s (got \"%.60s\")", what, (const char *)p);
         if (d->kind == F_NAME) return bad(ld, s, fid, "%s (got \"%.60s\")", what, s->name);
         return bad(ld, s, fid, "%s (got %lld)", what, (long long)i);
     }

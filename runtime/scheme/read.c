@@ -131,6 +131,17 @@ static bool read_value(lua_State *L, kvf_sch_unit *u, int sec, int idx, const ch
         ok = lua_type(L, -1) == LUA_TNUMBER && kvf_sch_num_ok(lua_tonumber(L, -1));
         if (ok) v->d = lua_tonumber(L, -1);
         break;
+    case F_FRAC:
+        ok = lua_type(L, -1) == LUA_TNUMBER && kvf_sch_frac_ok(lua_tonumber(L, -1));
+        if (ok) v->d = lua_tonumber(L, -1);
+        break;
+    case F_PATH: {
+        size_t len = 0;
+        const char *str = lua_type(L, -1) == LUA_TSTRING ? lua_tolstring(L, -1, &len) : NULL;
+        ok = str && kvf_sch_path_ok(str, len);
+        if (ok) memcpy(v->s, str, len + 1);
+        break;
+    }
     case F_ENUM: ok = read_enum(L, d, v); break;
     case F_SECTIONS: ok = read_array(L, d, v); break;
     case F_NAME:
@@ -138,9 +149,6 @@ static bool read_value(lua_State *L, kvf_sch_unit *u, int sec, int idx, const ch
     case F_SECTION:
         if (!is_plain_table(L, u, line, path, lua_gettop(L))) return false;
         return read_section(L, u, (int)d->lo, lua_gettop(L));
-    case F_LATER:
-        if (lua_isnil(L, -1) || (lua_isboolean(L, -1) && !lua_toboolean(L, -1))) return true;
-        return rd_fail(u, line, path, what, NULL, 0);
     }
     if (!ok) return rd_fail(u, line, path, what, L, -1);
     v->set = true;

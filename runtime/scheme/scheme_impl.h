@@ -26,7 +26,10 @@
 
 /* ---------------------------------------------------------------- fields */
 
-enum fkind { F_INT, F_I64, F_NUM, F_ENUM, F_NAME, F_BASE, F_SECTION, F_LATER, F_SECTIONS };
+/* F_FRAC: a number in [0, 1); F_PATH: a file path (a string of 1..511 bytes
+ * without control characters). */
+enum fkind { F_INT, F_I64, F_NUM, F_ENUM, F_NAME, F_BASE, F_SECTION, F_SECTIONS, F_FRAC, F_PATH };
+#define PATH_FIELD_LEN 512
 
 typedef struct kvf_sch_field {
     const char *name;
@@ -37,23 +40,30 @@ typedef struct kvf_sch_field {
     const char *const *names;  /* enum spellings, NULL-terminated */
 } kvf_sch_field;
 
-enum { S_TOP, S_KEY, S_VALUE, S_ROPE, S_CHUNK, N_SECTIONS };
-enum { TOP_NAME, TOP_BASE, TOP_HEAD_DIM, TOP_KEY, TOP_VALUE, TOP_ROPE, TOP_CHUNK, N_TOP = 11 };
+enum { S_TOP, S_KEY, S_VALUE, S_ROPE, S_CHUNK, S_OUTLIERS, S_ANCHORS, S_FEEDBACK, S_MIXED, N_SECTIONS };
+enum { TOP_NAME, TOP_BASE, TOP_HEAD_DIM, TOP_KEY, TOP_VALUE, TOP_ROPE, TOP_CHUNK, TOP_OUTLIERS, TOP_ANCHORS,
+       TOP_FEEDBACK, TOP_MIXED, N_TOP };
 enum { T_AXIS, T_BITS, T_CENTROIDS, T_GROUP, T_ITERS, T_LABELS, T_MODE, T_PSAC, T_QSAC,
        T_ROTATION, T_SCALE, T_SEED, T_STAGES, N_TENSOR };
 enum { R_LAYOUT, R_PLACEMENT, R_SECTIONS, R_THETA, N_ROPE };
 enum { C_RECENT, C_SINK, C_SPAN, C_TOKENS, N_CHUNK };
+/* The pipeline's sections (METHODS.md 8): optional, absent means off. */
+enum { O_KEY, O_VALUE, N_OUTLIERS };
+enum { A_BITS, A_EVERY, N_ANCHORS };
+enum { E_DECAY, N_FEEDBACK };
+enum { M_KEY_FRACTION, M_REFINE_BITS, M_TABLE, M_VALUE_FRACTION, N_MIXED };
 
 typedef struct kvf_sch_section {
     const char *name; /* "" for the top level */
     size_t off;       /* of the section inside struct kvf_scheme */
     const kvf_sch_field *f;
     int n, first;     /* fields; flat id of the first */
+    int optional;     /* a pipeline section: checked and written only when present */
 } kvf_sch_section;
 
 extern const kvf_sch_section kvf_sch_sections[N_SECTIONS];
 /* Fields are numbered flat across the sections: a field id ("fid"). */
-#define NF (N_TOP + 2 * N_TENSOR + N_ROPE + N_CHUNK)
+#define NF (N_TOP + 2 * N_TENSOR + N_ROPE + N_CHUNK + N_OUTLIERS + N_ANCHORS + N_FEEDBACK + N_MIXED)
 #define FID(sec, idx) (kvf_sch_sections[sec].first + (idx))
 
 const kvf_sch_field *kvf_sch_fid_desc(int fid, int *sec);
@@ -65,6 +75,12 @@ bool kvf_sch_valid_name(const char *s, size_t len);
 bool kvf_sch_int_ok(const kvf_sch_field *d, int64_t v);
 bool kvf_sch_enum_ok(const kvf_sch_field *d, int64_t v);
 bool kvf_sch_num_ok(double v);
+bool kvf_sch_frac_ok(double v);
+bool kvf_sch_path_ok(const char *s, size_t len);
+/* Whether an optional section is there in a scheme filled in by code: a
+ * field that turns it on is set (outliers, anchors.every, a decay, a
+ * fraction or a table). The loader knows it by what the files set. */
+bool kvf_sch_section_on(const struct kvf_scheme *s, int sec);
 void kvf_sch_describe(const kvf_sch_field *d, char *buf, size_t n);
 
 void kvf_sch_fill_derived(struct kvf_scheme *s);
@@ -92,7 +108,7 @@ typedef struct kvf_sch_value {
     int64_t i; /* integers and enum indexes; the count of an array */
     double d;
     int arr[KVF_MAX_ROPE_SECTIONS]; /* F_SECTIONS values */
-    char s[NAME_MAX_LEN + 1];
+    char s[PATH_FIELD_LEN];
 } kvf_sch_value;
 
 /* One scheme file being read: its text, line index and the fields it sets. */

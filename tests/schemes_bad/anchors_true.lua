@@ -1,4 +1,4 @@
--- temporal anchors are not implemented yet: only nil or false
+-- anchors are a table: { every = N, bits = 4 | 8 | 16 }
 return {
   anchors = true,
 }

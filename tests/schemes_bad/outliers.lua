@@ -1,4 +1,4 @@
--- outlier separation is not implemented yet: only nil or false
+-- outliers take a count per token row for key and value, not a fraction
 return {
   head_dim = 128,
   outliers = { fraction = 0.01 },
