@@ -102,6 +102,10 @@ class KvfSchemeInfo(Structure):
         ("rope_layout", c_int),
         ("rope_sections", c_int * KVF_MAX_ROPE_SECTIONS),
         ("rope_theta", c_double),
+        ("outliers", c_int * 2),
+        ("mixed_channels", c_int * 2),
+        ("anchor_every", c_int), ("anchor_bits", c_int),
+        ("feedback_decay", c_double),
     ]
 
 
