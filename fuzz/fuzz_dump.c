@@ -96,7 +96,7 @@ static void fd_as_dump(fd_state *st, const uint8_t *data, size_t size) {
                        kvf_dump_tensor(d, l, c, KVF_DUMP_V));
     for (int i = 0; i < FD_SCHEMES; i++) {
         if (kvf_scheme_head_dim(st->s[i]) != d->head_dim) continue;
-        kvf_eval_options opt = {KVF_DEVICE_CPU, 1, i == 3, NULL}; /* the k-means one warm-started */
+        kvf_eval_options opt = {.device = KVF_DEVICE_CPU, .threads = 1, .warm = i == 3}; /* the k-means one warm-started */
         kvf_eval_report r;
         rc = kvf_eval_run(st->s[i], d, &opt, &r);
         FUZZ_CHECK(rc == KVF_OK || (fd_scheme_src[i].pre && rc == KVF_EFORMAT));
@@ -116,7 +116,7 @@ static void fd_as_recon(fd_state *st, const uint8_t *data, size_t size) {
         FUZZ_CHECK(rc == KVF_EFORMAT && *kvf_last_error());
         return;
     }
-    kvf_eval_options opt = {KVF_DEVICE_CPU, 1, 0, NULL};
+    kvf_eval_options opt = {.device = KVF_DEVICE_CPU, .threads = 1};
     kvf_eval_report r;
     rc = kvf_eval_run_peer(rc_, st->dump, &opt, &r);
     FUZZ_CHECK(rc == KVF_OK || rc == KVF_EFORMAT);

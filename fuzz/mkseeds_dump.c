@@ -29,7 +29,7 @@ static void recon_seed(const char *dir, const char *name, const char *scheme_tex
     kvf_dump *d;
     if (kvf_scheme_load_string(scheme_text, strlen(scheme_text), "=mkseeds_dump", &s)) die(scheme_text);
     if (kvf_dump_open(dump_path, &d)) die(dump_path);
-    kvf_eval_options opt = {KVF_DEVICE_CPU, 1, 0, path};
+    kvf_eval_options opt = {.device = KVF_DEVICE_CPU, .threads = 1, .recon_out = path};
     kvf_eval_report r;
     if (kvf_eval_run(s, d, &opt, &r)) die(path);
     kvf_eval_report_free(&r);
