@@ -96,6 +96,7 @@ lib: $(O)/lib/libkvforge.a $(O)/lib/libkvforge.so
 # Unit tests. GPU tests skip (and say so) where there is no GPU.
 test: all
 	@KVF_SRC=$(CURDIR) O=$(O) sh tests/run_all.sh $(TEST_BIN)
+	@KVF_SRC=$(CURDIR) O=$(O) sh tests/test_cli.sh
 	@sh tests/check_exports.sh $(O)/lib/libkvforge.so include/kvforge.h
 	@$(PYTHON) tests/format_model.py --check
 	@$(MAKE) --no-print-directory py-test
