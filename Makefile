@@ -101,6 +101,7 @@ test: all
 	@$(PYTHON) tests/format_model.py --check
 	@$(MAKE) --no-print-directory py-test
 	@$(MAKE) --no-print-directory wm-test
+	@$(WM_PYTHON) -m pytest -q tests/test_frontier_compare.py
 
 test-gpu: all
 	@KVF_SRC=$(CURDIR) O=$(O) sh tests/run_all.sh $(O)/bin/test_gpu
