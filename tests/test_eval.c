@@ -1430,7 +1430,8 @@ static void test_file_changes(void **state) {
 
 /* `kvforge eval`'s option parser (eval/cli_args.c), as the CLI and the fuzzer call it. */
 static int parse_line(const char *line, kvf_eval_args *a, char *err, size_t cap) {
-    char buf[1024], *argv[32];
+    static char buf[1024]; /* the parsed strings point into it after the return */
+    char *argv[32];
     int argc = 0;
     snprintf(buf, sizeof buf, "eval %s", line);
     for (char *t = strtok(buf, " "); t && argc < 31; t = strtok(NULL, " ")) argv[argc++] = t;
