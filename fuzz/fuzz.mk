@@ -27,7 +27,7 @@ FUZZ_LIB_OBJ := $(patsubst %.c,$(FUZZ_O)/obj/%.o,$(LIB_SRC) $(EVAL_SRC)) $(FUZZ_
 FUZZ_SEEDS_fuzz_scheme := fuzz/corpus/scheme fuzz/regress/scheme schemes tests/schemes_bad
 FUZZ_SEEDS_fuzz_packed := fuzz/corpus/packed fuzz/regress/packed
 FUZZ_SEEDS_fuzz_roundtrip := fuzz/corpus/roundtrip fuzz/regress/roundtrip
-FUZZ_SEEDS_fuzz_dump := fuzz/corpus/dump fuzz/regress/dump
+FUZZ_SEEDS_fuzz_dump := fuzz/corpus/dump fuzz/corpus/dump_args fuzz/regress/dump
 FUZZ_SEEDS_fuzz_table := fuzz/corpus/table fuzz/regress/table
 FUZZ_OPTS_fuzz_scheme := -dict=fuzz/scheme.dict -timeout=10 -max_len=4096
 FUZZ_OPTS_fuzz_packed := -timeout=10 -max_len=32768
