@@ -4,6 +4,7 @@
  * an unknown option, a missing value or a bad operand is a usage error
  * (exit 2, the option named on stderr); a failure is exit 1. */
 #include "gpu/cuda_api.h"
+#include "calibrate.h"
 #include "cli_args.h"
 #include "eval.h"
 #include "gen.h"
@@ -35,6 +36,8 @@ static const char overview[] =
     "  demo [SCHEME] [--cpu]            encode/decode a synthetic chunk\n"
     "  eval --scheme SCHEME --data DUMP attention-level quality on a KV dump (--peer RECON:\n"
     "                                   another system's cache)\n"
+    "  calibrate --scheme SCHEME --data DUMP -o TABLE\n"
+    "                                   mixed precision's sensitivity table from a KV dump\n"
     "  version                          the version\n"
     "  help [COMMAND]                   this text, or a command's (also: COMMAND --help)\n"
     "\n"
@@ -656,7 +659,7 @@ static int cmd_eval(int argc, char **argv) {
     }
     const int progress = show_progress(a.quiet);
     kvf_eval_options opt = {.device = a.gpu ? 0 : KVF_DEVICE_CPU, .threads = a.threads, .warm = a.warm,
-                            .recon_out = a.recon_out, .strict = a.strict,
+                            .recon_out = a.recon_out, .strict = a.strict, .table = a.table,
                             .progress = progress ? eval_progress : NULL};
     kvf_eval_report r;
     rc = recon ? kvf_eval_run_peer(recon, d, &opt, &r) : kvf_eval_run(s, d, &opt, &r);
@@ -672,18 +675,57 @@ static int cmd_eval(int argc, char **argv) {
     return status;
 }
 
+/* ------------------------------------------------------------- calibrate */
+
+static void calibrate_progress(void *user, int done, int total) {
+    (void)user;
+    progress_line("kvforge calibrate: %d of %d (layer, chunk) measured (%.0f%%)", done, total, 100.0 * done / total);
+}
+
+static int cmd_calibrate(int argc, char **argv) {
+    kvf_calibrate_args a;
+    int rc = kvf_calibrate_parse_args(argc, argv, &a, stderr);
+    if (rc) return rc;
+    if (a.help) {
+        kvf_calibrate_usage(stdout);
+        return 0;
+    }
+    if ((rc = regular_or_absent(a.output, "table file path to write"))) return fail(rc);
+    kvf_scheme *s = NULL;
+    kvf_dump *d = NULL;
+    if ((rc = load_scheme(a.scheme, &s)) || (rc = kvf_dump_open(a.data, &d))) {
+        kvf_scheme_free(s);
+        return fail(rc);
+    }
+    const int progress = show_progress(a.quiet);
+    rc = kvf_calibrate(s, d, a.first_chunk, a.n_chunks, a.output, progress ? calibrate_progress : NULL, NULL);
+    if (progress) progress_line(NULL);
+    kvf_dump_close(d);
+    kvf_scheme_free(s);
+    if (rc) return fail(rc);
+    printf("%s\n", a.output);
+    return 0;
+}
+
 /* ------------------------------------------------------------------ main */
 
 typedef struct command {
     const char *name;
     int (*run)(int argc, char **argv);
-    const char *usage; /* NULL: eval's (kvf_eval_usage) */
+    void (*usage_fn)(FILE *out); /* a usage printed by a function (eval's, calibrate's), or NULL */
+    const char *usage;
 } command;
 
 static const command commands[] = {
-    {"gen", cmd_gen, usage_gen},         {"compile", cmd_compile, usage_compile}, {"export", cmd_export, usage_export},
-    {"info", cmd_info, usage_info},      {"cache", cmd_cache, usage_cache},       {"demo", cmd_demo, usage_demo},
-    {"eval", cmd_eval, NULL},            {"version", cmd_version, usage_version},
+    {"gen", cmd_gen, NULL, usage_gen},
+    {"compile", cmd_compile, NULL, usage_compile},
+    {"export", cmd_export, NULL, usage_export},
+    {"info", cmd_info, NULL, usage_info},
+    {"cache", cmd_cache, NULL, usage_cache},
+    {"demo", cmd_demo, NULL, usage_demo},
+    {"eval", cmd_eval, kvf_eval_usage, NULL},
+    {"calibrate", cmd_calibrate, kvf_calibrate_usage, NULL},
+    {"version", cmd_version, NULL, usage_version},
 };
 
 static const command *find_command(const char *name) {
@@ -703,8 +745,8 @@ static int cmd_help(int argc, char **argv) {
     if (argc < 2) { fputs(overview, stdout); return 0; }
     const command *c = find_command(argv[1]);
     if (!c) return unknown_command(argv[1]);
-    if (c->usage) fputs(c->usage, stdout);
-    else kvf_eval_usage(stdout);
+    if (c->usage_fn) c->usage_fn(stdout);
+    else fputs(c->usage, stdout);
     return 0;
 }
 

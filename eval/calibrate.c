@@ -57,6 +57,9 @@ static json_t *scores_json(const double *score, int layers, int heads, int d) {
 int kvf_calibrate(const kvf_scheme *s, const kvf_dump *d, int first_chunk, int n_chunks, const char *out_path,
                   kvf_calibrate_progress progress, void *progress_arg) {
     if (!s || !d || !out_path) return kvf_set_error(KVF_EINVAL, "kvf_calibrate: NULL argument");
+    if (!s->plan.sec[0].mp_channels && !s->plan.sec[1].mp_channels)
+        return kvf_set_error(KVF_EINVAL, "scheme %s has no mixed precision: only a scheme with mixed_precision reads "
+                             "a sensitivity table, and its table measures its own error", s->name);
     if (d->head_dim != s->head_dim)
         return kvf_set_error(KVF_EINVAL, "%s: head_dim = %d, scheme %s has head_dim = %d", kvf_st_label(d->file),
                              d->head_dim, s->name, s->head_dim);

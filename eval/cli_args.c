@@ -77,6 +77,8 @@ void kvf_eval_usage(FILE *out) {
           "      --json              the report as JSON on stdout (default: a table)\n"
           "  -t, --threads N         metric threads, 1..256 (default: the online CPUs)\n"
           "      --warm              k-means of each span warm-started from the layer's previous span\n"
+          "      --table TABLE       mixed precision's sensitivity table (kvforge calibrate writes it;\n"
+          "                          default: the scheme's mixed_precision.table)\n"
           "      --write-recon FILE  also write the scheme's cache as a recon file\n"
           "      --strict            a NaN or infinity in the dump is an error (default: a warning,\n"
           "                          counted in the report, the metrics it enters undefined)\n"
@@ -86,7 +88,7 @@ void kvf_eval_usage(FILE *out) {
           out);
 }
 
-enum { O_GPU = 256, O_JSON, O_WARM, O_WRITE_RECON, O_STRICT };
+enum { O_GPU = 256, O_JSON, O_WARM, O_WRITE_RECON, O_STRICT, O_TABLE };
 
 int kvf_eval_parse_args(int argc, char **argv, kvf_eval_args *a, FILE *err) {
     static const struct option longs[] = {
@@ -95,14 +97,15 @@ int kvf_eval_parse_args(int argc, char **argv, kvf_eval_args *a, FILE *err) {
         {"gpu", no_argument, NULL, O_GPU},        {"json", no_argument, NULL, O_JSON},
         {"warm", no_argument, NULL, O_WARM},      {"write-recon", required_argument, NULL, O_WRITE_RECON},
         {"strict", no_argument, NULL, O_STRICT},  {"quiet", no_argument, NULL, 'q'},
-        {"help", no_argument, NULL, 'h'},         {NULL, 0, NULL, 0},
+        {"table", required_argument, NULL, O_TABLE}, {"help", no_argument, NULL, 'h'},
+        {NULL, 0, NULL, 0},
     };
     const char *prog = "kvforge eval";
     memset(a, 0, sizeof *a);
     int state = 0, c;
     while ((c = kvf_cli_getopt(argc, argv, longs, prog, err, &state)) != -1) {
         const char **value = c == 's' ? &a->scheme : c == 'p' ? &a->peer : c == 'd' ? &a->data
-                           : c == O_WRITE_RECON ? &a->recon_out : NULL;
+                           : c == O_WRITE_RECON ? &a->recon_out : c == O_TABLE ? &a->table : NULL;
         if (value) {
             if (*value) {
                 const struct option *l = longs;
@@ -151,9 +154,92 @@ int kvf_eval_parse_args(int argc, char **argv, kvf_eval_args *a, FILE *err) {
                 prog);
         return KVF_CLI_USAGE;
     }
-    if (a->peer && (a->gpu || a->warm || a->recon_out)) {
+    if (a->peer && (a->gpu || a->warm || a->recon_out || a->table)) {
         fprintf(err, "%s: --peer takes no %s: the recon file holds the peer's decoded cache\n", prog,
-                a->gpu ? "--gpu" : a->warm ? "--warm" : "--write-recon");
+                a->gpu ? "--gpu" : a->warm ? "--warm" : a->recon_out ? "--write-recon" : "--table");
+        return KVF_CLI_USAGE;
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------- calibrate */
+
+void kvf_calibrate_usage(FILE *out) {
+    fputs("usage: kvforge calibrate --scheme SCHEME --data DUMP.safetensors -o TABLE.json [options]\n"
+          "Mixed precision's sensitivity table (docs/FORMAT.md): the scheme's error per channel,\n"
+          "measured on the CPU reference over a KV dump's chunks, weighted for keys by the\n"
+          "queries' energy (docs/METHODS.md section 11). Give it to kvforge eval --table, the\n"
+          "Python cache, or the scheme's mixed_precision.table.\n"
+          "\n"
+          "  -s, --scheme SCHEME     a scheme with mixed_precision (a file or a shipped name)\n"
+          "  -d, --data DUMP         the KV dump (a regular safetensors file)\n"
+          "  -o, --output TABLE      the table to write (replaced atomically)\n"
+          "  -c, --chunks A[:N]      chunks A .. A + N - 1 of each layer (default: all; N absent:\n"
+          "                          to the last); calibrate on chunks you do not evaluate on\n"
+          "  -q, --quiet             no progress on stderr (shown only when stderr is a terminal)\n"
+          "  -h, --help              this help\n"
+          "Exit status: 0 done, 1 the calibration failed, 2 a usage error.\n",
+          out);
+}
+
+int kvf_calibrate_parse_args(int argc, char **argv, kvf_calibrate_args *a, FILE *err) {
+    static const struct option longs[] = {
+        {"scheme", required_argument, NULL, 's'}, {"data", required_argument, NULL, 'd'},
+        {"output", required_argument, NULL, 'o'}, {"chunks", required_argument, NULL, 'c'},
+        {"quiet", no_argument, NULL, 'q'},        {"help", no_argument, NULL, 'h'},
+        {NULL, 0, NULL, 0},
+    };
+    const char *prog = "kvforge calibrate";
+    memset(a, 0, sizeof *a);
+    int state = 0, c, chunks_given = 0;
+    while ((c = kvf_cli_getopt(argc, argv, longs, prog, err, &state)) != -1) {
+        const char **value = c == 's' ? &a->scheme : c == 'd' ? &a->data : c == 'o' ? &a->output : NULL;
+        const struct option *l = longs;
+        while (l->name && l->val != c) l++;
+        if (value) {
+            if (*value) return kvf_cli_twice(prog, l->name, err);
+            if (!*optarg) {
+                fprintf(err, "%s: option '--%s' needs a value, not an empty one\n", prog, l->name);
+                return KVF_CLI_USAGE;
+            }
+            *value = optarg;
+            continue;
+        }
+        switch (c) {
+        case 'c': {
+            if (chunks_given++) return kvf_cli_twice(prog, "chunks", err);
+            char first[32];
+            const char *colon = strchr(optarg, ':');
+            const size_t n = colon ? (size_t)(colon - optarg) : strlen(optarg);
+            long long f = -1, k = 0;
+            if (n < sizeof first) {
+                memcpy(first, optarg, n);
+                first[n] = 0;
+            }
+            if (n >= sizeof first || !kvf_parse_int(first, 0, 1 << 20, &f) ||
+                (colon && !kvf_parse_int(colon + 1, 1, 1 << 20, &k))) {
+                fprintf(err, "%s: --chunks '%.200s': must be FIRST or FIRST:COUNT (FIRST >= 0, COUNT >= 1)\n",
+                        prog, optarg);
+                return KVF_CLI_USAGE;
+            }
+            a->first_chunk = (int)f;
+            a->n_chunks = (int)k;
+            break;
+        }
+        case 'q': a->quiet = 1; break;
+        case 'h': a->help = 1; break;
+        default: return KVF_CLI_USAGE; /* '?': said */
+        }
+    }
+    if (a->help) return 0;
+    if (optind < argc) {
+        fprintf(err, "%s: unexpected argument '%.200s' (every input is given by an option)\nTry '%s --help'.\n", prog,
+                argv[optind], prog);
+        return KVF_CLI_USAGE;
+    }
+    if (!a->scheme || !a->data || !a->output) {
+        fprintf(err, "%s: --%s is required\nTry '%s --help'.\n", prog,
+                !a->scheme ? "scheme" : !a->data ? "data" : "output", prog);
         return KVF_CLI_USAGE;
     }
     return 0;

@@ -27,7 +27,7 @@ int kvf_cli_twice(const char *prog, const char *name, FILE *err);
 
 /* What `kvforge eval` was asked. */
 typedef struct kvf_eval_args {
-    const char *scheme, *peer, *data, *recon_out; /* NULL when not given */
+    const char *scheme, *peer, *data, *recon_out, *table; /* NULL when not given */
     int gpu, json, threads, warm, strict, quiet;
     int help; /* --help: print kvf_eval_usage to stdout, exit 0, nothing else done */
 } kvf_eval_args;
@@ -37,5 +37,15 @@ typedef struct kvf_eval_args {
  * KVF_CLI_USAGE: a usage error, said on err (every message names the option). */
 int kvf_eval_parse_args(int argc, char **argv, kvf_eval_args *a, FILE *err);
 void kvf_eval_usage(FILE *out);
+
+typedef struct kvf_calibrate_args {
+    const char *scheme, *data, *output; /* NULL when not given */
+    int first_chunk, n_chunks;          /* --chunks A[:N]; n_chunks 0: to the last */
+    int quiet, help;
+} kvf_calibrate_args;
+
+/* `kvforge calibrate`'s arguments, as kvf_eval_parse_args. */
+int kvf_calibrate_parse_args(int argc, char **argv, kvf_calibrate_args *a, FILE *err);
+void kvf_calibrate_usage(FILE *out);
 
 #endif

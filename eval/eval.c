@@ -21,8 +21,10 @@ typedef struct recon_out {
     int64_t *bytes;    /* [layers][RECON_OUT_PARTS] */
 } recon_out;
 
-#define RECON_OUT_PARTS 3
-static const char *const recon_out_parts[RECON_OUT_PARTS] = {"packed", "bf16", "qstats"};
+/* packed spans (anchors included), BF16 chunks, the query statistics, and
+ * error feedback's carried error: what a layer holds at the stream's end */
+#define RECON_OUT_PARTS 4
+static const char *const recon_out_parts[RECON_OUT_PARTS] = {"packed", "bf16", "qstats", "feedback"};
 
 typedef struct layer_run {
     const kvf_scheme *s; /* NULL when scoring a recon */
@@ -42,6 +44,7 @@ typedef struct layer_run {
     uint8_t *mask;                        /* [rows] */
     uint16_t *span_k, *span_v, *out_k, *out_v; /* [kv_heads][span * tokens][d] */
     int32_t *span_pos;                    /* [span * tokens][n_axes] */
+    uint8_t *map;                         /* [2][kv_heads][d]: mixed precision's channel map, or NULL */
     float *q;                             /* [q_heads][max_queries][d] */
     uint16_t *q_bf16;
     uint16_t *cmp_a, *cmp_b;              /* [tokens][d]: a recon's exact chunk against the dump's */
@@ -102,7 +105,7 @@ static int q_role_of(const kvf_scheme *s, const kvf_dump *d) {
 
 static void free_run(layer_run *r) {
     void *p[] = {r->k_ref, r->v_ref, r->k_hat, r->v_hat, r->packed_chunk, r->mask, r->span_k, r->span_v,
-                 r->out_k, r->out_v, r->span_pos, r->q, r->q_bf16, r->cmp_a, r->cmp_b, r->seen, r->entry};
+                 r->out_k, r->out_v, r->span_pos, r->q, r->q_bf16, r->cmp_a, r->cmp_b, r->seen, r->entry, r->map};
     for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) free(p[i]);
 }
 
@@ -137,6 +140,7 @@ static int alloc_run(layer_run *r) {
     r->cmp_b = alloc_n(chunk, 2, &ok);
     r->seen = alloc_n((size_t)d->chunks * KVF_DUMP_ROLES, 1, &ok);
     r->entry = alloc_n((size_t)d->chunks * KVF_DUMP_ROLES, sizeof(int), &ok);
+    r->map = alloc_n(r->rep->mixed ? (size_t)2 * d->kv_heads * d->head_dim : 0, 1, &ok);
     if (ok) return KVF_OK;
     return kvf_set_error(KVF_ENOMEM, "out of memory for the evaluation buffers (%zu floats per K/V copy)", kv);
 }
@@ -235,8 +239,9 @@ static int load_layer(layer_run *r, int layer) {
 
 /* ------------------------------------------------------------ packing */
 
-/* Pack chunks [a, b) as one span and put what decode returns in the cache. */
-static int pack_span(layer_run *r, int layer, int a, int b, kvf_eval_sums *bytes) {
+/* Pack chunks [a, b) as one span (what the policy says of it: sp) and put
+ * what decode returns in the cache. */
+static int pack_span(layer_run *r, int layer, int a, int b, const kvf_eval_span *sp, kvf_eval_sums *bytes) {
     const kvf_dump *d = r->d;
     const int64_t N = d->tokens, span_tokens = (int64_t)(b - a) * N;
     const size_t n = (size_t)N * d->head_dim;
@@ -259,7 +264,7 @@ static int pack_span(layer_run *r, int layer, int a, int b, kvf_eval_sums *bytes
     if (rc) return rc;
     kvf_shape sh = {span_tokens, d->kv_heads, 0, 0};
     size_t packed;
-    rc = kvf_eval_backend_roundtrip(r->be, r->span_k, r->span_v, &sh, pos, r->n_axes, r->out_k, r->out_v, &packed);
+    rc = kvf_eval_backend_roundtrip(r->be, sp, r->span_k, r->span_v, &sh, pos, r->n_axes, r->out_k, r->out_v, &packed);
     if (rc) return kvf_wrap_error(rc, "layer %d, chunks %d..%d", layer, a, b - 1);
     for (int h = 0; h < d->kv_heads; h++)
         for (int64_t t = 0; t < span_tokens; t++) {
@@ -287,7 +292,10 @@ static int pack_ready(layer_run *r, int layer, int t, kvf_eval_sums *bytes) {
     kvf_chunk_step st;
     int rc = kvf_chunk_policy(r->s, t, &st);
     if (rc || !st.pack_chunks) return rc;
-    return pack_span(r, layer, (int)st.pack_first, (int)(st.pack_first + st.pack_chunks), bytes);
+    const kvf_eval_span sp = {.anchor = st.anchor, .against = st.anchor_first >= 0, .feedback_in = st.feedback_in,
+                              .warm = st.warm_chunks > 0};
+    if (st.anchor) r->rep->anchor_spans++;
+    return pack_span(r, layer, (int)st.pack_first, (int)(st.pack_first + st.pack_chunks), &sp, bytes);
 }
 
 /* ------------------------------------------------------ recon files */
@@ -426,7 +434,7 @@ static int write_recon(const recon_out *o, const kvf_dump *d, const kvf_eval_rep
     const char *meta[] = {"format", KVF_RECON_FORMAT, "layers", num[0], "chunks", num[1], "kv_heads", num[2],
                           "head_dim", num[3], "tokens_per_chunk", num[4], "sink", num[5], "recent", num[6],
                           "span", num[7], "name", rep->scheme_id, "peer", peer, "dump", rep->data,
-                          "stored_bytes_parts", "packed,bf16,qstats"};
+                          "stored_bytes_parts", "packed,bf16,qstats,feedback"};
     int rc = kvf_st_write(path, meta, (int)(sizeof meta / sizeof meta[0] / 2), t, nt);
     free(t);
     free(names);
@@ -477,7 +485,9 @@ static int run_layer(layer_run *r, int layer, kvf_eval_sums *overall) {
     new_layer_counts(r);
     r->spans = 0;
     int rc = load_layer(r, layer);
-    if (r->be) kvf_eval_backend_new_layer(r->be);
+    if (!rc && r->map && (rc = kvf_mixed_map(r->s, r->opt->table, layer, d->kv_heads, r->map)))
+        rc = kvf_wrap_error(rc, "layer %d: mixed precision's channel map", layer);
+    if (!rc && r->be) rc = kvf_eval_backend_new_layer(r->be, r->map, d->kv_heads);
     if (!rc && rep->uses_qstats) {
         size_t qs = 0;
         if ((rc = kvf_eval_backend_qstats_init(r->be, d->kv_heads, &qs))) rc = kvf_wrap_error(rc, "layer %d", layer);
@@ -504,7 +514,8 @@ static int run_layer(layer_run *r, int layer, kvf_eval_sums *overall) {
             for (int c = 0; c < d->chunks; c++)
                 if (!r->packed_chunk[c]) parts[1] += chunk_bf16;
             parts[2] = rep->uses_qstats ? (double)rep->qstats_bytes : 0;
-            bytes.stored_bytes += parts[1] + parts[2];
+            parts[3] = (double)kvf_eval_backend_state_bytes(r->be);
+            bytes.stored_bytes += parts[1] + parts[2] + parts[3];
             for (int i = 0; r->rout && i < RECON_OUT_PARTS; i++)
                 r->rout->bytes[(size_t)layer * RECON_OUT_PARTS + i] = (int64_t)parts[i];
         }
@@ -568,6 +579,9 @@ static void describe(kvf_eval_report *rep, const kvf_scheme *s, const kvf_dump *
     rep->recent = s->chunk.recent;
     rep->span = s->chunk.span > 0 ? s->chunk.span : 1;
     rep->has_centroids = s->key.centroids > 0 || s->value.centroids > 0;
+    rep->mixed = s->plan.sec[0].mp_channels > 0 || s->plan.sec[1].mp_channels > 0;
+    rep->anchor_every = s->pipe.anchor_every;
+    rep->feedback_decay = s->pipe.feedback_decay;
     rep->n_parts = RECON_OUT_PARTS;
     for (int i = 0; i < RECON_OUT_PARTS; i++) copy_text(rep->part_name[i], sizeof rep->part_name[i], recon_out_parts[i]);
 }
@@ -614,6 +628,16 @@ int kvf_eval_run(const kvf_scheme *s, const kvf_dump *d, const kvf_eval_options 
     if ((rc = kvf_eval_backend_open(s, opt->device, opt->warm, &be))) return rc;
     describe(rep, s, d, be);
     rep->warm = opt->warm != 0;
+    if (rep->mixed) {
+        const char *table = opt->table ? opt->table : s->pipe.mp_table;
+        if (!table[0]) {
+            kvf_eval_backend_close(be);
+            return kvf_set_error(KVF_EINVAL, "scheme %s refines calibrated channels (mixed_precision) and names no "
+                                 "sensitivity table: give one (kvforge eval --table; kvforge calibrate writes it)",
+                                 s->name);
+        }
+        copy_text(rep->table, sizeof rep->table, table);
+    }
     layer_run r = {.s = s, .d = d, .be = be, .rep = rep, .opt = opt, .threads = opt->threads > 0 ? opt->threads : kvf_cpu_count(),
                    .key_role = rep->pre_rope ? KVF_DUMP_K_PRE : KVF_DUMP_K, .q_role = q_role_of(s, d),
                    .n_axes = kvf_rope_sections(s, NULL), .rows = (int64_t)d->chunks * d->tokens};

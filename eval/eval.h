@@ -19,6 +19,9 @@ typedef struct kvf_eval_options {
     int warm;    /* k-means of each span warm-started from the layer's previous span (kvf_encode_warm) */
     const char *recon_out; /* kvf_eval_run: also write the scheme's cache as a recon file (recon.h) here */
     int strict;  /* a NaN or infinity in a tensor of the dump is an error (KVF_EFORMAT), not a warning */
+    /* Mixed precision's sensitivity table (`kvforge calibrate`), or NULL: the
+     * one the scheme names (mixed_precision.table). */
+    const char *table;
     /* Called after every step (chunk) of every layer, from the calling thread; may be NULL. */
     void (*progress)(void *user, int layer, int layers, int chunk, int chunks);
     void *progress_user;
@@ -42,6 +45,10 @@ typedef struct kvf_eval_report {
     int uses_qstats, pre_rope, q_pre_used;
     int warm, has_centroids;         /* warm start asked; a section has k-means (else warm changes nothing) */
     int sink, recent, span;
+    int mixed;                       /* mixed precision: a channel map per layer from the table */
+    char table[512];                 /* the table read ("" none) */
+    int anchor_every, anchor_spans;  /* anchors: the scheme's period in chunks; anchor spans packed */
+    double feedback_decay;           /* error feedback (0: off) */
     size_t qstats_bytes;             /* per layer, counted in stored_bytes */
     int peer;                        /* scored from a recon file (kvf_eval_run_peer) */
     char peer_text[256];             /* the recon's "peer" metadata */

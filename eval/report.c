@@ -109,6 +109,13 @@ void kvf_eval_print_table(const kvf_eval_report *r, FILE *out) {
         fprintf(out, "         k-means warm-started from the layer's previous span%s\n",
                 !r->has_centroids ? " (asked; the scheme has no k-means, so nothing changes)"
                 : r->warm_spans_scored ? "" : " (asked; no warm-started span was scored)");
+    if (r->anchor_every || r->feedback_decay > 0 || r->mixed) {
+        fprintf(out, "         pipeline:");
+        if (r->anchor_every) fprintf(out, " an anchor every %d chunks (%d anchor spans);", r->anchor_every, r->anchor_spans);
+        if (r->feedback_decay > 0) fprintf(out, " error feedback, decay %g;", r->feedback_decay);
+        if (r->mixed) fprintf(out, " channel maps from %s", r->table);
+        fprintf(out, "\n");
+    }
     fprintf(out, "backend: %s, %.2f s\n", r->backend, r->seconds);
     if (r->nonfinite_values)
         fprintf(out, "inputs:  %lld NaN or infinite values in %d of %lld tensors read: quality metrics undefined "
@@ -223,7 +230,11 @@ char *kvf_eval_report_json(const kvf_eval_report *r) {
     if (!warnings || json_object_set_new(root, "warnings", warnings) ||
         json_object_set_new(root, "nonfinite", nonfinite_json(r)) ||
         json_object_set_new(policy, "warm_spans", json_integer(r->warm_spans)) ||
-        json_object_set_new(policy, "warm_spans_scored", json_integer(r->warm_spans_scored))) {
+        json_object_set_new(policy, "warm_spans_scored", json_integer(r->warm_spans_scored)) ||
+        json_object_set_new(policy, "anchor_every", json_integer(r->anchor_every)) ||
+        json_object_set_new(policy, "anchor_spans", json_integer(r->anchor_spans)) ||
+        json_object_set_new(policy, "feedback_decay", json_real(r->feedback_decay)) ||
+        json_object_set_new(policy, "table", r->mixed ? json_string(r->table) : json_null())) {
         json_decref(parts);
         json_decref(root);
         return NULL;

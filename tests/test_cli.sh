@@ -134,6 +134,19 @@ grep -q '"overall"' "$TMP/out" || bad "eval --json: no report on stdout"
 expect 0 "warning: --warm changed nothing" eval --scheme rtn_int2 --data "$DUMP" --warm
 grep -q "kvforge eval: layer" "$TMP/err" && bad "eval showed progress on a stderr that is not a terminal"
 
+# --- calibrate: a table that eval then reads; the scheme without one refused with the way out
+expect 2 "--output is required" calibrate --scheme stable_int2 --data "$DUMP"
+expect 2 "--chunks 'x'" calibrate --scheme stable_int2 --data "$DUMP" -o "$TMP/t.json" --chunks x
+expect 2 "--chunks '1:0'" calibrate --scheme stable_int2 --data "$DUMP" -o "$TMP/t.json" --chunks 1:0
+expect 2 "option '--chunks' given twice" calibrate --scheme stable_int2 --data "$DUMP" -o "$TMP/t.json" -c 0 -c 1
+expect 1 "has no mixed precision" calibrate --scheme rtn_int2 --data "$DUMP" -o "$TMP/t.json"
+expect 1 "kvforge calibrate writes it" eval --scheme stable_int2 --data "$DUMP"
+expect 0 "" calibrate --scheme stable_int2 --data "$DUMP" -o "$TMP/t.json" --chunks 0:2
+grep -q '"key"' "$TMP/t.json" || bad "calibrate: no table written: $(head -c 200 "$TMP/t.json")"
+expect 0 "" eval --scheme stable_int2 --data "$DUMP" --table "$TMP/t.json" --json --threads 1
+grep -q '"anchor_spans": 1' "$TMP/out" || bad "eval --table: no anchor span in the report: $(head -c 300 "$TMP/out")"
+expect 2 "--peer takes no --table" eval --peer "$DUMP" --data "$DUMP" --table "$TMP/t.json"
+
 # --- progress on a terminal (script(1) gives a pseudo-terminal), none with --quiet
 if command -v script >/dev/null 2>&1 && script -qec true /dev/null >/dev/null 2>&1; then
   tty_run() { script -qec "$1" /dev/null >"$TMP/tty" 2>&1 </dev/null; }

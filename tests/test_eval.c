@@ -4,6 +4,7 @@
  * eval/worldmodel/kv_small.safetensors when it exists). */
 #include "testutil.h"
 
+#include "calibrate.h"
 #include "dump.h"
 #include "eval.h"
 #include "metrics.h"
@@ -890,18 +891,28 @@ static void test_recon_matches_scheme(void **state) {
         "return { base = 'kivi_int2' }",                               /* recent = 1: exact chunks in the history */
         "return { base = 'quantwm_int2', chunk = { sink = 1, span = 2 } }", /* query statistics, sink, span */
         "return { base = 'rtn_int4', name = 'pre', rope = { placement = 'pre', sections = {16, 24, 24} } }",
+        /* the pipeline: anchor spans (chunks 0 and 2), the carried error, a channel map */
+        "return { base = 'stable_int2', anchors = { every = 2, bits = 8 } }",
     };
+    const char *table = tmp_file("recon_table.json");
     kvf_dump *d;
     assert_int_equal(kvf_dump_open(path, &d), KVF_OK);
     for (size_t i = 0; i < sizeof schemes / sizeof schemes[0]; i++) {
         kvf_scheme *s = tu_scheme_text(schemes[i]);
         kvf_eval_options opt = {.device = KVF_DEVICE_CPU, .threads = 2, .recon_out = rpath};
+        if (i == 5) {
+            kvf_eval_report none;
+            assert_int_equal(kvf_eval_run(s, d, &opt, &none), KVF_EINVAL); /* no table */
+            assert_non_null(strstr(kvf_last_error(), "kvforge calibrate"));
+            if (kvf_calibrate(s, d, 0, 2, table, NULL, NULL)) fail_msg("%s", kvf_last_error());
+            opt.table = table;
+        }
         kvf_eval_report a, b;
         int rc = kvf_eval_run(s, d, &opt, &a);
         if (rc) fail_msg("%s: %s", schemes[i], kvf_last_error());
         kvf_recon *r;
         if (kvf_recon_open(rpath, &r)) fail_msg("%s", kvf_last_error());
-        assert_int_equal(r->n_parts, 3);
+        assert_int_equal(r->n_parts, 4);
         assert_int_equal(r->sink, a.sink);
         assert_int_equal(r->span, a.span);
         assert_string_equal(r->name, a.scheme_id);
@@ -912,9 +923,16 @@ static void test_recon_matches_scheme(void **state) {
         assert_same_report(&a, &b);
         assert_true(b.peer && !a.peer);
         assert_true(a.overall.stored_bytes > 0 && a.overall.kv_values > 0);
-        for (int p = 0; p < 3; p++) assert_true(a.part_bytes[p] == b.part_bytes[p]);
+        for (int p = 0; p < 4; p++) assert_true(a.part_bytes[p] == b.part_bytes[p]);
         if (i == 2) assert_true(a.part_bytes[1] > 0); /* KIVI's recent chunk */
         if (i == 3) assert_true(a.part_bytes[2] > 0); /* QuantWM's statistics */
+        if (i == 5) { /* per layer: one span of carried error (f32 K and V); two anchors of four spans */
+            assert_true(a.part_bytes[3] == 2.0 * 4 * c.layers * c.kv_heads * c.tokens * c.d);
+            assert_int_equal(a.anchor_spans, 2 * c.layers);
+            assert_string_equal(a.table, table);
+        } else {
+            assert_true(a.part_bytes[3] == 0);
+        }
         kvf_eval_report_free(&a);
         kvf_eval_report_free(&b);
         kvf_recon_close(r);
