@@ -107,7 +107,7 @@ typedef struct kvf_scheme_info {
     int outliers[2];         /* values a row keeps exactly */
     int mixed_channels[2];   /* refined channels a head: the encode needs a channel map (kvf_mixed_map) */
     int anchor_every;        /* chunks from one anchor to the next: the stream needs anchor spans */
-    int anchor_bits;
+    int anchor_bits;         /* the anchors' precision (0 without anchors) */
     double feedback_decay;   /* > 0: the encode carries error feedback state */
 } kvf_scheme_info;
 KVF_API int kvf_scheme_get_info(const kvf_scheme *s, kvf_scheme_info *out);

@@ -112,7 +112,22 @@ class KvfSchemeInfo(Structure):
 class KvfChunkStep(Structure):
     """``kvf_chunk_step`` of include/kvforge.h (kvf_chunk_policy)."""
     _fields_ = [("pack_first", c_int64), ("pack_chunks", c_int32), ("sink", c_int32),
-                ("warm_first", c_int64), ("warm_chunks", c_int32), ("reserved", c_int32)]
+                ("warm_first", c_int64), ("warm_chunks", c_int32),
+                ("anchor", c_int32), ("anchor_first", c_int64), ("anchor_chunks", c_int32),
+                ("feedback_in", c_int32)]
+
+
+class KvfEncodeArgs(Structure):
+    """``kvf_encode_args`` of include/kvforge.h (kvf_encode_ex)."""
+    _fields_ = [("qstats", c_void_p), ("prev", c_void_p), ("prev_bytes", c_size_t), ("prev_n_tokens", c_int64),
+                ("anchor", c_void_p), ("anchor_bytes", c_size_t), ("anchor_n_tokens", c_int64),
+                ("feedback", c_void_p), ("feedback_in", c_int), ("channel_map", c_void_p)]
+
+
+class KvfDecodeArgs(Structure):
+    """``kvf_decode_args`` of include/kvforge.h (kvf_decode_ex)."""
+    _fields_ = [("positions", c_void_p), ("anchor", c_void_p), ("anchor_bytes", c_size_t),
+                ("anchor_n_tokens", c_int64)]
 
 
 # ------------------------------------------------------------- prototypes
@@ -151,6 +166,12 @@ _PROTOTYPES = {
                                 c_size_t, c_int64, c_void_p, c_size_t, c_void_p]),
     "kvf_decode": (c_int, [_p_ctx, c_void_p, c_size_t, POINTER(KvfShape), c_void_p, c_void_p,
                            c_void_p, c_void_p]),
+    "kvf_encode_ex": (c_int, [_p_ctx, c_void_p, c_void_p, POINTER(KvfShape), POINTER(KvfEncodeArgs), c_void_p,
+                              c_size_t, c_void_p]),
+    "kvf_decode_ex": (c_int, [_p_ctx, c_void_p, c_size_t, POINTER(KvfShape), POINTER(KvfDecodeArgs), c_void_p,
+                              c_void_p, c_void_p]),
+    "kvf_scheme_anchor": (c_int, [_p_scheme, POINTER(c_void_p)]),
+    "kvf_mixed_map": (c_int, [_p_scheme, c_char_p, c_int32, c_int32, c_void_p]),
     "kvf_packed_check": (c_int, [_p_scheme, c_void_p, c_size_t, c_int64, c_int32]),
     "kvf_scheme_get_info": (c_int, [_p_scheme, POINTER(KvfSchemeInfo)]),
     "kvf_chunk_policy": (c_int, [_p_scheme, c_int64, POINTER(KvfChunkStep)]),

@@ -195,6 +195,10 @@ class NumpyBackend:
     def zeros_u8(self, n):
         return self.np.zeros(int(n), dtype=self.np.uint8)
 
+    def u8_from_numpy(self, a):
+        """A contiguous uint8 copy of a numpy array, flat, where this backend works."""
+        return self.np.ascontiguousarray(a, dtype=self.np.uint8).reshape(-1).copy()
+
     def empty_bf16(self, shape):
         return self.np.empty(tuple(shape), dtype=self.np.uint16)
 
@@ -336,6 +340,12 @@ class TorchBackend:
 
     def zeros_u8(self, n):
         return self.torch.zeros(int(n), dtype=self.torch.uint8, device=self.device)
+
+    def u8_from_numpy(self, a):
+        """A contiguous uint8 copy of a numpy array, flat, where this backend works."""
+        import numpy as np
+        t = self.torch.from_numpy(np.ascontiguousarray(a, dtype=np.uint8).reshape(-1).copy())
+        return t.to(self.device)
 
     def empty_bf16(self, shape):
         return self.torch.empty(tuple(shape), dtype=self.torch.bfloat16, device=self.device)

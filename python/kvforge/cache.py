@@ -11,10 +11,10 @@ __all__ = ["QuantizedKVCache"]
 
 class _Entry:
     """A run of consecutive chunks of one layer: one packed span, or one BF16 chunk."""
-    __slots__ = ("kind", "first_chunk", "n_chunks", "n_tokens", "packed", "k", "v", "positions")
+    __slots__ = ("kind", "first_chunk", "n_chunks", "n_tokens", "packed", "k", "v", "positions", "anchor", "ref")
 
     def __init__(self, kind, first_chunk, n_chunks, n_tokens, packed=None, k=None, v=None,
-                 positions=None):
+                 positions=None, anchor=False, ref=None):
         self.kind = kind  # "packed", "sink" (BF16 forever) or "bf16" (recent / waiting for a span)
         self.first_chunk = first_chunk
         self.n_chunks = n_chunks
@@ -23,10 +23,12 @@ class _Entry:
         self.k = k  # [H, N, d] contiguous BF16 (held chunks)
         self.v = v
         self.positions = positions  # int32 [N, A] ("pre" schemes)
+        self.anchor = anchor  # a packed anchor span (the anchor scheme's)
+        self.ref = ref  # the anchor entry a packed span is coded against, or None
 
 
 class _Layer:
-    __slots__ = ("entries", "n_chunks", "n_tokens", "qstats", "q_chunks")
+    __slots__ = ("entries", "n_chunks", "n_tokens", "qstats", "q_chunks", "feedback", "channel_map")
 
     def __init__(self):
         self.entries = []
@@ -34,6 +36,8 @@ class _Layer:
         self.n_tokens = 0
         self.qstats = None
         self.q_chunks = 0
+        self.feedback = None  # error feedback's carried error of the last span (f32 [2, H, N, d] as bytes)
+        self.channel_map = None  # mixed precision's channel map (u8 [2, H, d])
 
 
 class QuantizedKVCache:
@@ -72,6 +76,15 @@ class QuantizedKVCache:
         span, and schemes without centroids, as without it. ``False`` (default): a
         sample of the span's own tokens. Whether it helps depends on how alike
         consecutive spans are (docs/METHODS.md section 3).
+    table: mixed precision's sensitivity table (``kvforge calibrate`` writes it)
+        for a scheme with ``mixed_precision``; None: the one the scheme names.
+        Layer l of the cache reads layer l of the table.
+
+    The pipeline (docs/METHODS.md section 11) needs nothing more: a scheme with
+    ``anchors`` packs every ``every``-th span as an anchor (the anchor scheme,
+    :meth:`kvforge.Scheme.anchor_scheme`) and codes the spans between against
+    it; one with ``error_feedback`` keeps each layer's carried error (one span
+    of float32 K and V, counted in :meth:`memory` as "feedback").
 
     Chunk policy (the scheme's ``chunk`` section, as the library states it:
     kvf_chunk_policy, :meth:`kvforge.Scheme.chunk_step`): chunk i of a layer is
@@ -88,7 +101,7 @@ class QuantizedKVCache:
 
     def __init__(self, scheme, num_layers: int, num_kv_heads: int, head_dim: int | None = None, *,
                  device=None, layout: str = "hnd", num_q_heads: int | None = None, qstats="auto",
-                 warm_start: bool = False, batch_size: int | None = None, strict: bool = False):
+                 warm_start: bool = False, batch_size: int | None = None, strict: bool = False, table=None):
         self.scheme = load_scheme(scheme)
         info = self.info = self.scheme.info
         if head_dim is None:
@@ -127,6 +140,16 @@ class QuantizedKVCache:
         if self.uses_qstats:
             for st in self._layers:
                 st.qstats = self.ctx.qstats_new(self._heads)
+        self.anchor_ctx = Context(self.scheme.anchor_scheme(), device) if info.anchor_every else None
+        self.table = table
+        if info.needs_channel_map:
+            import numpy as np
+            for layer, st in enumerate(self._layers):
+                m = self.scheme.mixed_map(table, layer, num_kv_heads)  # [2, Hkv, d]
+                if batch_size is not None:  # every batch entry's heads read their head's map
+                    m = np.concatenate([np.tile(m[sec][None], (batch_size, 1, 1)).reshape(1, -1, head_dim)
+                                        for sec in (0, 1)])
+                st.channel_map = self.be.u8_from_numpy(m)
 
     # ------------------------------------------------------------ properties
     @property
@@ -159,9 +182,10 @@ class QuantizedKVCache:
 
     def segments(self, layer: int):
         """How a layer is held, oldest first: a list of (kind, first_chunk, n_chunks,
-        n_tokens) with kind "sink" (BF16 for ever), "packed" (one span) or "bf16"
-        (recent, or waiting for a full span)."""
-        return [(e.kind, e.first_chunk, e.n_chunks, e.n_tokens) for e in self._layer(layer).entries]
+        n_tokens) with kind "sink" (BF16 for ever), "packed" (one span), "anchor" (a
+        packed anchor span) or "bf16" (recent, or waiting for a full span)."""
+        return [("anchor" if e.anchor else e.kind, e.first_chunk, e.n_chunks, e.n_tokens)
+                for e in self._layer(layer).entries]
 
     def qstats_buffer(self, layer: int):
         """The layer's query-statistics buffer (None when the cache keeps none)."""
@@ -248,14 +272,12 @@ class QuantizedKVCache:
             entry = _Entry("sink", idx, 1, n, k=be.hnd_copy(ka), v=be.hnd_copy(va), positions=pos)
         elif alone:
             # Packed at once, straight from the caller's tensors (no copy).
-            packed = be.empty_u8(self.ctx.packed_size(n, self._heads))
-            self.ctx.encode_args(ka, va, st.qstats, packed, warm=self._warm(st.entries, step))
-            entry = _Entry("packed", idx, 1, n, packed=packed, positions=pos)
+            entry = self._encode(st, st.entries, step, ka, va, n, idx, 1, pos)
         else:
             entry = _Entry("bf16", idx, 1, n, k=be.hnd_copy(ka), v=be.hnd_copy(va), positions=pos)
         entries = st.entries + [entry]
         if step.pack_chunks and not alone:
-            entries = self._pack(entries, step, st.qstats)
+            entries = self._pack(st, entries, step)
         # Everything that can fail has run: commit.
         st.entries = entries
         st.n_chunks += 1
@@ -276,7 +298,7 @@ class QuantizedKVCache:
                                f"which this cache does not hold as one")
         return prev.packed, prev.n_tokens
 
-    def _pack(self, entries, step, qstats):
+    def _pack(self, st, entries, step):
         """Entries with the step's span packed: its chunks, waiting in BF16, become one
         packed span, encoded with the layer's statistics as they are now."""
         be = self.be
@@ -293,10 +315,38 @@ class QuantizedKVCache:
         ka = be.kv(k, "k", "hnd", self.head_dim)
         va = be.kv(v, "v", "hnd", self.head_dim)
         n = sum(e.n_tokens for e in group)
-        packed = be.empty_u8(self.ctx.packed_size(n, self._heads))
-        self.ctx.encode_args(ka, va, qstats, packed, warm=self._warm(entries, step))
-        span = _Entry("packed", lo, len(group), n, packed=packed, positions=pos)
+        span = self._encode(st, entries, step, ka, va, n, lo, len(group), pos)
         return entries[:at[0]] + [span] + entries[at[-1] + 1:]
+
+    def _encode(self, st, entries, step, ka, va, n, first, n_chunks, pos):
+        """The packed entry of the span the step packs: an anchor span (the anchor
+        scheme), or a span of the scheme coded against its anchor, with the carried
+        error and the channel map where the scheme has them."""
+        be = self.be
+        if step.anchor:
+            packed = be.empty_u8(self.anchor_ctx.packed_size(n, self._heads))
+            self.anchor_ctx.encode_args(ka, va, None, packed)
+            return _Entry("packed", first, n_chunks, n, packed=packed, positions=pos, anchor=True)
+        ref = None
+        if step.anchor_first >= 0:
+            ref = next((e for e in entries if e.kind == "packed" and e.anchor and e.first_chunk == step.anchor_first),
+                       None)
+            if ref is None or ref.n_chunks != step.anchor_chunks:
+                raise RuntimeError(f"kvf_chunk_policy codes chunks {first}..{first + n_chunks - 1} against the "
+                                   f"anchor span at chunk {step.anchor_first}, which this cache does not hold")
+        feedback, feedback_in = None, False
+        if self.info.feedback_decay > 0:
+            need = 4 * 2 * self._heads * n * self.head_dim
+            if st.feedback is None or be.nbytes(st.feedback) != need:
+                st.feedback = be.empty_u8(need)  # a span of another size starts a new chain
+            else:
+                feedback_in = step.feedback_in
+            feedback = st.feedback
+        packed = be.empty_u8(self.ctx.packed_size(n, self._heads))
+        self.ctx.encode_args(ka, va, st.qstats, packed, warm=self._warm(entries, step),
+                             anchor=None if ref is None else (ref.packed, ref.n_tokens), feedback=feedback,
+                             feedback_in=feedback_in, channel_map=st.channel_map)
+        return _Entry("packed", first, n_chunks, n, packed=packed, positions=pos, ref=ref)
 
     # ------------------------------------------------------------ read back
     def keys_values(self, layer: int, *, layout: str | None = None, out=None, bits: bool = False):
@@ -346,8 +396,9 @@ class QuantizedKVCache:
             for e in st.entries:
                 if e.kind == "packed":
                     off = t0 * tok_stride * 2  # bytes
-                    self.ctx.decode_into(e.packed, e.n_tokens, H, kbase + off, vbase + off,
-                                         tok_stride, head_stride, e.positions)
+                    ctx = self.anchor_ctx if e.anchor else self.ctx
+                    ctx.decode_into(e.packed, e.n_tokens, H, kbase + off, vbase + off, tok_stride, head_stride,
+                                    e.positions, anchor=None if e.ref is None else (e.ref.packed, e.ref.n_tokens))
                 else:
                     k = e.k
                     if e.positions is not None:
@@ -375,12 +426,13 @@ class QuantizedKVCache:
 
     # ------------------------------------------------------------ memory
     def memory(self, layer: int | None = None) -> dict:
-        """Bytes held, by kind, for one layer or all: packed, bf16 (sink/recent/waiting
-        chunks), positions, qstats; total (= nbytes); kv_bf16 (what BF16 K and V of
+        """Bytes held, by kind, for one layer or all: packed (anchors included), bf16
+        (sink/recent/waiting chunks), positions, qstats, feedback (the carried error),
+        channel_map; total (= nbytes); kv_bf16 (what BF16 K and V of
         the same tokens take); compression_ratio = kv_bf16 / total."""
         be = self.be
         layers = self._layers if layer is None else [self._layer(layer)]
-        m = {"packed": 0, "bf16": 0, "positions": 0, "qstats": 0, "tokens": 0}
+        m = {"packed": 0, "bf16": 0, "positions": 0, "qstats": 0, "feedback": 0, "channel_map": 0, "tokens": 0}
         for st in layers:
             for e in st.entries:
                 if e.kind == "packed":
@@ -390,8 +442,10 @@ class QuantizedKVCache:
                 m["positions"] += be.nbytes(e.positions)
             if st.qstats is not None:
                 m["qstats"] += be.nbytes(st.qstats)
+            m["feedback"] += be.nbytes(st.feedback)
+            m["channel_map"] += be.nbytes(st.channel_map)
             m["tokens"] += st.n_tokens
-        m["total"] = m["packed"] + m["bf16"] + m["positions"] + m["qstats"]
+        m["total"] = sum(m[x] for x in ("packed", "bf16", "positions", "qstats", "feedback", "channel_map"))
         m["kv_bf16"] = 2 * m["tokens"] * self._heads * self.head_dim * 2
         m["compression_ratio"] = m["kv_bf16"] / m["total"] if m["total"] else 1.0
         return m
@@ -412,10 +466,12 @@ class QuantizedKVCache:
         return self.memory()["compression_ratio"]
 
     def reset(self):
-        """Forget every chunk (and the query statistics, which are re-initialized)."""
+        """Forget every chunk, anchor and carried error (the query statistics are
+        re-initialized; the channel maps stay)."""
         for i, st in enumerate(self._layers):
             q = st.qstats
             self._layers[i] = _Layer()
+            self._layers[i].channel_map = st.channel_map
             if q is not None:
                 self.ctx.qstats_init(q, self._heads)
                 self._layers[i].qstats = q

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from ctypes import byref, c_int, c_uint64, c_void_p
 
-from ._lib import KVF_DEVICE_CPU, KvfShape, check, cstr, lib
+from ._lib import KVF_DEVICE_CPU, KvfDecodeArgs, KvfEncodeArgs, KvfShape, check, cstr, lib
 from ._tensors import check_finite, check_layout, make_backend
 from .scheme import Scheme, load_scheme
 
@@ -117,11 +117,16 @@ class Context:
             return None
         return self._buffer(qstats, "qstats")[0]
 
-    def encode_args(self, k, v, qstats, packed, layout="hnd", n_heads=None, stream=None, warm=None):
+    def encode_args(self, k, v, qstats, packed, layout="hnd", n_heads=None, stream=None, warm=None,
+                    anchor=None, feedback=None, feedback_in=False, channel_map=None):
         """Low-level: encode already resolved Args into a packed buffer.
 
         warm: None, or (the previous span's packed buffer, its token count): the
-        k-means starts from that span's centroids (kvf_encode_warm)."""
+        k-means starts from that span's centroids (kvf_encode_warm). The
+        pipeline (kvf_encode_ex): anchor, (the anchor span's packed buffer, its
+        token count); feedback, the carried error (float32 [2, H, N, d] on this
+        device, read when feedback_in, written always); channel_map, uint8
+        [2, H, d] on this device."""
         pptr, pbytes = self._buffer(packed, "packed", writable=True)
         if warm is not None:
             wbuf, wtokens = warm
@@ -137,7 +142,21 @@ class Context:
             k = self.be.kv(self.be.hnd_copy(k), "k", "hnd", self.head_dim)
         sh = k.shape()
         st = stream if stream is not None else self.be.stream()
-        if warm is None:
+        if anchor is not None or feedback is not None or channel_map is not None:
+            a = KvfEncodeArgs(qstats=self._qstats_ptr(qstats), feedback_in=1 if feedback_in else 0)
+            if warm is not None:
+                a.prev, a.prev_bytes, a.prev_n_tokens = wptr, wbytes, wtokens
+            if anchor is not None:
+                abuf, atokens = anchor
+                a.anchor, a.anchor_bytes = self._buffer(abuf, "anchor")
+                a.anchor_n_tokens = int(atokens)
+            if feedback is not None:
+                a.feedback = self._state(feedback, "feedback", 4 * 2 * sh.n_heads * sh.n_tokens * self.head_dim)
+            if channel_map is not None:
+                a.channel_map = self._state(channel_map, "channel_map", 2 * sh.n_heads * self.head_dim)
+            check(lib().kvf_encode_ex(self._c.ptr, k.ptr, v.ptr, byref(sh), byref(a), pptr, pbytes, st),
+                  "kvf_encode_ex")
+        elif warm is None:
             check(lib().kvf_encode(self._c.ptr, k.ptr, v.ptr, byref(sh), self._qstats_ptr(qstats), pptr, pbytes, st),
                   "kvf_encode")
         else:
@@ -145,11 +164,34 @@ class Context:
                                         wtokens, pptr, pbytes, st), "kvf_encode_warm")
         return k, v
 
+    def _state(self, buf, name, nbytes):
+        """The pointer of a pipeline state buffer (numpy array or torch tensor on this
+        device, contiguous, at least nbytes)."""
+        be = self.be
+        if be.kind == "torch":
+            if not isinstance(buf, be.torch.Tensor) or buf.device != be.device or not buf.is_contiguous():
+                raise ValueError(f"{name}: expected a contiguous tensor on {be.device}")
+        elif not hasattr(buf, "flags") or not buf.flags.c_contiguous:
+            raise ValueError(f"{name}: expected a contiguous numpy array")
+        if be.nbytes(buf) < nbytes:
+            raise ValueError(f"{name}: {be.nbytes(buf)} bytes, {nbytes} needed")
+        return be.ptr(buf)
+
     def decode_into(self, packed, n_tokens, n_heads, k_ptr, v_ptr, token_stride, head_stride,
-                    positions=None, stream=None):
-        """Low-level: decode into raw pointers with the given strides (elements)."""
+                    positions=None, stream=None, anchor=None):
+        """Low-level: decode into raw pointers with the given strides (elements).
+        anchor: (the anchor span's packed buffer, its token count) for a span coded
+        against one (kvf_decode_ex)."""
         pptr, pbytes = self._buffer(packed, "packed")
         sh = KvfShape(int(n_tokens), int(n_heads), int(token_stride), int(head_stride))
+        if anchor is not None:
+            abuf, atokens = anchor
+            a = KvfDecodeArgs(positions=self.be.ptr(positions))
+            a.anchor, a.anchor_bytes = self._buffer(abuf, "anchor")
+            a.anchor_n_tokens = int(atokens)
+            check(lib().kvf_decode_ex(self._c.ptr, pptr, pbytes, byref(sh), byref(a), k_ptr, v_ptr,
+                                      stream if stream is not None else self.be.stream()), "kvf_decode_ex")
+            return
         check(lib().kvf_decode(self._c.ptr, pptr, pbytes, byref(sh), self.be.ptr(positions), k_ptr, v_ptr,
                                stream if stream is not None else self.be.stream()), "kvf_decode")
 
@@ -167,7 +209,7 @@ class Context:
 
     # ------------------------------------------------------------ public
     def encode(self, k, v, *, qstats=None, layout: str = "hnd", out=None, warm_from=None, warm_tokens=None,
-               strict: bool = False):
+               strict: bool = False, anchor=None, feedback=None, feedback_in: bool = False, channel_map=None):
         """Pack one span of K and V. Returns the packed buffer (uint8; ``out`` if given).
 
         k, v: ``[H, N, d]`` (layout ``"hnd"``) or ``[N, H, d]`` (``"nhd"``), optionally
@@ -182,6 +224,14 @@ class Context:
         are and where the first is (otherwise the library takes them as they come:
         RTN, QVG and KIVI drop a NaN from the group's range, QuaRot's rotation spreads
         it over the token's channels). On a GPU the check synchronizes.
+
+        The pipeline (docs/METHODS.md section 11; :class:`QuantizedKVCache` does all
+        of this by itself): ``anchor=(packed, n_tokens)``, the anchor span this span
+        is coded against (encoded with :meth:`Scheme.anchor_scheme`'s context);
+        ``feedback``, the carried error, a uint8 buffer of 4 * 2 * H * N * d bytes
+        on this device (float32 [2, H, N, d]), read when ``feedback_in`` and
+        written always; ``channel_map``, uint8 [2, H, d] (:meth:`Scheme.mixed_map`),
+        on this device.
         """
         if (warm_from is None) != (warm_tokens is None):
             raise ValueError("warm_from and warm_tokens go together (the previous span's packed buffer and tokens)")
@@ -196,17 +246,19 @@ class Context:
         size = self.packed_size(ka.n_tokens, ka.n_heads)
         if out is None:
             out = self.be.empty_u8(size)
-        self.encode_args(ka, va, qstats, out, warm=None if warm_from is None else (warm_from, warm_tokens))
+        self.encode_args(ka, va, qstats, out, warm=None if warm_from is None else (warm_from, warm_tokens),
+                         anchor=anchor, feedback=feedback, feedback_in=feedback_in, channel_map=channel_map)
         return out
 
     def decode(self, packed, n_tokens: int, n_heads: int, *, positions=None, layout: str = "hnd",
-               out=None, bits: bool = False):
+               out=None, bits: bool = False, anchor=None):
         """Unpack to BF16 K and V of shape [H, N, d] (``"hnd"``) or [N, H, d] (``"nhd"``).
 
         Returns (k, v): torch.bfloat16 tensors; for numpy, float32 arrays (or the uint16
         BF16 bits with ``bits=True``). ``positions`` (int32 [N, axes]) only for
         rope.placement = "pre" schemes. ``out=(k_out, v_out)``: BF16 tensors / uint16
         arrays to write into (any strides with a contiguous last dimension).
+        ``anchor=(packed, n_tokens)``: the anchor span this span was coded against.
         """
         check_layout(layout)
         n_tokens, n_heads = int(n_tokens), int(n_heads)
@@ -228,7 +280,8 @@ class Context:
             raise ValueError(f"out: {ka.n_tokens} tokens, {n_tokens} expected")
         if (ka.token_stride, ka.head_stride) != (va.token_stride, va.head_stride):
             raise ValueError("out: k and v outputs must have the same strides")
-        self.decode_into(packed, n_tokens, n_heads, ka.ptr, va.ptr, ka.token_stride, ka.head_stride, pos)
+        self.decode_into(packed, n_tokens, n_heads, ka.ptr, va.ptr, ka.token_stride, ka.head_stride, pos,
+                         anchor=anchor)
         if self.be.kind == "numpy" and not bits:
             from ._bf16 import bf16_bits_to_float32
             return bf16_bits_to_float32(ko), bf16_bits_to_float32(vo)

@@ -34,11 +34,22 @@ class SchemeInfo:
     rope_layout: str = "half"
     rope_theta: float = 10000.0
     rope_sections: tuple = field(default=())  # frequency pairs per axis (sum = head_dim / 2)
+    # The pipeline (docs/METHODS.md 11), (keys, values); zero: off.
+    outliers: tuple = (0, 0)          # values a row keeps exactly
+    mixed_channels: tuple = (0, 0)    # refined channels a head: encode needs a channel map
+    anchor_every: int = 0             # chunks from one anchor span to the next
+    anchor_bits: int = 0
+    feedback_decay: float = 0.0       # > 0: encode carries error feedback state
 
     @property
     def reads_qstats(self) -> bool:
         """Whether encode reads query statistics (QSAC or PSAC keys)."""
         return self.key_qsac_candidates > 1 or self.psac_rank > 0
+
+    @property
+    def needs_channel_map(self) -> bool:
+        """Whether encode needs mixed precision's channel map (a sensitivity table)."""
+        return any(self.mixed_channels)
 
 
 @dataclass(frozen=True)
@@ -49,13 +60,21 @@ class ChunkStep:
     chunks to pack now (pack_chunks 0: none), with the layer's query statistics
     as they are now (before chunk t's queries are added). warm_first,
     warm_chunks: the layer's previous packed span, which a warm-started encode
-    starts its k-means from (warm_chunks 0: none).
+    starts its k-means from (warm_chunks 0: none). anchor: the span packed now
+    is an anchor (encoded with :meth:`Scheme.anchor_scheme`); else
+    anchor_first, anchor_chunks: the anchor span it is coded against (-1, 0:
+    none). feedback_in: the span continues the error carried from the span
+    packed before it.
     """
     sink: bool
     pack_first: int
     pack_chunks: int
     warm_first: int
     warm_chunks: int
+    anchor: bool = False
+    anchor_first: int = -1
+    anchor_chunks: int = 0
+    feedback_in: bool = False
 
 
 def _info_from_c(ci: KvfSchemeInfo) -> SchemeInfo:
@@ -69,7 +88,9 @@ def _info_from_c(ci: KvfSchemeInfo) -> SchemeInfo:
         rope_axes=axes, psac_rank=ci.psac_rank, key_centroids=ci.key_centroids,
         key_qsac_candidates=ci.key_qsac_candidates,
         rope_layout=ROPE_LAYOUTS[ci.rope_layout] if ci.rope_layout in (0, 1) else "half",
-        rope_theta=ci.rope_theta, rope_sections=sections)
+        rope_theta=ci.rope_theta, rope_sections=sections,
+        outliers=(ci.outliers[0], ci.outliers[1]), mixed_channels=(ci.mixed_channels[0], ci.mixed_channels[1]),
+        anchor_every=ci.anchor_every, anchor_bits=ci.anchor_bits, feedback_decay=ci.feedback_decay)
 
 
 # ------------------------------------------------------------------- Scheme
@@ -180,7 +201,26 @@ class Scheme:
         st = KvfChunkStep()
         check(lib().kvf_chunk_policy(self._ptr, int(t), byref(st)), "kvf_chunk_policy")
         return ChunkStep(sink=bool(st.sink), pack_first=st.pack_first, pack_chunks=st.pack_chunks,
-                         warm_first=st.warm_first, warm_chunks=st.warm_chunks)
+                         warm_first=st.warm_first, warm_chunks=st.warm_chunks, anchor=bool(st.anchor),
+                         anchor_first=st.anchor_first, anchor_chunks=st.anchor_chunks,
+                         feedback_in=bool(st.feedback_in))
+
+    def anchor_scheme(self) -> "Scheme":
+        """The scheme of this scheme's anchor spans (kvf_scheme_anchor): RTN at the
+        anchors' bits. ValueError-like KvforgeError for a scheme without anchors."""
+        out = c_void_p()
+        check(lib().kvf_scheme_anchor(self._ptr, byref(out)), "kvf_scheme_anchor")
+        return Scheme(None, _ptr=out, _origin=f"<anchor of {self.name}>")
+
+    def mixed_map(self, table, layer: int, n_kv_heads: int):
+        """Mixed precision's channel map of one layer from a sensitivity table
+        (``kvforge calibrate`` writes it; None: the one the scheme names):
+        numpy uint8 [2, n_kv_heads, head_dim] (kvf_mixed_map)."""
+        import numpy as np
+        m = np.empty((2, int(n_kv_heads), self.head_dim), dtype=np.uint8)
+        path = None if table is None else os.fsencode(table)
+        check(lib().kvf_mixed_map(self._ptr, path, int(layer), int(n_kv_heads), m.ctypes.data), "kvf_mixed_map")
+        return m
 
     def packed_size(self, n_tokens: int, n_heads: int) -> int:
         """Bytes of the packed K and V of n_tokens x n_heads (kvf_packed_size)."""

@@ -167,4 +167,15 @@ def info_from_canonical(text: str) -> SchemeInfo:
         rope_layout=str(rope.get("layout", "half")),
         rope_theta=float(rope.get("theta", 10000.0)),
         rope_sections=sections,
+        outliers=(int(c.get("outliers", {}).get("key", 0)), int(c.get("outliers", {}).get("value", 0))),
+        mixed_channels=tuple(_refined(float(c.get("mixed_precision", {}).get(f, 0)), head_dim)
+                             for f in ("key_fraction", "value_fraction")),
+        anchor_every=int(c.get("anchors", {}).get("every", 0)),
+        anchor_bits=int(c.get("anchors", {}).get("bits", 0)),
+        feedback_decay=float(c.get("error_feedback", {}).get("decay", 0.0)),
     )
+
+
+def _refined(fraction: float, head_dim: int) -> int:
+    """Refined channels a head: the fraction of head_dim in whole groups of 8 (docs/SCHEMES.md)."""
+    return int(fraction * head_dim / 8 + 0.5) * 8 if fraction > 0 else 0

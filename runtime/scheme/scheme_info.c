@@ -30,7 +30,7 @@ int kvf_scheme_get_info(const kvf_scheme *s, kvf_scheme_info *out) {
         out->mixed_channels[sec] = pl->sec[sec].mp_channels;
     }
     out->anchor_every = s->pipe.anchor_every;
-    out->anchor_bits = s->pipe.anchor_bits;
+    out->anchor_bits = s->pipe.anchor_every ? s->pipe.anchor_bits : 0;
     out->feedback_decay = s->pipe.feedback_decay;
     return KVF_OK;
 }
