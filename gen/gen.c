@@ -110,9 +110,9 @@ static int emits(const cuda_out *o, int unit) { return o->want < 0 || o->plan->u
 
 /* KVF_KMEANS_KERNELS' arguments after the prefix. */
 static void kmeans_args(const struct kvf_scheme *s, const kvf_section_plan *c, char *buf, size_t len) {
-    snprintf(buf, len, "%d, %d, %d, %d, %d, %s, %s, %d, %d", s->head_dim, c->rotation == KVF_ROTATION_HADAMARD,
+    snprintf(buf, len, "%d, %d, %d, %d, %d, %s, %s, %d, %d, %d", s->head_dim, c->rotation == KVF_ROTATION_HADAMARD,
              c->group, c->qsac, c->bits, mode_name(c->mode), sfmt_name(c->scale_format), c->centroids,
-             c->bf16_source);
+             c->bf16_source, c->exact);
 }
 
 /* One tensor section's encode instantiations. */
@@ -137,8 +137,8 @@ static void gen_encode_section(cuda_out *o, const struct kvf_scheme *s, int t) {
         if (emits(o, t ? KVF_UNIT_KMEANS_V : KVF_UNIT_KMEANS_K))
             kvf_buf_printf(b, "KVF_KMEANS_KERNELS(kvf_%s_%c, %s)\n", s->id, t ? 'v' : 'k', name);
         if (o->plan->has[KVF_R_K_ASSIGN_QSAC + t * KVF_R_SECTION_STRIDE] && emits(o, KVF_UNIT_QSAC))
-            kvf_buf_printf(b, "KVF_KMEANS_QSAC_KERNEL(kvf_%s_%c, %d, %d, %d, %d)\n", s->id, t ? 'v' : 'k',
-                           s->head_dim, c->group, c->qsac, c->bf16_source);
+            kvf_buf_printf(b, "KVF_KMEANS_QSAC_KERNEL(kvf_%s_%c, %d, %d, %d, %d, %d)\n", s->id, t ? 'v' : 'k',
+                           s->head_dim, c->group, c->qsac, c->bf16_source, c->exact);
         break;
     default:
         if (!emits(o, KVF_UNIT_REST)) break;

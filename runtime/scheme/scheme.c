@@ -57,10 +57,11 @@ static const char *const placement_names[] = {"none", "pre", "post", NULL};
 static const char *const layout_names[] = {"half", "interleaved", NULL};
 static const char *const rotation_names[] = {"none", "hadamard", NULL};
 static const char *const labels_names[] = {"final", "last_step", NULL};
+static const char *const assign_names[] = {"fast", "exact", NULL};
 
 enum { S_TOP, S_KEY, S_VALUE, S_ROPE, S_CHUNK, N_SECTIONS };
 enum { TOP_NAME, TOP_BASE, TOP_HEAD_DIM, TOP_KEY, TOP_VALUE, TOP_ROPE, TOP_CHUNK, N_TOP = 11 };
-enum { T_AXIS, T_BITS, T_CENTROIDS, T_GROUP, T_ITERS, T_LABELS, T_MODE, T_PSAC, T_QSAC,
+enum { T_ASSIGN, T_AXIS, T_BITS, T_CENTROIDS, T_GROUP, T_ITERS, T_LABELS, T_MODE, T_PSAC, T_QSAC,
        T_ROTATION, T_SCALE, T_SEED, T_STAGES, N_TENSOR };
 enum { R_LAYOUT, R_PLACEMENT, R_SECTIONS, R_THETA, N_ROPE };
 enum { C_RECENT, C_SINK, C_SPAN, C_TOKENS, N_CHUNK };
@@ -83,6 +84,7 @@ static const fdesc top_fields[N_TOP] = {
 };
 /* Nested sections: sorted by name (the canonical text relies on it). */
 static const fdesc tensor_fields[N_TENSOR] = {
+    {"assign", F_ENUM, TO(assign), 0, 0, NULL, assign_names},
     {"axis", F_ENUM, TO(axis), 0, 0, NULL, axis_names},
     {"bits", F_INT, TO(bits), 2, 16, bits_set, NULL},
     {"centroids", F_INT, TO(centroids), 0, 256, NULL, NULL},
@@ -1454,7 +1456,8 @@ void kvf_scheme_defaults(struct kvf_scheme *s) {
     static const kvf_tensor_cfg tensor = {
         .bits = 2, .group_size = 64, .axis = KVF_AXIS_CHANNEL, .mode = KVF_MODE_AFFINE,
         .scale_format = KVF_SCALE_FP16, .centroids = 0, .kmeans_iters = 2, .kmeans_labels = KVF_LABELS_FINAL, .seed = 0,
-        .qsac_candidates = 1, .psac_rank = 0, .stages = 1, .rotation = KVF_ROTATION_NONE};
+        .qsac_candidates = 1, .psac_rank = 0, .stages = 1, .rotation = KVF_ROTATION_NONE,
+        .assign = KVF_ASSIGN_FAST};
     memset(s, 0, sizeof *s);
     s->head_dim = 128;
     s->key = tensor;
