@@ -1,10 +1,11 @@
 /*
- * kvforge benchmark (issue 6): on the GPU, the device-to-device copy ceiling,
- * then every scheme's encode and decode of one LongCat-sized layer (K and V of
- * 32 heads x 29640 tokens x d = 128, heterogeneous data as ANCHORS.md), and
- * the JIT costs. One table: times, GB/s, fraction of the copy ceiling and of
- * the write-only ceiling (cuMemsetD32 over the bytes the decode writes), ratio
- * to QVG's figures (ANCHORS.md: encode 4.77 ms, decode 0.44 ms on an H200).
+ * kvforge benchmark: on the GPU, the device-to-device copy ceiling, then
+ * every scheme's encode and decode of one LongCat-sized layer (K and V of 32
+ * heads x 29640 tokens x d = 128, heterogeneous data as docs/BACKGROUND.md
+ * section 1), and the JIT costs. One table: times, GB/s, fraction of the copy
+ * ceiling and of the write-only ceiling (cuMemsetD32 over the bytes the decode
+ * writes), ratio to QVG's figures (docs/BACKGROUND.md section 5: encode
+ * 4.77 ms, decode 0.44 ms on an H200).
  * Beside the ceilings it prints the INT2 decode probe (bench/kvf_probe.cuh):
  * an INT2 decode's bytes read and written with no arithmetic to speak of.
  * bench/sdpa.py measures the BF16 SDPA ceiling and decode + SDPA.
@@ -327,8 +328,8 @@ int main(int argc, char **argv) {
     } else {
         printf("data: synthetic (kvf_synth_kv)\n");
     }
-    /* QVG's figures (ANCHORS.md) are of the LongCat layer's synthetic
-     * equivalent only. */
+    /* QVG's figures (docs/BACKGROUND.md section 5) are of the LongCat
+     * layer's synthetic equivalent only. */
     const int anchor_shape = !dump && tokens == 29640 && heads == 32;
     /* The JIT columns' cold compile is a first compile only with the driver's
      * compute cache off (NVRTC 13 keeps its output there): set before libcuda
@@ -507,8 +508,8 @@ int main(int argc, char **argv) {
     printf("\nencode: K+V of the layer (median of 5); decode: K+V to BF16 (median of %d); dec GB/s counts packed\n"
            "bytes read + BF16 bytes written; 'of copy' = dec GB/s / copy ceiling; 'of write' = the memset of the\n"
            "same output bytes' time / decode time (1.0 = decode as fast as writing its output alone);\n"
-           "'vs QVG' = QVG's time / ours (ANCHORS.md: 4.77 ms, 0.44 ms; of 32 heads x 29640 tokens: '-' at\n"
-           "other shapes and with --data);\n"
+           "'vs QVG' = QVG's time / ours (docs/BACKGROUND.md section 5: 4.77 ms, 0.44 ms; of 32 heads x 29640\n"
+           "tokens: '-' at other shapes and with --data);\n"
            "JIT cold = context creation with NVRTC, no kvforge disk cache and %s (its programs compiled at once);\n"
            "JIT hit = from the disk cache.\n", reps,
            driver_cache_off ? "the driver's compute cache off (CUDA_CACHE_DISABLE=1): a first compile"

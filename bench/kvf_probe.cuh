@@ -14,11 +14,12 @@
 // a shift, a multiply and an xor a word, uses what was loaded; the values
 // written mean nothing.
 //
-// Two more kernels tell the byte mix from the probe's form (session 22): the
-// same codes, scales and rows with no thread doing both (of every SPLIT + 1
-// blocks, SPLIT write one tile's rows each and one reads those tiles' codes
-// and scales with 16- and 8-byte loads), and the rows' 16-byte stores alone
-// (one a thread, the fastest store kernel measured in session 22).
+// Two more kernels tell the byte mix from the probe's form
+// (docs/journal/benchmarks.md, entry d1237b7): the same codes, scales and
+// rows with no thread doing both (of every SPLIT + 1 blocks, SPLIT write one
+// tile's rows each and one reads those tiles' codes and scales with 16- and
+// 8-byte loads), and the rows' 16-byte stores alone (one a thread, the
+// fastest store kernel measured there).
 #include "kvf_common.cuh"
 
 namespace kvf_probe {

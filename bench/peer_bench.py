@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """QVG's own encode/decode (the peer) beside kvforge's, on the same tensors, in one process.
 
-The LongCat layer of ANCHORS.md: K and V each [1, 32 heads, 29640 tokens, 128]
+The LongCat layer of docs/BACKGROUND.md section 1: K and V each [1, 32 heads, 29640 tokens, 128]
 BF16, heterogeneous (per-token scale in [0.5, 1.5], two outlier channels per
 token of amplitude 20 at positions that differ from token to token): the data
 of kvf_bench (libkvforge's kvf_synth_kv, seeds 1 and 2), copied to the GPU once.

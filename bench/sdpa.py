@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""BF16 SDPA ceiling and decode + SDPA (issue 6), on the GPU with torch.
+"""BF16 SDPA ceiling and decode + SDPA, on the GPU with torch.
 
 SDPA alone: 4680 queries (one chunk) against 29640 cached + 4680 own tokens,
-32 heads, d = 128, as ANCHORS.md. Then, per scheme, kvforge decodes the packed
-29640-token cache straight into the first rows of the preallocated K/V
-buffers (strided output, no copy) and SDPA runs: the target is decode + SDPA
-within 3% of SDPA alone. libkvforge is called through ctypes directly.
+32 heads, d = 128: the benchmark layer of docs/BACKGROUND.md section 1. Then,
+per scheme, kvforge decodes the packed 29640-token cache straight into the
+first rows of the preallocated K/V buffers (strided output, no copy) and SDPA
+runs: the target is decode + SDPA within 3% of SDPA alone. libkvforge is called through ctypes directly.
 
 The overhead is a difference of two ~ms timings that drift with clocks and
 temperature (single medians gave 1.8% in one run and 6.3% in another), so
@@ -21,9 +21,9 @@ sets of K/V buffers, each layer's SDPA waiting for its decode) spends per
 layer the time of SDPA with the next decode beside it, and the overhead
 printed is that over SDPA alone. Three orders: "pipe" queues the decode
 before the SDPA, "pipe-a" after it, "pipe-hi" after it on a high-priority
-stream. None is the issue's measure (decode, then SDPA, on one stream:
+stream. None is what the target measures (decode, then SDPA, on one stream:
 "eager" and "graph"). On the H200, "pipe" hid little of the decode
-(docs/BENCHMARKS.md, session 20).
+(docs/journal/benchmarks.md, entry 584a543).
     KVFORGE_LIB=out/lib/libkvforge.so python3 bench/sdpa.py [--rounds N] [--inner N] [--no-graph] [--pipe] [SCHEME ...]
 """
 import argparse
@@ -127,7 +127,8 @@ def main():
           f"({CHUNK} queries x {total} keys x {H} heads x d{D}, torch {torch.__version__}, "
           f"{torch.cuda.get_device_name()})")
     L = lib()
-    # Per-token scale and two moving outlier channels (ANCHORS.md's data).
+    # Per-token scale and two moving outlier channels (the benchmark layer's data,
+    # docs/BACKGROUND.md section 1).
     src_k = torch.randn(1, H, CACHED, D, device=dev) * (0.5 + torch.rand(1, 1, CACHED, 1, device=dev))
     src_v = torch.randn(1, H, CACHED, D, device=dev) * (0.5 + torch.rand(1, 1, CACHED, 1, device=dev))
     idx = torch.randint(0, D, (1, H, CACHED, 2), device=dev)

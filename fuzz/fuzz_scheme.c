@@ -1,5 +1,5 @@
 /*
- * libFuzzer target: the scheme loader on arbitrary text (runtime/scheme/scheme.c: the
+ * libFuzzer target: the scheme loader on arbitrary text (runtime/scheme/: the
  * line-index tokenizer, the Lua sandbox, the raw reader, the checks, the
  * canonical text), and for a scheme that loads, its layout and a tiny CPU
  * encode/decode.

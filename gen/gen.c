@@ -80,7 +80,9 @@ static void upper_id(const struct kvf_scheme *s, char *buf, size_t len) {
 /* kvf_abi.h's names of a plan's enum values, so the generated file reads as
  * the configuration it is. */
 static const char *mode_name(int m) { return m == KVF_MODE_SYMMETRIC ? "KVF_MODE_SYMMETRIC" : "KVF_MODE_AFFINE"; }
-static const char *sfmt_name(int f) { return f == KVF_SCALE_INT8_FP16 ? "KVF_SCALE_INT8_FP16" : "KVF_SCALE_FP16"; }
+static const char *sfmt_name(int f) {
+    return f == KVF_SCALE_INT8_FP16 ? "KVF_SCALE_INT8_FP16" : f == KVF_SCALE_FP8 ? "KVF_SCALE_FP8" : "KVF_SCALE_FP16";
+}
 static const char *axis_name(int a) { return a == KVF_AXIS_TOKEN ? "KVF_AXIS_TOKEN" : "KVF_AXIS_CHANNEL"; }
 static const char *decode_rope_name(int r) {
     return r == KVF_DECODE_ROPE_HALF          ? "KVF_DECODE_ROPE_HALF"
@@ -108,18 +110,29 @@ typedef struct cuda_out {
 
 static int emits(const cuda_out *o, int unit) { return o->want < 0 || o->plan->unit_program[unit] == o->want; }
 
+/* The pipeline's template arguments (PK, PM, PB, AB[, FB]) of a section. */
+static void pipe_args(const kvf_section_plan *c, int with_feedback, char *buf, size_t len) {
+    if (with_feedback)
+        snprintf(buf, len, "%d, %d, %d, %d, %d", c->outliers, c->mp_channels, c->mp_bits, c->anchor_bits, c->feedback);
+    else
+        snprintf(buf, len, "%d, %d, %d, %d", c->outliers, c->mp_channels, c->mp_bits, c->anchor_bits);
+}
+
 /* KVF_KMEANS_KERNELS' arguments after the prefix. */
 static void kmeans_args(const struct kvf_scheme *s, const kvf_section_plan *c, char *buf, size_t len) {
-    snprintf(buf, len, "%d, %d, %d, %d, %d, %s, %s, %d, %d, %d", s->head_dim, c->rotation == KVF_ROTATION_HADAMARD,
+    char pipe[64];
+    pipe_args(c, 1, pipe, sizeof pipe);
+    snprintf(buf, len, "%d, %d, %d, %d, %d, %s, %s, %d, %d, %s, %d", s->head_dim, c->rotation == KVF_ROTATION_HADAMARD,
              c->group, c->qsac, c->bits, mode_name(c->mode), sfmt_name(c->scale_format), c->centroids,
-             c->bf16_source, c->exact);
+             c->bf16_source, pipe, c->exact);
 }
 
 /* One tensor section's encode instantiations. */
 static void gen_encode_section(cuda_out *o, const struct kvf_scheme *s, int t) {
     const kvf_section_plan *c = &o->plan->sec[t];
     kvf_buf *b = &o->b;
-    char name[160];
+    char name[200], pipe[64];
+    pipe_args(c, 1, pipe, sizeof pipe);
     switch (c->path) {
     case KVF_PATH_TOKEN_GROUPS:
         if (!emits(o, KVF_UNIT_REST)) break;
@@ -143,8 +156,9 @@ static void gen_encode_section(cuda_out *o, const struct kvf_scheme *s, int t) {
     default:
         if (!emits(o, KVF_UNIT_REST)) break;
         kvf_kernel_name(s, KVF_R_ENCODE_K + t, name, sizeof name);
-        kvf_buf_printf(b, "KVF_RTN_ENCODE_KERNEL(%s, %d, %d, %d, %s, %s, %d)\n", name, s->head_dim, c->bits, c->group,
-                       mode_name(c->mode), sfmt_name(c->scale_format), c->rotation == KVF_ROTATION_HADAMARD);
+        kvf_buf_printf(b, "KVF_RTN_ENCODE_KERNEL(%s, %d, %d, %d, %s, %s, %d, %s)\n", name, s->head_dim, c->bits,
+                       c->group, mode_name(c->mode), sfmt_name(c->scale_format), c->rotation == KVF_ROTATION_HADAMARD,
+                       pipe);
     }
 }
 
@@ -155,10 +169,12 @@ static void gen_decode(cuda_out *o, const struct kvf_scheme *s) {
     kvf_kernel_name(s, KVF_R_DECODE, name, sizeof name);
     for (int t = 0; t < 2; t++) {
         const kvf_section_plan *c = &o->plan->sec[t];
-        kvf_buf_printf(&o->b, "typedef kvf_decode::section<%d, %d, %d, %s, %s, %s, %d, %d, %d, %d, %s> %s_%s;\n",
+        char pipe[64];
+        pipe_args(c, 0, pipe, sizeof pipe);
+        kvf_buf_printf(&o->b, "typedef kvf_decode::section<%d, %d, %d, %s, %s, %s, %d, %d, %d, %d, %s, %s> %s_%s;\n",
                        s->head_dim, c->bits, c->group, mode_name(c->mode), sfmt_name(c->scale_format),
                        axis_name(c->axis), c->centroids, c->stages, c->rotation == KVF_ROTATION_HADAMARD,
-                       c->psac_rank, decode_rope_name(c->decode_rope), name, t ? "value" : "key");
+                       c->psac_rank, decode_rope_name(c->decode_rope), pipe, name, t ? "value" : "key");
     }
     kvf_buf_printf(&o->b, "KVF_DECODE_KERNEL(%s, %s_key, %s_value)\n", name, name, name);
 }

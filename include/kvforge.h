@@ -121,15 +121,28 @@ KVF_API const char *const *kvf_builtin_schemes(void);
  * span is encoded with the layer's query statistics as they are when it is
  * packed (queries of chunks < t: the statistics are updated after the pack);
  * warm_first, warm_chunks: the previous packed span of the layer, which
- * kvf_encode_warm may start its k-means from (warm_chunks 0: none).
+ * kvf_encode_warm may start its k-means from (warm_chunks 0: none). With
+ * anchors, the first packed span of the stream and every one `every` chunks
+ * after it is an anchor; an anchor must outlive every span coded against it
+ * (a cache evicts an anchor together with the spans that follow it up to
+ * the next anchor).
  */
 typedef struct kvf_chunk_step {
     int64_t pack_first;
     int32_t pack_chunks;
-    int32_t sink;        /* 1: chunk t is a sink chunk (BF16 for ever) */
+    int32_t sink;         /* 1: chunk t is a sink chunk (BF16 for ever) */
     int64_t warm_first;
     int32_t warm_chunks;
-    int32_t reserved;
+    /* Temporal anchors (anchors = { every }): 1 when the span packed now is an
+     * anchor (encode it with kvf_scheme_anchor's scheme), else the span is
+     * coded against the anchor span that starts at anchor_first (-1: none). */
+    int32_t anchor;
+    int64_t anchor_first;
+    int32_t anchor_chunks;
+    /* Error feedback: 1 when the span packed now continues the carried error
+     * of the span packed before it (0 for the first span, and after an
+     * anchor, which resets it). */
+    int32_t feedback_in;
 } kvf_chunk_step;
 KVF_API int kvf_chunk_policy(const kvf_scheme *s, int64_t t, kvf_chunk_step *out);
 
@@ -231,6 +244,68 @@ KVF_API int kvf_encode(kvf_context *ctx, const void *k, const void *v, const kvf
 KVF_API int kvf_encode_warm(kvf_context *ctx, const void *k, const void *v, const kvf_shape *shape,
                     const void *qstats, const void *prev, size_t prev_bytes, int64_t prev_n_tokens,
                     void *packed, size_t packed_bytes, void *stream);
+/*
+ * What an encode may take besides K and V (kvf_encode_ex): zero it, then set
+ * what the scheme uses. On a device every pointer is a device pointer,
+ * 16-byte aligned. kvf_encode and kvf_encode_warm are this with only qstats
+ * and prev set.
+ */
+typedef struct kvf_encode_args {
+    const void *qstats;          /* the layer's query statistics (QSAC, PSAC), or NULL (kvf_encode) */
+    const void *prev;            /* the previous span's packed cache (kvf_encode_warm), or NULL */
+    size_t prev_bytes;
+    int64_t prev_n_tokens;
+    /* Temporal anchors (scheme field anchors): the anchor span this span is
+     * coded against, a packed cache of kvf_scheme_anchor's scheme of
+     * anchor_n_tokens tokens and the same heads; token t is coded as its
+     * difference from the anchor's row t % anchor_n_tokens. NULL: none (the
+     * span is coded as it is). */
+    const void *anchor;
+    size_t anchor_bytes;
+    int64_t anchor_n_tokens;
+    /* Error feedback (scheme field error_feedback): f32 [2][n_heads][n_tokens]
+     * [head_dim], keys then values, head-major: the error carried from the
+     * previous span at the same token position is read (decay times it is
+     * added before quantizing) when feedback_in is 1, and the new error
+     * (the input minus what decode returns, before RoPE) written. 0 for the
+     * stream's first span and the span after an anchor. Decode never needs
+     * it. */
+    float *feedback;
+    int feedback_in;
+    /* Mixed precision (scheme field mixed_precision): u8 [2][n_heads]
+     * [head_dim], keys then values: the slot of each refined channel among
+     * its head's refined channels, 255 for the others (kvf_mixed_map). */
+    const uint8_t *channel_map;
+} kvf_encode_args;
+KVF_API int kvf_encode_ex(kvf_context *ctx, const void *k, const void *v, const kvf_shape *shape,
+                          const kvf_encode_args *args, void *packed, size_t packed_bytes, void *stream);
+
+/* What a decode may take besides the packed span (kvf_decode_ex). */
+typedef struct kvf_decode_args {
+    const int32_t *positions;    /* rope.placement = "pre": int32 [n_tokens][n_axes], else NULL */
+    const void *anchor;          /* the anchor the span was coded against (kvf_encode_args.anchor), or NULL */
+    size_t anchor_bytes;
+    int64_t anchor_n_tokens;
+} kvf_decode_args;
+KVF_API int kvf_decode_ex(kvf_context *ctx, const void *packed, size_t packed_bytes, const kvf_shape *shape,
+                          const kvf_decode_args *args, void *k_out, void *v_out, void *stream);
+
+/* The scheme of a scheme's anchor spans (anchors = { every, bits }): RTN at
+ * the anchor's bits (BF16 rows at 16) with the scheme's head_dim, group size,
+ * RoPE and chunk policy, none of its other methods. KVF_EINVAL for a scheme
+ * without anchors. Free with kvf_scheme_free. */
+KVF_API int kvf_scheme_anchor(const kvf_scheme *s, kvf_scheme **anchor);
+
+/* Mixed precision's channel map for one layer (kvf_encode_args.channel_map):
+ * from the sensitivity table (`kvforge calibrate`; table_path NULL: the one
+ * the scheme names), per section and KV head the scheme's count of channels
+ * of highest score (ties: the lower channel), numbered in channel order.
+ * KVF_EFORMAT for a table that does not match the scheme (head_dim, KV heads,
+ * layers), KVF_EIO for one that cannot be read; the message names the file
+ * and the field. map: u8 [2][n_kv_heads][head_dim] (host memory). */
+KVF_API int kvf_mixed_map(const kvf_scheme *s, const char *table_path, int32_t layer, int32_t n_kv_heads,
+                          uint8_t *map);
+
 /*
  * Decode a packed span back to BF16 K and V with the given shape and strides.
  * `positions` (int32 [n_tokens][n_axes], device memory on a device) is needed

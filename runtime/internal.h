@@ -68,6 +68,19 @@ typedef struct kvf_chunk_cfg {
     int sink;   /* first chunks never quantized */
 } kvf_chunk_cfg;
 
+/* The practitioner's temporally stable pipeline (docs/METHODS.md section 8):
+ * outlier separation, temporal anchors, error feedback and calibrated mixed
+ * precision. Zero everywhere: off. */
+typedef struct kvf_pipeline_cfg {
+    int outliers[2];         /* per section (key, value): values a token row keeps exactly (0: off) */
+    int anchor_every;        /* chunks from one anchor to the next (0: no anchors) */
+    int anchor_bits;         /* the anchors' precision: 4, 8 or 16 */
+    double feedback_decay;   /* error feedback's decay in [0, 1) (0: off) */
+    double mp_fraction[2];   /* mixed precision: the share of channels refined, per section (0: off) */
+    int mp_refine_bits;      /* the refinement codes' bits: 2, 4 or 8 */
+    char mp_table[512];      /* the sensitivity table (kvforge calibrate), as written in the scheme */
+} kvf_pipeline_cfg;
+
 /* ------------------------------------------------------------- plan (core/plan.c) */
 
 /* Kernels a scheme may need, by role. The entry of role R is named
@@ -108,6 +121,12 @@ typedef struct kvf_section_plan {
     int kmeans_owner; /* the section (0 key, 1 value) whose k-means kernels it runs */
     int exact;        /* the k-means assignment agrees with the CPU bit for bit (the templates' EXACT) */
     int decode_tiles; /* token tiles a decode block loops over per pass */
+    /* The pipeline (kvf_pipeline_cfg), as template arguments: */
+    int outliers;     /* values a row keeps exactly (0: none) */
+    int mp_channels;  /* refined channels a head (0: none) */
+    int mp_bits;      /* their refinement codes' bits */
+    int anchor_bits;  /* 0, or the anchors' bits: spans code x - the anchor's row */
+    int feedback;     /* the encode adds the carried error and writes the new one */
 } kvf_section_plan;
 
 typedef struct kvf_plan {
@@ -145,6 +164,7 @@ struct kvf_scheme {
     kvf_tensor_cfg key, value;
     kvf_rope_cfg rope;
     kvf_chunk_cfg chunk;
+    kvf_pipeline_cfg pipe;
     char canonical[4096]; /* normalized configuration (Lua text) */
     uint64_t hash;        /* XXH3-64 of canonical */
     char id[96];          /* name_xxxxxxxx */
@@ -220,6 +240,14 @@ typedef struct kvf_section_layout {
     size_t bscale_off, bscale_bytes; /* PSAC: f32 [H] basis scales */
     size_t coef_off, coef_bytes;     /* PSAC: int8 [H][N][r] */
     size_t cscale_off, cscale_bytes; /* PSAC: fp16 [H][N] */
+    /* The pipeline's planes (METHODS.md 8), after the others, so a scheme
+     * without them keeps its layout: */
+    int outliers, mp_channels, mp_bits;
+    size_t oidx_off, oidx_bytes;     /* outliers: u8 [H][N][K] channels */
+    size_t oval_off, oval_bytes;     /* outliers: bf16 [H][N][K] values, exactly as given */
+    size_t mmap_off, mmap_bytes;     /* mixed precision: u8 [H][d] slot of each channel (255: not refined) */
+    size_t mcode_off, mcode_bytes;   /* mixed precision: [H][N][M * bits / 8] refinement codes */
+    size_t mscale_off, mscale_bytes; /* mixed precision: fp16 [H][N] refinement scales */
 } kvf_section_layout;
 
 typedef struct kvf_layout {
@@ -240,12 +268,28 @@ void kvf_header_fill(const struct kvf_scheme *s, const kvf_layout *l, kvf_packed
 int kvf_warm_check(const struct kvf_scheme *s, const void *prev, size_t prev_bytes, int64_t prev_n_tokens,
                    int32_t n_heads, const void *packed, size_t packed_bytes, kvf_layout *L);
 
+/* ----------------------------------------------------------- anchors (anchor.c) */
+
+/* The anchor scheme of s (kvf_scheme_anchor) into a caller's struct. */
+int kvf_anchor_scheme_of(const struct kvf_scheme *s, struct kvf_scheme *a);
+/* An encode's or decode's anchor (NULL: none, KVF_OK): its scheme into
+ * *anchor_s, its layout into *AL, its size and place checked against the
+ * output's first packed_bytes (fn names the caller in messages). */
+int kvf_pipeline_args_check(const struct kvf_scheme *s, const kvf_layout *L, const void *packed, size_t packed_bytes,
+                            const void *anchor, size_t anchor_bytes, int64_t anchor_n_tokens,
+                            struct kvf_scheme *anchor_s, kvf_layout *AL, const char *fn);
+
 /* ------------------------------------------------- number formats (numfmt.c) */
 
 float kvf_bf16_to_f32(uint16_t b);
 uint16_t kvf_f32_to_bf16(float f);  /* round to nearest even; a NaN is 0x7FC0 (FORMAT.md) */
 float kvf_f16_to_f32(uint16_t h);
 uint16_t kvf_f32_to_f16(float f);   /* round to nearest even; saturates to +-65504 */
+/* FP8 E4M3 (FORMAT.md): round to nearest even, +-448 for larger values and
+ * infinities, 0x7F for a NaN; kvf_e4m3_encode refuses NaN and Inf (KVF_ERANGE). */
+uint8_t kvf_f32_to_e4m3(float f);
+float kvf_e4m3_to_f32(uint8_t c);
+int kvf_e4m3_encode(float f, uint8_t *out);
 
 /* --------------------------------------------------- CPU reference (ref_*.c) */
 
@@ -265,6 +309,12 @@ typedef struct kvf_warm_src {
 int kvf_ref_encode_warm(const struct kvf_scheme *s, const uint16_t *k, const uint16_t *v, const kvf_shape *shape,
                         const void *qstats, const uint8_t *prev, size_t prev_bytes, int64_t prev_n_tokens,
                         uint8_t *packed, size_t packed_bytes);
+/* kvf_encode_ex and kvf_decode_ex on host memory: every input of the
+ * pipeline (anchors, error feedback, mixed precision's channel map). */
+int kvf_ref_encode_ex(const struct kvf_scheme *s, const uint16_t *k, const uint16_t *v, const kvf_shape *shape,
+                      const kvf_encode_args *args, uint8_t *packed, size_t packed_bytes);
+int kvf_ref_decode_ex(const struct kvf_scheme *s, const uint8_t *packed, size_t packed_bytes, const kvf_shape *shape,
+                      const kvf_decode_args *args, uint16_t *k_out, uint16_t *v_out);
 int kvf_ref_decode(const struct kvf_scheme *s, const uint8_t *packed, size_t packed_bytes,
                    const kvf_shape *shape, const int32_t *positions, uint16_t *k_out, uint16_t *v_out);
 

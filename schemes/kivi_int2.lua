@@ -1,8 +1,8 @@
--- kivi_int2: KIVI, the LLM baseline of SPEC.md section 3 ("keys quantized per channel
--- (groups run along tokens), values per token; the most recent tokens stay in full
--- precision (residual window)").
+-- kivi_int2: KIVI, the LLM baseline of docs/BACKGROUND.md section 4: keys quantized per
+-- channel (a group runs along tokens), values per token, and the most recent tokens kept
+-- in full precision (a residual window).
 --
--- Where the settings come from (ANCHORS.md, "KIVI (jy-yuan/KIVI)"):
+-- Where the settings come from (KIVI's code, jy-yuan/KIVI; docs/BACKGROUND.md section 4):
 --   key.axis = "token"     keys per channel: a group is one channel of 32 consecutive
 --                          tokens, with its own FP16 scale and FP16 minimum;
 --   group_size = 32        KIVI's G = 32, for keys (along tokens) and values (along
@@ -14,8 +14,8 @@
 --                          the LLM code); here the window is the most recent chunk, which
 --                          the caller keeps in BF16 until the next chunk arrives;
 --   rope.placement = "post"  KIVI quantizes keys after RoPE: decode returns them as they are.
--- No smoothing, no rotation: what KIVI does. SPEC.md section 1 explains why per-channel
--- keys break on video KV at 2 bits (outlier channels change from token to token).
+-- No smoothing, no rotation: what KIVI does. docs/BACKGROUND.md section 2 explains why
+-- per-channel keys break on video KV at 2 bits (outlier channels change from token to token).
 return {
   base = "rtn_int2",
   name = "kivi_int2",

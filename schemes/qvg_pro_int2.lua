@@ -1,8 +1,8 @@
--- qvg_pro_int2: QVG-Pro, QVG with progressive residual quantization (SPEC.md section 3:
--- "quantize, take the remaining error, smooth and quantize it again, L stages").
+-- qvg_pro_int2: QVG-Pro, QVG with progressive residual quantization (docs/BACKGROUND.md
+-- section 4: the remaining error smoothed and subtracted again, stage after stage).
 --
--- Where the settings come from: ANCHORS.md's QVG-Pro row ("4 stages, group 16, 5 iters",
--- 4.84x, relative key error 0.240 against QVG's 0.375):
+-- Where the settings come from: the reported QVG-Pro configuration (4 stages, groups of
+-- 16, 5 iterations; docs/BACKGROUND.md section 5: 4.84x, key error 0.240, QVG's 0.375):
 --   stages = 4             four rounds of k-means smoothing, each with its own 256
 --                          centroids and index, then one INT2 quantization of the last
 --                          residual (as QVG's prq.py; docs/METHODS.md section 1);

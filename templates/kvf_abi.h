@@ -28,7 +28,7 @@
 
 enum { KVF_AXIS_CHANNEL = 0, KVF_AXIS_TOKEN = 1 };          /* groups along channels of a token, or tokens of a channel */
 enum { KVF_MODE_AFFINE = 0, KVF_MODE_SYMMETRIC = 1 };       /* scale + zero, or scale alone */
-enum { KVF_SCALE_FP16 = 0, KVF_SCALE_INT8_FP16 = 1 };       /* group scale formats (FORMAT.md) */
+enum { KVF_SCALE_FP16 = 0, KVF_SCALE_INT8_FP16 = 1, KVF_SCALE_FP8 = 2 }; /* group scale formats (FORMAT.md) */
 enum { KVF_ROPE_NONE = 0, KVF_ROPE_PRE = 1, KVF_ROPE_POST = 2 }; /* rope.placement */
 enum { KVF_ROPE_HALF = 0, KVF_ROPE_INTERLEAVED = 1 };        /* rope.layout: pair p is (p, p + d/2) or (2p, 2p + 1) */
 enum { KVF_ROTATION_NONE = 0, KVF_ROTATION_HADAMARD = 1 };
@@ -67,10 +67,27 @@ struct kvf_stage_planes {
     unsigned long long codes, scales, tscales, zeros, index, centroids;
 };
 
-/* A tensor section's planes: its stages, then PSAC's. */
+/* The pipeline's planes of a section (METHODS.md 8): outliers' channels and
+ * exact values; mixed precision's channel map, refinement codes and scales. */
+struct kvf_pipe_planes {
+    unsigned long long oidx, oval, mmap, mcode, mscale;
+};
+
+/* A tensor section's planes: its stages, then PSAC's, then the pipeline's. */
 struct kvf_section_planes {
     struct kvf_stage_planes stage[KVF_MAX_STAGES];
     unsigned long long basis, coef, cscale, bscale;
+    struct kvf_pipe_planes pipe;
+};
+
+/* The anchor a span is coded against (temporal anchors): its packed span
+ * (the anchor scheme's: RTN at the anchor's bits, or BF16 rows at 16), the
+ * planes of the section's rows there, and its tokens (token t of the span
+ * reads the anchor's row t % tokens). */
+struct kvf_anchor_ref {
+    KVF_DPTR(const unsigned char) packed;
+    unsigned long long codes, scales, zeros;
+    int tokens, pad;
 };
 
 /* RoPE of keys cached before RoPE (METHODS.md 6): log2(theta), and the
@@ -132,6 +149,18 @@ struct kvf_header_params {
     struct kvf_header_words hdr;
 };
 
+/* What an encode kernel of a section needs of the pipeline (METHODS.md 8):
+ * where the pipeline's planes go, the anchor the span is coded against, the
+ * carried error, the channel map. Zero where the scheme has none. */
+struct kvf_pipe_io {
+    struct kvf_pipe_planes planes;
+    struct kvf_anchor_ref anchor;      /* packed 0: no anchor */
+    KVF_DPTR(float) fb;                /* the section's carried error [H][N][d], read if fb_in, written */
+    KVF_DPTR(const unsigned char) map; /* the section's channel map [H][d] */
+    int fb_in;
+    float decay;
+};
+
 /* One-launch encodes (paths rows and token_groups). */
 struct kvf_encode_params {
     struct kvf_bf16_src in;
@@ -140,6 +169,7 @@ struct kvf_encode_params {
     struct kvf_stage_planes planes;
     int write_header, pad;
     struct kvf_header_words hdr;
+    struct kvf_pipe_io pipe;
 };
 
 /* The decode of both sections: grid (k_blocks + v_blocks, heads). */
@@ -152,6 +182,7 @@ struct kvf_decode_params {
     KVF_DPTR(const int) positions;       /* [n_tokens][n_sections] for decode RoPE, else 0 */
     struct kvf_rope_args rope;
     unsigned blocks[2];                  /* blocks of the key section, of the value section */
+    struct kvf_anchor_ref anchor[2];     /* the anchor the span was coded against (packed 0: none) */
 };
 
 /* The k-means path (METHODS.md 3). src: the BF16 input (when stage 0 reads
@@ -165,6 +196,7 @@ struct kvf_kmeans_prep_params {
     struct kvf_bf16_src in;
     int n, nh;
     KVF_DPTR(float) e;
+    struct kvf_pipe_io pipe; /* the anchor's row is subtracted, decay x the carried error added */
 };
 
 struct kvf_kmeans_init_params {
@@ -218,6 +250,8 @@ struct kvf_kmeans_residual_params {
     int n, nh, write_e, pad;
     KVF_DPTR(unsigned char) packed;
     struct kvf_stage_planes planes;
+    struct kvf_bf16_src in;  /* the input as given: outliers keep it, the carried error is taken from it */
+    struct kvf_pipe_io pipe;
 };
 
 /* PSAC (METHODS.md 4) and QSAC's channel weights. */

@@ -124,6 +124,29 @@ __device__ __forceinline__ float kvf_rint(float f) {
 }
 __device__ __forceinline__ float kvf_clamp(float r, float lo, float hi) { return fminf(fmaxf(r, lo), hi); }
 
+// FP8 E4M3 (runtime/core/numfmt.c, the same integer steps): round to
+// nearest even, +-448 for larger values and infinities, 0x7F for a NaN.
+__device__ __forceinline__ u8 kvf_f32_to_e4m3(float f) {
+    const u32 u = __float_as_uint(f), sign = (u >> 24) & 0x80u, a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return 0x7fu;
+    if (a >= 0x43e00000u) return (u8)(sign | 0x7eu);
+    const int e = (int)(a >> 23) - 127;
+    if (e < -6) return (u8)(sign | (u32)kvf_rint(__fmul_rn(__uint_as_float(a), 512.0f)));
+    u32 r = (a >> 20) & 7u, rem = a & 0xfffffu;
+    int ee = e;
+    if (rem > 0x80000u || (rem == 0x80000u && (r & 1u))) r++;
+    if (r == 8u) r = 0, ee++;
+    if (ee > 8 || (ee == 8 && r == 7u)) return (u8)(sign | 0x7eu);
+    return (u8)(sign | ((u32)(ee + 7) << 3) | r);
+}
+__device__ __forceinline__ float kvf_e4m3_to_f32(u32 c) {
+    const u32 sign = (c & 0x80u) << 24, exp = (c >> 3) & 15u, man = c & 7u;
+    if ((c & 0x7fu) == 0x7fu) return __uint_as_float(0x7fc00000u | sign);
+    if (exp == 0) return __uint_as_float(sign | __float_as_uint(__fmul_rn((float)man, 0.001953125f)));
+    return __uint_as_float(sign | ((exp + 120u) << 23) | (man << 20));
+}
+
+
 // rint(fl(x / S)) for S > 0, given r = fl(1 / S) (__frcp_rn, once per
 // scale): y = fl(x r) is within 2^-22 |y| (+ 2^-149 if subnormal) of fl(x / S)
 // (three roundings of 2^-24 each), so where no half-integer lies within

@@ -26,7 +26,7 @@
 // 16 channels a lane (about 86 per 8 channels, with half the rows a thread)
 // decoded it slower (session 15, lane_channels).
 #pragma once
-#include "kvf_quant.cuh"
+#include "kvf_pipeline.cuh"
 
 
 namespace kvf_decode {
@@ -250,10 +250,14 @@ __device__ __forceinline__ void int8_row(const u8 *p, u32 (&w)[(R + 3) / 4]) {
 constexpr int DOT_BIAS_BITS = 0x4b400000;
 constexpr float DOT_BIAS = 12582912.0f; // 2^23 + 2^22
 
-template <int D, int BITS, int G, int MODE, int SFMT, int AXIS, int NCENT, int STAGES, int ROT, int PSAC_R, int ROPE>
+// PK, PM, PB, AB: the pipeline (kvf_pipeline.cuh; outliers, refined channels
+// and their bits, the anchor's bits), 0 without it.
+template <int D, int BITS, int G, int MODE, int SFMT, int AXIS, int NCENT, int STAGES, int ROT, int PSAC_R, int ROPE,
+          int PK, int PM, int PB, int AB>
 __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const section_planes &p, int n_tokens,
                                        u16 *__restrict__ y_out, i64 token_stride, i64 head_stride,
-                                       const int *__restrict__ positions, const rope_args &rope, u32 bx, u32 nb) {
+                                       const int *__restrict__ positions, const rope_args &rope, u32 bx, u32 nb,
+                                       const kvf_anchor_ref &anchor) {
     constexpr int CPL = lane_channels<D, BITS, SFMT, AXIS, PSAC_R, ROT, ROPE>(), NH = CPL / 8; // halves of 8 channels
     static_assert(CPL == 8 || CPL == 16, "8 or 16 channels a lane (tiling's RPT stays >= 1)");
     constexpr int LPR = D / CPL, ROWS = BLOCK / LPR, LPG = G / 8 > 0 ? G / 8 : 1, GROUPS = D / G > 0 ? D / G : 1;
@@ -315,6 +319,11 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
         __syncthreads();
     }
     const float bscale = PSAC_R ? __uint_as_float(kvf_ldg_u32(packed + p.bscale + (u64)h * 4)) : 0.0f;
+    // The pipeline's per-head data: the lane's slots among the refined channels.
+    u8 mapl[NH][8];
+    if (PM)
+#pragma unroll
+        for (int hf = 0; hf < NH; hf++) kvf_pipe::map8<PM>(packed + p.pipe.mmap + (u64)h * D, lane * 8 + hf * HALF_CH, mapl[hf]);
 
     // Centroid indices one tile ahead: a row's centroid gather depends on its
     // index, so loading the indices of the block's next tile while this one
@@ -397,7 +406,7 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
                         if (MODE == KVF_MODE_AFFINE) zr[u][hf] = kvf_ldg_u8(zeros_h + at);
                     }
                 }
-                if (SFMT != KVF_SCALE_FP16) ts[u] = kvf_ldg_u16(tscales_h + (u64)t[u] * 2);
+                if (SFMT == KVF_SCALE_INT8_FP16) ts[u] = kvf_ldg_u16(tscales_h + (u64)t[u] * 2);
             }
             if (NCENT) {
 #pragma unroll
@@ -469,11 +478,16 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
                         yh[0][i] = __fmaf_rn(S, __fsub_rn(m, MAGIC + (float)(QMAX << P)), 0.0f);
                     }
                 }
-            } else if (SFMT == KVF_SCALE_FP16) {
+            } else if (SFMT == KVF_SCALE_FP16 || SFMT == KVF_SCALE_FP8) {
+                // (FP8 E4M3 values are multiples of 2^-9, fp16 ones of 2^-24:
+                // the argument below holds for both.)
 #pragma unroll
                 for (int hf = 0; hf < NH; hf++) {
-                    const float S = kvf_f16_to_f32((u16)sc[u][hf]);
-                    const float M = MODE == KVF_MODE_AFFINE ? __fadd_rn(kvf_f16_to_f32((u16)zr[u][hf]), 0.0f) : 0.0f;
+                    const float S = SFMT == KVF_SCALE_FP8 ? kvf_e4m3_to_f32(sc[u][hf]) : kvf_f16_to_f32((u16)sc[u][hf]);
+                    const float M = MODE == KVF_MODE_AFFINE
+                                        ? __fadd_rn(SFMT == KVF_SCALE_FP8 ? kvf_e4m3_to_f32(zr[u][hf])
+                                                                          : kvf_f16_to_f32((u16)zr[u][hf]), 0.0f)
+                                        : 0.0f;
 #pragma unroll
                     for (int i = 0; i < 8; i++) {
                         const int P = code_pos(BITS, i);
@@ -550,6 +564,44 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
                     }
                 }
             }
+            if (PM || AB || PK) {
+                // The pipeline, in the reference's order: the refinement of the
+                // calibrated channels, the anchor's row, the outliers as given.
+                const u64 row = head_row + t[u];
+                if (PM) {
+                    constexpr int MCB = PM * PB / 8;
+                    const float S = kvf_f16_to_f32((u16)kvf_ldg_u16(packed + p.pipe.mscale + row * 2));
+                    const u8 *codes = packed + p.pipe.mcode + row * MCB;
+#pragma unroll
+                    for (int hf = 0; hf < NH; hf++)
+#pragma unroll
+                        for (int i = 0; i < 8; i++)
+                            if (mapl[hf][i] != 255) yh[hf][i] = __fadd_rn(yh[hf][i], kvf_pipe::refined<PB>(codes, mapl[hf][i], S));
+                }
+                if (AB && anchor.packed) {
+                    const u64 arow = (u64)h * anchor.tokens + t[u] % (u32)anchor.tokens;
+#pragma unroll
+                    for (int hf = 0; hf < NH; hf++) {
+                        float a[8];
+                        kvf_pipe::anchor8<D, AB, G>(anchor, arow, lane * 8 + hf * HALF_CH, a);
+#pragma unroll
+                        for (int i = 0; i < 8; i++) yh[hf][i] = __fadd_rn(yh[hf][i], a[i]);
+                    }
+                }
+#pragma unroll
+                for (int q = 0; q < (PK > 0 ? PK : 0); q++) {
+                    // A corrupt channel past the row is clamped (the CPU decode refuses it).
+                    const int c = min((int)kvf_ldg_u8(packed + p.pipe.oidx + row * PK + q), D - 1);
+                    const float val = kvf_bf16_to_f32((u16)kvf_ldg_u16(packed + p.pipe.oval + (row * PK + q) * 2));
+#pragma unroll
+                    for (int hf = 0; hf < NH; hf++) {
+                        const int ci = c - hf * HALF_CH - lane * 8;
+#pragma unroll
+                        for (int i = 0; i < 8; i++)
+                            if (ci == i) yh[hf][i] = val;
+                    }
+                }
+            }
             if (ROT) kvf_fwht_row<D>(yh[0], lane); // CPL = 8
             if (ROPE) apply_rope<D, ROPE>(yh[0], lane, positions + (u64)t[u] * rope.n_sections, rope);
             if (live[u]) store_row<NH, HALF_CH>(dst, yh);
@@ -569,16 +621,17 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
 // head_dim 256, two stages, RoPE, Hadamard) spilled under it with the basis
 // in registers (test_nvrtc compiles them; with the shared basis, session 17,
 // head_dim 256 at rank 8 would fit it: not changed, not run).
-template <int D, int BITS, int G, int MODE, int SFMT, int AXIS, int NCENT, int STAGES, int ROT, int PSAC_R, int ROPE>
+template <int D, int BITS, int G, int MODE, int SFMT, int AXIS, int NCENT, int STAGES, int ROT, int PSAC_R, int ROPE,
+          int PK, int PM, int PB, int AB>
 struct section {
     static constexpr int MIN_BLOCKS_AS_KEY =
         PSAC_R > 0 && PSAC_R <= 8 && STAGES == 1 && D <= 128 && !ROT && ROPE == KVF_DECODE_ROPE_NONE ? 4 : 0;
     __device__ __forceinline__ static void run(const u8 *__restrict__ packed, const section_planes &p, int n_tokens,
                                                u16 *__restrict__ y_out, i64 token_stride, i64 head_stride,
                                                const int *__restrict__ positions, const rope_args &rope, u32 bx,
-                                               u32 nb) {
-        decode<D, BITS, G, MODE, SFMT, AXIS, NCENT, STAGES, ROT, PSAC_R, ROPE>(packed, p, n_tokens, y_out, token_stride,
-                                                                                head_stride, positions, rope, bx, nb);
+                                               u32 nb, const kvf_anchor_ref &anchor) {
+        decode<D, BITS, G, MODE, SFMT, AXIS, NCENT, STAGES, ROT, PSAC_R, ROPE, PK, PM, PB, AB>(
+            packed, p, n_tokens, y_out, token_stride, head_stride, positions, rope, bx, nb, anchor);
     }
 };
 
@@ -594,10 +647,11 @@ struct section {
         const int *__restrict__ positions = p.positions;                                                          \
         if (blockIdx.x < p.blocks[0]) {                                                                           \
             u16 *__restrict__ out = p.out[0];                                                                     \
-            KEY::run(packed, p.planes[0], p.n_tokens, out, p.ts, p.hs, positions, p.rope, blockIdx.x, p.blocks[0]); \
+            KEY::run(packed, p.planes[0], p.n_tokens, out, p.ts, p.hs, positions, p.rope, blockIdx.x, p.blocks[0],  \
+                     p.anchor[0]);                                                                                \
         } else {                                                                                                  \
             u16 *__restrict__ out = p.out[1];                                                                     \
             VALUE::run(packed, p.planes[1], p.n_tokens, out, p.ts, p.hs, positions, p.rope,                       \
-                       blockIdx.x - p.blocks[0], p.blocks[1]);                                                    \
+                       blockIdx.x - p.blocks[0], p.blocks[1], p.anchor[1]);                                       \
         }                                                                                                         \
     }

@@ -11,7 +11,7 @@
 // centroid sums int64 fixed point: the same numbers as the CPU reference, in
 // any launch order, and the same bytes run after run.
 #pragma once
-#include "kvf_quant.cuh"
+#include "kvf_pipeline.cuh"
 
 namespace kvf_kmeans {
 
@@ -58,9 +58,12 @@ __device__ __forceinline__ u64 splitmix64(u64 z) {
     return z ^ (z >> 31);
 }
 
-// e = f32(x), rotated by the normalized Hadamard transform when ROT.
-template <int D, int ROT>
-__device__ __forceinline__ void prep(const u16 *__restrict__ x, i64 ts, i64 hs, int n_tokens, int n_heads, float *e) {
+// e = f32(x), rotated by the normalized Hadamard transform when ROT; with the
+// pipeline (kvf_pipeline.cuh: AB an anchor, FB the carried error) less the
+// anchor's row and plus decay times the carried error, as the reference.
+template <int D, int ROT, int AB, int G, int FB>
+__device__ __forceinline__ void prep(const u16 *__restrict__ x, i64 ts, i64 hs, int n_tokens, int n_heads, float *e,
+                                     const kvf_pipe_io &pipe) {
     constexpr int LPR = D / 8, ROWS = BLOCK / LPR;
     const int lane = threadIdx.x % LPR;
     const i64 row = (i64)blockIdx.x * ROWS + threadIdx.x / LPR;
@@ -69,6 +72,17 @@ __device__ __forceinline__ void prep(const u16 *__restrict__ x, i64 ts, i64 hs, 
     float v[8];
     kvf_load8f(x + t * ts + h * hs + lane * 8, v);
     if (ROT) kvf_fwht_row<D>(v, lane);
+    if (AB && pipe.anchor.packed) {
+        float a[8];
+        kvf_pipe::anchor8<D, AB, G>(pipe.anchor, (u64)h * pipe.anchor.tokens + (u64)(t % pipe.anchor.tokens), lane * 8, a);
+#pragma unroll
+        for (int i = 0; i < 8; i++) v[i] = __fsub_rn(v[i], a[i]);
+    }
+    if (FB && pipe.fb && pipe.fb_in) {
+        const float *f = pipe.fb + r * D + lane * 8;
+#pragma unroll
+        for (int i = 0; i < 8; i++) v[i] = __fadd_rn(v[i], __fmul_rn(pipe.decay, f[i]));
+    }
     if (!live) return;
     float4 *dst = (float4 *)(e + r * D + lane * 8);
     dst[0] = make_float4(v[0], v[1], v[2], v[3]);
@@ -1469,10 +1483,13 @@ __device__ __forceinline__ void subtract(float *e, int n_tokens, int n_heads, co
 // H200, docs/BENCHMARKS.md session 14); over the f32 workspace no minimum
 // (qvg_pro_int2's 72 registers would spill at 64).
 constexpr int RES_RPT = 2;
-template <int D, int BITS, int G, int MODE, int SFMT, int NCENT, int WRITE_E, bool BF>
+template <int D, int BITS, int G, int MODE, int SFMT, int NCENT, int WRITE_E, bool BF, int PK, int PM, int PB, int AB,
+          int FB>
 __device__ __forceinline__ void residual(const void *src, i64 ts, i64 hs, float *e_out, int n_tokens, int n_heads,
-                                         u8 *__restrict__ packed, kvf_quant::stage_planes p) {
+                                         u8 *__restrict__ packed, kvf_quant::stage_planes p, const kvf_bf16_src &in,
+                                         const kvf_pipe_io &pipe) {
     constexpr int LPR = D / 8, LPG = G / 8, ROWS = BLOCK / LPR;
+    constexpr bool PIPE = PK || PM || FB;
     const int lane = threadIdx.x % LPR;
     const i64 rows = (i64)n_tokens * n_heads, row0 = (i64)blockIdx.x * ROWS * RES_RPT + threadIdx.x / LPR;
     float v[RES_RPT][8], mu[RES_RPT][8];
@@ -1493,15 +1510,31 @@ __device__ __forceinline__ void residual(const void *src, i64 ts, i64 hs, float 
     }
 #pragma unroll
     for (int k = 0; k < RES_RPT; k++) {
-        const i64 r = row0 + k * ROWS;
+        const i64 r = row0 + k * ROWS, rr = r < rows ? r : 0;
+        const i64 h = rr / n_tokens, t = rr % n_tokens;
         float res[8];
 #pragma unroll
         for (int i = 0; i < 8; i++) res[i] = NCENT ? __fsub_rn(v[k][i], mu[k][i]) : v[k][i];
+        // Outliers of the residual, kept as the input gives them.
+        u16 raw[8];
+        int oidx[PK > 0 ? PK : 1];
+        if (PK || FB) kvf_load8(in.x + t * in.ts + h * in.hs + lane * 8, raw);
+        if (PK) {
+            kvf_pipe::pick<PK, LPR>(res, lane, oidx);
+#pragma unroll
+            for (int q = 0; q < PK; q++)
+                if (oidx[q] / 8 == lane) {
+                    if (r < rows) {
+                        packed[pipe.planes.oidx + r * PK + q] = (u8)oidx[q];
+                        ((u16 *)(packed + pipe.planes.oval))[r * PK + q] = raw[oidx[q] % 8];
+                    }
+                    res[oidx[q] % 8] = __int_as_float(0x7fc00000);
+                }
+        }
         kvf_quant::lane_out o;
         kvf_quant::encode8<BITS, LPG, LPR, MODE, SFMT>(res, o); // shuffles: every lane takes part
-        if (r >= rows) continue;
-        kvf_quant::store_row<D, BITS, G, MODE, SFMT>(packed, p, r, lane, o);
-        if (WRITE_E) {
+        if (r < rows) kvf_quant::store_row<D, BITS, G, MODE, SFMT>(packed, p, r, lane, o);
+        if (WRITE_E && r < rows) {
             float rh[8], w[8];
             kvf_quant::decode8<BITS, MODE, SFMT>(o.q, o.scale, o.zero, o.tscale, rh);
 #pragma unroll
@@ -1509,6 +1542,51 @@ __device__ __forceinline__ void residual(const void *src, i64 ts, i64 hs, float 
             float4 *er = (float4 *)(e_out + r * D + lane * 8);
             er[0] = make_float4(w[0], w[1], w[2], w[3]);
             er[1] = make_float4(w[4], w[5], w[6], w[7]);
+        }
+        if (!PIPE || (!PM && !FB)) continue;
+        // The pipeline's refinement and carried error (kvf_rtn::encode's
+        // order): y = (0 + mu) + r_hat, + the refinement, + the anchor's row,
+        // the outliers as given.
+        float rh[8], y[8], add[8];
+        kvf_quant::decode8<BITS, MODE, SFMT>(o.q, o.scale, o.zero, o.tscale, rh);
+#pragma unroll
+        for (int i = 0; i < 8; i++) y[i] = __fadd_rn(NCENT ? __fadd_rn(0.0f, mu[k][i]) : 0.0f, rh[i]);
+        if (PM) {
+            constexpr int MCB = PM * PB / 8, W = MCB > 0 ? (MCB + 3) / 4 : 1;
+            __shared__ u32 words[ROWS][W];
+            u32 *mine = words[threadIdx.x / LPR];
+            for (int w = lane; w < W; w += LPR) mine[w] = 0;
+            __syncwarp();
+            u8 map[8];
+            kvf_pipe::map8<PM>(pipe.map + (u64)h * D, lane * 8, map);
+            const u16 s16 = kvf_pipe::refine<PB, LPR>(res, rh, map, add, mine);
+            __syncwarp();
+            if (r < rows) {
+                for (int b = lane; b < MCB; b += LPR) packed[pipe.planes.mcode + r * MCB + b] = (u8)(mine[b / 4] >> (8 * (b % 4)));
+                if (lane == 0) ((u16 *)(packed + pipe.planes.mscale))[r] = s16;
+            }
+            __syncwarp(); // the next row's zeroing waits for these reads
+#pragma unroll
+            for (int i = 0; i < 8; i++)
+                if (map[i] != 255) y[i] = __fadd_rn(y[i], add[i]);
+        }
+        if (FB && pipe.fb && r < rows) {
+            if (AB && pipe.anchor.packed) {
+                float a[8];
+                kvf_pipe::anchor8<D, AB, G>(pipe.anchor, (u64)h * pipe.anchor.tokens + (u64)(t % pipe.anchor.tokens),
+                                            lane * 8, a);
+#pragma unroll
+                for (int i = 0; i < 8; i++) y[i] = __fadd_rn(y[i], a[i]);
+            }
+#pragma unroll
+            for (int q = 0; q < (PK > 0 ? PK : 0); q++)
+                if (oidx[q] / 8 == lane) y[oidx[q] % 8] = kvf_bf16_to_f32(raw[oidx[q] % 8]);
+            float e[8];
+#pragma unroll
+            for (int i = 0; i < 8; i++) e[i] = __fsub_rn(kvf_bf16_to_f32(raw[i]), y[i]);
+            float4 *fr = (float4 *)(pipe.fb + r * D + lane * 8);
+            fr[0] = make_float4(e[0], e[1], e[2], e[3]);
+            fr[1] = make_float4(e[4], e[5], e[6], e[7]);
         }
     }
 }
@@ -1523,10 +1601,10 @@ __device__ __forceinline__ void residual(const void *src, i64 ts, i64 hs, float 
 // assign_cfg); the generator sets it for unrotated single-stage sections.
 // EXACT: the assignments agree with the CPU bit for bit (assign), else the
 // fast assignment (assign_fast); the section's assign field (plan.c).
-#define KVF_KMEANS_KERNELS(PREFIX, D, ROT, G, QSAC, BITS, MODE, SFMT, NCENT, BF, EXACT)                       \
+#define KVF_KMEANS_KERNELS(PREFIX, D, ROT, G, QSAC, BITS, MODE, SFMT, NCENT, BF, PK, PM, PB, AB, FB, EXACT)              \
     extern "C" __global__ void __launch_bounds__(kvf_kmeans::BLOCK)                                            \
     PREFIX##_prep(const kvf_kmeans_prep_params p) {                                                            \
-        kvf_kmeans::prep<D, ROT>(p.in.x, p.in.ts, p.in.hs, p.n, p.nh, p.e);                                    \
+        kvf_kmeans::prep<D, ROT, AB, G, FB>(p.in.x, p.in.ts, p.in.hs, p.n, p.nh, p.e, p.pipe);                 \
     }                                                                                                          \
     extern "C" __global__ void PREFIX##_init(const kvf_kmeans_init_params p) {                                 \
         kvf_kmeans::init<D, BF>(p.src.p, p.src.ts, p.src.hs, p.n, p.nh, p.c_eff, p.seed, p.stage, p.cent,     \
@@ -1573,11 +1651,11 @@ __device__ __forceinline__ void residual(const void *src, i64 ts, i64 hs, float 
     extern "C" __global__ void KVF_RES_BOUNDS_##BF                                                            \
     PREFIX##_residual(const kvf_kmeans_residual_params p) {                                                    \
         if (p.write_e)                                                                                         \
-            kvf_kmeans::residual<D, BITS, G, MODE, SFMT, NCENT, 1, BF>(p.src.p, p.src.ts, p.src.hs, p.e_out, p.n, \
-                                                                       p.nh, p.packed, p.planes);              \
+            kvf_kmeans::residual<D, BITS, G, MODE, SFMT, NCENT, 1, BF, PK, PM, PB, AB, FB>(                    \
+                p.src.p, p.src.ts, p.src.hs, p.e_out, p.n, p.nh, p.packed, p.planes, p.in, p.pipe);           \
         else                                                                                                   \
-            kvf_kmeans::residual<D, BITS, G, MODE, SFMT, NCENT, 0, BF>(p.src.p, p.src.ts, p.src.hs, p.e_out, p.n, \
-                                                                       p.nh, p.packed, p.planes);              \
+            kvf_kmeans::residual<D, BITS, G, MODE, SFMT, NCENT, 0, BF, PK, PM, PB, AB, FB>(                    \
+                p.src.p, p.src.ts, p.src.hs, p.e_out, p.n, p.nh, p.packed, p.planes, p.in, p.pipe);           \
     }
 
 // QSAC's assignment (keys with qsac_candidates > 1 only). It needs nothing of

@@ -2,7 +2,7 @@
 //
 // One lane holds 8 consecutive channels of one row (token, head); G/8 lanes
 // make a group, D/8 lanes a row. Formats (docs/FORMAT.md, METHODS.md 2):
-// fp16 scale + fp16 offset (affine) or fp16 scale (symmetric); or QuantWM's
+// fp16 or FP8 E4M3 scale + offset (affine) or scale (symmetric); or QuantWM's
 // two-level int8 group scale under an fp16 token scale, with an int8 zero
 // code (affine). runtime/cpu/ref_quant.c is the CPU reference.
 #pragma once
@@ -44,12 +44,13 @@ __device__ __forceinline__ void encode8(const float (&v)[8], lane_out &o) {
     }
     const float s = MODE == KVF_MODE_AFFINE ? __fdiv_rn(__fsub_rn(mx, mn), (float)L) : __fdiv_rn(a, (float)QMAX);
     o.tscale = 0;
-    if (SFMT == KVF_SCALE_FP16) {
-        o.scale = kvf_stored_f16(s);
-        const float S = kvf_f16_to_f32(o.scale);
+    if (SFMT == KVF_SCALE_FP16 || SFMT == KVF_SCALE_FP8) {
+        // One scale (and zero) a group, stored as fp16 or FP8 E4M3.
+        o.scale = SFMT == KVF_SCALE_FP8 ? (u16)kvf_f32_to_e4m3(s) : kvf_stored_f16(s);
+        const float S = SFMT == KVF_SCALE_FP8 ? kvf_e4m3_to_f32(o.scale) : kvf_f16_to_f32(o.scale);
         if (MODE == KVF_MODE_AFFINE) {
-            o.zero = kvf_stored_f16(mn);
-            const float M = kvf_f16_to_f32(o.zero);
+            o.zero = SFMT == KVF_SCALE_FP8 ? (u16)kvf_f32_to_e4m3(mn) : kvf_stored_f16(mn);
+            const float M = SFMT == KVF_SCALE_FP8 ? kvf_e4m3_to_f32(o.zero) : kvf_f16_to_f32(o.zero);
             float d[8], n[8];
 #pragma unroll
             for (int i = 0; i < 8; i++) d[i] = __fsub_rn(v[i], M);
@@ -87,10 +88,10 @@ __device__ __forceinline__ void encode8(const float (&v)[8], lane_out &o) {
 template <int BITS, int MODE, int SFMT>
 __device__ __forceinline__ void decode8(const u32 q[8], u16 scale, u16 zero, u16 tscale, float out[8]) {
     constexpr int QMAX = (1 << (BITS - 1)) - 1;
-    if (SFMT == KVF_SCALE_FP16) {
-        const float S = kvf_f16_to_f32(scale);
+    if (SFMT == KVF_SCALE_FP16 || SFMT == KVF_SCALE_FP8) {
+        const float S = SFMT == KVF_SCALE_FP8 ? kvf_e4m3_to_f32(scale) : kvf_f16_to_f32(scale);
         if (MODE == KVF_MODE_AFFINE) {
-            const float M = kvf_f16_to_f32(zero);
+            const float M = SFMT == KVF_SCALE_FP8 ? kvf_e4m3_to_f32(zero) : kvf_f16_to_f32(zero);
 #pragma unroll
             for (int i = 0; i < 8; i++) out[i] = __fmaf_rn(S, (float)q[i], M);
         } else {
@@ -129,6 +130,9 @@ __device__ __forceinline__ void store_row(u8 *packed, const stage_planes &p, i64
     if (SFMT == KVF_SCALE_FP16) {
         ((u16 *)(packed + p.scales))[g] = o.scale;
         if (MODE == KVF_MODE_AFFINE) ((u16 *)(packed + p.zeros))[g] = o.zero;
+    } else if (SFMT == KVF_SCALE_FP8) {
+        packed[p.scales + g] = (u8)o.scale;
+        if (MODE == KVF_MODE_AFFINE) packed[p.zeros + g] = (u8)o.zero;
     } else {
         packed[p.scales + g] = (u8)o.scale;
         if (MODE == KVF_MODE_AFFINE) packed[p.zeros + g] = (u8)o.zero;

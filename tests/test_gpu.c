@@ -1552,6 +1552,125 @@ static void bad_arguments_refused(void **state) {
     kvf_scheme_free(s);
 }
 
+/* ------------------------------------------------------------ the pipeline */
+
+/* Planes of a section that both sides write (padding between them is not). */
+static size_t pipe_plane_diffs(const kvf_section_layout *l, const uint8_t *a, const uint8_t *b) {
+    size_t k = 0;
+    const kvf_stage_layout *st = &l->stage[0];
+    const size_t off[] = {st->codes_off, st->scales_off, st->tscales_off, st->zeros_off, st->index_off,
+                          st->centroids_off, l->oidx_off, l->oval_off, l->mmap_off, l->mcode_off, l->mscale_off};
+    const size_t n[] = {st->codes_bytes, st->scales_bytes, st->tscales_bytes, st->zeros_bytes, st->index_bytes,
+                        st->centroids_bytes, l->oidx_bytes, l->oval_bytes, l->mmap_bytes, l->mcode_bytes, l->mscale_bytes};
+    for (size_t i = 0; i < sizeof off / sizeof off[0]; i++) k += diff_bytes(a, b, off[i], n[i]);
+    return k;
+}
+
+/* A stream of three spans on both sides: an anchor (the anchor scheme), then
+ * two spans coded against it, the second carrying the first's error: packed
+ * planes, the carried error and the decoded K/V of the GPU equal to the CPU
+ * reference's, byte for byte. Over an RTN and a k-means base, each option
+ * alone and all together (METHODS.md 8). */
+static void gpu_pipeline_matches_cpu(void **state) {
+    (void)state;
+    SKIP_WITHOUT_GPU();
+    const int H = 3, D = 128;
+    const int64_t N = small ? 40 : 1500;
+    const size_t n = (size_t)N * H * D;
+    uint16_t *k = malloc(n * 2 * 3), *v = malloc(n * 2 * 3), *ko = malloc(n * 2), *vo = malloc(n * 2),
+             *kg = malloc(n * 2), *vg = malloc(n * 2);
+    float *fb_cpu = calloc(2 * n, sizeof(float)), *fb_gpu = malloc(2 * n * sizeof(float));
+    kvf_synth_kv(k, N, H, D, 71);
+    kvf_synth_kv(v, N, H, D, 72);
+    for (size_t i = 0; i < 2 * n; i++) { /* later chunks: the first, moved a little */
+        k[n + i] = kvf_f32_to_bf16(kvf_bf16_to_f32(k[i % n]) * 1.01f + 0.03f * (float)((i * 7) % 13));
+        v[n + i] = kvf_f32_to_bf16(kvf_bf16_to_f32(v[i % n]) * 0.99f - 0.02f * (float)((i * 5) % 11));
+    }
+    k[n + 17] = 0x7fc1; /* a NaN in a coded span: an outlier where the scheme keeps them */
+    uint8_t *map = malloc(2 * (size_t)H * D);
+    for (int t = 0; t < 2; t++)
+        for (int h = 0; h < H; h++)
+            for (int c = 0, slot = 0; c < D; c++)
+                map[(t * H + h) * D + c] = (c % 4 == h % 4 && slot < (t ? 16 : 24)) ? (uint8_t)slot++ : 255;
+    CUdeviceptr dk = dalloc(n * 2, 0), dv = dalloc(n * 2, 0), dko = dalloc(n * 2, 0x55), dvo = dalloc(n * 2, 0x55),
+                dfb = dalloc(2 * n * sizeof(float), 0), dmap = dalloc(2 * (size_t)H * D, 0);
+    CK(cuMemcpyHtoD(dmap, map, 2 * (size_t)H * D));
+    kvf_shape sh = {N, H, 0, 0};
+    for (int base = 0; base < 2; base++)
+        for (int opt = 0; opt < 5; opt++) {
+            struct kvf_scheme s, as;
+            tu_hand_scheme(&s, D, 2, 2, 64, KVF_MODE_AFFINE);
+            if (base) s.key.centroids = s.value.centroids = 32;
+            s.key.assign = s.value.assign = KVF_ASSIGN_EXACT; /* byte for byte (exact()) */
+            if (opt == 0 || opt == 4) s.pipe.outliers[0] = s.pipe.outliers[1] = 2;
+            if (opt == 1 || opt == 4) s.pipe.mp_fraction[0] = 0.2, s.pipe.mp_fraction[1] = 0.125, s.pipe.mp_refine_bits = 2;
+            s.pipe.anchor_every = 4, s.pipe.anchor_bits = opt == 4 ? 4 : 8; /* every case has an anchor */
+            if (opt == 3 || opt == 4) s.pipe.feedback_decay = 0.75;
+            tu_finalize(&s);
+            assert_int_equal(kvf_anchor_scheme_of(&s, &as), KVF_OK);
+            kvf_context *cg, *ag;
+            if (kvf_context_create(&s, 0, &cg) || kvf_context_create(&as, 0, &ag))
+                fail_msg("base %d option %d: %s", base, opt, kvf_last_error());
+            size_t ab, pb;
+            kvf_packed_size(&as, N, H, &ab);
+            kvf_packed_size(&s, N, H, &pb);
+            uint8_t *apc = malloc(ab), *ppc = malloc(pb), *ppg = malloc(pb);
+            CUdeviceptr dap = dalloc(ab, 0x33), dpp = dalloc(pb, 0x33);
+            /* The anchor: chunk 0, on both sides; the GPU's bytes equal the CPU's. */
+            assert_int_equal(kvf_ref_encode(&as, k, v, &sh, NULL, apc, ab), KVF_OK);
+            CK(cuMemcpyHtoD(dk, k, n * 2));
+            CK(cuMemcpyHtoD(dv, v, n * 2));
+            assert_int_equal(kvf_encode(ag, (void *)dk, (void *)dv, &sh, NULL, (void *)dap, ab, NULL), KVF_OK);
+            CK(cuCtxSynchronize());
+            uint8_t *apg = malloc(ab);
+            CK(cuMemcpyDtoH(apg, dap, ab));
+            kvf_layout AL, L;
+            kvf_layout_compute(&as, N, H, &AL);
+            kvf_layout_compute(&s, N, H, &L);
+            assert_int_equal(pipe_plane_diffs(&AL.key, apc, apg) + pipe_plane_diffs(&AL.value, apc, apg), 0);
+            memset(fb_cpu, 0, 2 * n * sizeof(float));
+            CK(cuMemsetD8(dfb, 0, 2 * n * sizeof(float)));
+            for (int span = 1; span <= 2; span++) {
+                const uint16_t *ks = k + (size_t)span * n, *vs = v + (size_t)span * n;
+                kvf_encode_args ec = {.anchor = apc, .anchor_bytes = ab, .anchor_n_tokens = N, .feedback = fb_cpu,
+                                      .feedback_in = span == 2, .channel_map = map};
+                kvf_encode_args eg = {.anchor = (void *)dap, .anchor_bytes = ab, .anchor_n_tokens = N,
+                                      .feedback = (float *)dfb, .feedback_in = span == 2, .channel_map = (uint8_t *)dmap};
+                kvf_decode_args dc = {.anchor = apc, .anchor_bytes = ab, .anchor_n_tokens = N};
+                kvf_decode_args dg = {.anchor = (void *)dap, .anchor_bytes = ab, .anchor_n_tokens = N};
+                if (kvf_ref_encode_ex(&s, ks, vs, &sh, &ec, ppc, pb) ||
+                    kvf_ref_decode_ex(&s, ppc, pb, &sh, &dc, ko, vo))
+                    fail_msg("CPU: %s", kvf_last_error());
+                CK(cuMemcpyHtoD(dk, ks, n * 2));
+                CK(cuMemcpyHtoD(dv, vs, n * 2));
+                if (kvf_encode_ex(cg, (void *)dk, (void *)dv, &sh, &eg, (void *)dpp, pb, NULL) ||
+                    kvf_decode_ex(cg, (void *)dpp, pb, &sh, &dg, (void *)dko, (void *)dvo, NULL))
+                    fail_msg("GPU: %s", kvf_last_error());
+                CK(cuCtxSynchronize());
+                CK(cuMemcpyDtoH(ppg, dpp, pb));
+                CK(cuMemcpyDtoH(kg, dko, n * 2));
+                CK(cuMemcpyDtoH(vg, dvo, n * 2));
+                CK(cuMemcpyDtoH(fb_gpu, dfb, 2 * n * sizeof(float)));
+                const size_t planes = diff_bytes(ppc, ppg, 0, 64) + pipe_plane_diffs(&L.key, ppc, ppg) +
+                                      pipe_plane_diffs(&L.value, ppc, ppg);
+                size_t dk_n = 0, dv_n = 0, dfb_n = 0;
+                for (size_t i = 0; i < n; i++) dk_n += ko[i] != kg[i], dv_n += vo[i] != vg[i];
+                const int fb_on = s.pipe.feedback_decay > 0;
+                for (size_t i = 0; i < 2 * n && fb_on; i++) dfb_n += memcmp(&fb_cpu[i], &fb_gpu[i], 4) != 0;
+                printf("  pipeline base %s option %d span %d: planes %zu bytes apart, decode K %zu / V %zu values, "
+                       "carried error %zu values\n", base ? "kmeans" : "rtn", opt, span, planes, dk_n, dv_n, dfb_n);
+                assert_int_equal(planes, 0);
+                assert_int_equal(dk_n + dv_n, 0);
+                assert_int_equal(dfb_n, 0);
+            }
+            cu->cuMemFree(dap), cu->cuMemFree(dpp);
+            free(apc), free(apg), free(ppc), free(ppg);
+            kvf_context_destroy(cg), kvf_context_destroy(ag);
+        }
+    cu->cuMemFree(dk), cu->cuMemFree(dv), cu->cuMemFree(dko), cu->cuMemFree(dvo), cu->cuMemFree(dfb), cu->cuMemFree(dmap);
+    free(k), free(v), free(ko), free(vo), free(kg), free(vg), free(fb_cpu), free(fb_gpu), free(map);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(gpu_matches_cpu),
@@ -1568,6 +1687,7 @@ int main(void) {
         cmocka_unit_test(context_from_cache_and_image),
         cmocka_unit_test(gpu_warm_start),
         cmocka_unit_test(bad_arguments_refused),
+        cmocka_unit_test(gpu_pipeline_matches_cpu),
         cmocka_unit_test(gpu_fast_assign),
         cmocka_unit_test(gpu_fast_assign_dump),
     };

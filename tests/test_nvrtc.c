@@ -223,9 +223,9 @@ static void ptxas_report_parsed(void **state) {
  * kernel to 64 registers only where that holds (a bound for every
  * single-stage PSAC key spilled all of these but rank 2 and the two-stage
  * shape; Hadamard's 8/12 bytes). RoPE-pre keys
- * have a stack frame for RoPE's calls (64 bytes, no spills, since session
- * 17's shared PSAC basis; 4/8 bytes of spills and 72 before, 88/136 under
- * that bound): at most 8 bytes of spills. Every other kernel
+ * have a stack frame for RoPE's calls (64 bytes, no spills, with the PSAC
+ * basis in shared memory: docs/journal/benchmarks.md, entry 7f36120): at
+ * most 8 bytes of spills. Every other kernel
  * as check_usage requires. With NVRTC 13, as every_scheme_compiles. */
 static void psac_decode_shapes_do_not_spill(void **state) {
     (void)state;
@@ -521,6 +521,33 @@ static void compile_error_reports_log(void **state) {
  * most registers, QSAC over M = 8 candidates on an f32 source (a second key
  * stage), takes 14 warps on sm_90 (8 on sm_80, with more registers to
  * spare): the report's rules of every_scheme_compiles hold for it. */
+/* The pipeline's kernels (outliers, refined channels, anchors, error
+ * feedback; METHODS.md 8) compile for sm_90 over an RTN and a k-means base,
+ * with each option alone and all together; with NVRTC 13 the row encodes
+ * and the decode do not spill. */
+static void pipeline_shapes_compile(void **state) {
+    (void)state;
+    const kvf_nvrtc_api *nv;
+    assert_int_equal(kvf_nvrtc_load(&nv), KVF_OK);
+    for (int base = 0; base < 2; base++)
+        for (int opt = 0; opt < 5; opt++) {
+            struct kvf_scheme s;
+            tu_hand_scheme(&s, 128, 2, 2, 64, KVF_MODE_AFFINE);
+            if (base) s.key.centroids = s.value.centroids = 64;
+            if (opt == 0 || opt == 4) s.pipe.outliers[0] = s.pipe.outliers[1] = 2;
+            if (opt == 1 || opt == 4) s.pipe.mp_fraction[0] = 0.2, s.pipe.mp_fraction[1] = 0.1, s.pipe.mp_refine_bits = 2;
+            if (opt == 2 || opt == 4) s.pipe.anchor_every = 8, s.pipe.anchor_bits = opt == 4 ? 8 : 4;
+            if (opt == 3 || opt == 4) s.pipe.feedback_decay = 0.7;
+            tu_finalize(&s);
+            kvf_kernel_usage *u;
+            int k = 0, decode, assign;
+            if (kvf_jit_usage(&s, "sm_90", &u, &k, NULL)) fail_msg("base %d option %d: %s", base, opt, kvf_last_error());
+            check_usage(base ? "pipe_kmeans" : "pipe_rtn", "sm_90", u, k, nv->major == 13, 0, &decode, &assign);
+            assert_int_equal(decode, 1);
+            free(u);
+        }
+}
+
 static void kmeans_fits_arch_shared_memory(void **state) {
     (void)state;
     setenv("KVFORGE_CACHE", "0", 1);
@@ -621,6 +648,7 @@ int main(void) {
         cmocka_unit_test_setup(compile_error_reports_log, fresh_env),
         cmocka_unit_test_setup(kmeans_fits_arch_shared_memory, fresh_env),
         cmocka_unit_test_setup(exact_assignment_compiles, fresh_env),
+        cmocka_unit_test_setup(pipeline_shapes_compile, fresh_env),
     };
     return cmocka_run_group_tests_name("nvrtc", tests, setup, teardown);
 }

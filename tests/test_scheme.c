@@ -11,6 +11,7 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 
 /* ------------------------------------------------------------- helpers */
 
@@ -215,10 +216,21 @@ static void test_defaults(void **state) {
     assert_int_equal(h64->rope.n_sections, 1);
     assert_int_equal(h64->rope.sections[0], 32);
     kvf_scheme_free(h64);
-    /* Later options: absent, nil and false are all fine. */
-    kvf_scheme *l = tu_scheme_text("return { outliers = false, anchors = nil, error_feedback = false,"
-                                   " mixed_precision = false }");
+    /* The pipeline's sections: absent or nil is off, and a section that turns
+     * nothing on is written as absent. */
+    kvf_scheme *l = tu_scheme_text("return { anchors = nil, outliers = { key = 0 }, error_feedback = { decay = 0 } }");
     assert_string_equal(kvf_scheme_canonical(l), kvf_scheme_canonical(s));
+    kvf_scheme_free(l);
+    /* One that does is written, and reads back the same. */
+    l = tu_scheme_text("return { outliers = { key = 2 }, anchors = { every = 8 }, error_feedback = { decay = 0.7 },"
+                       " mixed_precision = { key_fraction = 0.2, table = 'sens.json' } }");
+    assert_int_equal(l->pipe.outliers[0], 2);
+    assert_int_equal(l->pipe.anchor_bits, 8);
+    assert_non_null(strstr(kvf_scheme_canonical(l), "anchors = { bits = 8, every = 8 }"));
+    assert_non_null(strstr(kvf_scheme_canonical(l), "table = \"sens.json\""));
+    kvf_scheme *back = tu_scheme_text(kvf_scheme_canonical(l));
+    assert_string_equal(kvf_scheme_canonical(back), kvf_scheme_canonical(l));
+    kvf_scheme_free(back);
     kvf_scheme_free(l);
     kvf_scheme_free(s);
 }
@@ -524,8 +536,8 @@ static const bad_case bad_cases[] = {
      "key.group_size: must divide head_dim (64) when axis = \"channel\" (got 128)", NULL},
     {"token_axis_centroids.lua", 6, "key.centroids: must be 0 when axis = \"token\"", NULL},
     {"token_axis_int8.lua", 6,
-     "value.scale_format: must be \"fp16\" when axis = \"token\" (two-level scales are per "
-     "token) (got \"int8_fp16\")", NULL},
+     "value.scale_format: must be \"fp16\" when axis = \"token\" (its scales are per channel and "
+     "group of tokens) (got \"int8_fp16\")", NULL},
     {"rope_sections_sum.lua", 6,
      "rope.sections: must add up to head_dim / 2 (64) frequency pairs (got 60)", NULL},
     {"rope_sections_hole.lua", 4,
@@ -588,8 +600,11 @@ static const bad_case bad_cases[] = {
     {"return_number.lua", 2, "return value: must be a table (got 42)", NULL},
     {"no_return.lua", 1, "return value: must be a table (got nil)", NULL},
     {"non_string_key.lua", 2, "[1]: unknown field (field names are strings)", NULL},
-    {"outliers.lua", 4, "outliers: not implemented yet (a later issue adds it)", NULL},
-    {"anchors_true.lua", 3, "anchors: not implemented yet (a later issue adds it)", NULL},
+    {"outliers.lua", 4, "outliers.fraction: unknown field", NULL},
+    {"anchors_true.lua", 3, "anchors: must be a table (got true)", NULL},
+    {"anchors_zero.lua", 3, "anchors.every: must be an integer in 1..100000 (got 0)", NULL},
+    {"feedback_decay_one.lua", 3, "error_feedback.decay: must be a number >= 0 and < 1", NULL},
+    {"mixed_all_channels.lua", 3, "mixed_precision.key_fraction: leaves no channel at the base precision", NULL},
     {"base_missing.lua", 3, "base: no scheme named \"no_such_scheme\"", NULL},
     {"base_path.lua", 3, "base: must be a string of 1..48 characters from [A-Za-z0-9_] "
                          "(got \"../schemes/rtn_int2\")", NULL},
@@ -756,11 +771,12 @@ static void test_hostile_strings(void **state) {
     expect_str_error("return { rope = { sections = setmetatable({ 64 }, {}) } }", "rope.sections");
     expect_str_error("return { head_dim = 64, rope = { sections = { 64 } } }",
                      "rope.sections: must add up to head_dim / 2 (32)");
-    expect_str_error("return { outliers = 0 }", "outliers: not implemented yet");
-    expect_str_error("return { mixed_precision = { fraction = 0.2 } }",
-                     "mixed_precision: not implemented yet");
-    expect_str_error("return { error_feedback = { beta = 0.7 } }",
-                     "error_feedback: not implemented yet");
+    expect_str_error("return { outliers = 0 }", "outliers: must be a table");
+    expect_str_error("return { mixed_precision = { fraction = 0.2 } }", "mixed_precision.fraction: unknown field");
+    expect_str_error("return { error_feedback = { beta = 0.7 } }", "error_feedback.beta: unknown field");
+    expect_str_error("return { outliers = { key = 2 }, key = { bits = 16 } }", "outliers.key: applies to quantized");
+    expect_str_error("return { anchors = { every = 3, bits = 8 }, chunk = { span = 2 } }",
+                     "anchors.every: must be a multiple of chunk.span");
     expect_str_error("return math.random(1)", "(field 'random')");
     expect_str_error("local s = getmetatable('').__index return s.dump(print)", "str:1:");
     /* __gc added after setmetatable never marks the object: closing does not hang. */
@@ -843,6 +859,94 @@ static void test_api_errors(void **state) {
     free(dir);
 }
 
+/* A scheme path that is not a regular file is refused, naming the path, and
+ * never opened blocking: a FIFO without a writer would hang an open(2) for
+ * reading. The alarm turns a hang into a failure. */
+static void test_not_regular_file(void **state) {
+    (void)state;
+    char *dir = tu_mkdtemp();
+    char path[1100], want[1200];
+    kvf_scheme *s = (kvf_scheme *)1;
+    fmt(path, sizeof path, "%s", tu_join(dir, "pipe.lua"));
+    assert_int_equal(mkfifo(path, 0600), 0);
+    alarm(20);
+    fmt(want, sizeof want, "cannot read %s: it is a FIFO", path);
+    expect_error(kvf_scheme_load(path, &s), KVF_EIO, want);
+    assert_null(s);
+    /* A base of that name beside a scheme is the FIFO, refused too. */
+    write_file(dir, "child.lua", "return { base = 'pipe' }\n");
+    expect_error(kvf_scheme_load(tu_join(dir, "child.lua"), &s), KVF_EIO, want);
+    alarm(0);
+    fmt(want, sizeof want, "cannot read %s: it is a directory", dir);
+    expect_error(kvf_scheme_load(dir, &s), KVF_EIO, want);
+    assert_int_equal(mkdir(tu_join(dir, "sub.lua"), 0700), 0);
+    write_file(dir, "child2.lua", "return { base = 'sub' }\n");
+    expect_error(kvf_scheme_load(tu_join(dir, "child2.lua"), &s), KVF_EIO, "sub.lua: it is a directory");
+    struct stat st;
+    if (stat("/dev/null", &st) == 0 && S_ISCHR(st.st_mode))
+        expect_error(kvf_scheme_load("/dev/null", &s), KVF_EIO,
+                     "cannot read /dev/null: it is a character device");
+    /* A symbolic link to a regular file is a regular file. */
+    write_file(dir, "real.lua", "return { key = { bits = 4 } }\n");
+    assert_int_equal(symlink(tu_join(dir, "real.lua"), tu_join(dir, "link.lua")), 0);
+    s = load_file(tu_join(dir, "link.lua"));
+    assert_int_equal(s->key.bits, 4);
+    kvf_scheme_free(s);
+    tu_rmtree(dir);
+    free(dir);
+}
+
+/* As luaL_loadfile: a UTF-8 byte-order mark and a first line starting with
+ * '#' are skipped, and the lines after them keep their numbers, in a file,
+ * in a string and in a base. */
+static void test_bom_and_shebang(void **state) {
+    (void)state;
+    static const char *const prefixes[] = {"\xEF\xBB\xBF", "#!/usr/bin/env kvforge\n",
+                                           "\xEF\xBB\xBF#!x\r\n", "# a comment\n"};
+    char *dir = tu_mkdtemp();
+    kvf_scheme *plain = tu_scheme_text("return { key = { bits = 4 } }\n");
+    for (size_t i = 0; i < sizeof prefixes / sizeof prefixes[0]; i++) {
+        const char *pre = prefixes[i];
+        int extra = pre[strlen(pre) - 1] == '\n'; /* lines the prefix adds */
+        char text[256], want[1200];
+        kvf_scheme *s = NULL;
+        fmt(text, sizeof text, "%sreturn { key = { bits = 4 } }\n", pre);
+        write_file(dir, "ok.lua", text);
+        s = load_file(tu_join(dir, "ok.lua"));
+        assert_true(kvf_scheme_hash(s) != 0);
+        assert_int_equal(s->key.bits, 4);
+        kvf_scheme_free(s);
+        s = tu_scheme_text(text);
+        assert_true(kvf_scheme_hash(s) == kvf_scheme_hash(plain));
+        kvf_scheme_free(s);
+        /* A field's line (the line index) and a Lua error's line (Lua). */
+        fmt(text, sizeof text, "%sreturn {\n  key = { bits = 3 },\n}\n", pre);
+        write_file(dir, "field.lua", text);
+        fmt(want, sizeof want, "%s:%d: key.bits: must be one of", tu_join(dir, "field.lua"), 2 + extra);
+        expect_error(kvf_scheme_load(tu_join(dir, "field.lua"), &s), KVF_ESCHEME, want);
+        fmt(want, sizeof want, "str:%d: key.bits", 2 + extra);
+        expect_str_error(text, want);
+        fmt(text, sizeof text, "%slocal x\n\nreturn x.y\n", pre);
+        write_file(dir, "lua.lua", text);
+        fmt(want, sizeof want, "%s:%d: attempt to index a nil value", tu_join(dir, "lua.lua"), 3 + extra);
+        expect_error(kvf_scheme_load(tu_join(dir, "lua.lua"), &s), KVF_ESCHEME, want);
+        /* Through a base beside the file. */
+        fmt(text, sizeof text, "%sreturn {\n  value = { bits = 5 } }\n", pre);
+        write_file(dir, "parent.lua", text);
+        write_file(dir, "kid.lua", "return { base = 'parent' }\n");
+        fmt(want, sizeof want, "%s:%d: value.bits", tu_join(dir, "parent.lua"), 2 + extra);
+        expect_error(kvf_scheme_load(tu_join(dir, "kid.lua"), &s), KVF_ESCHEME, want);
+    }
+    kvf_scheme_free(plain);
+    /* Only a first line: '#' later, or a second mark, is Lua's syntax error. */
+    expect_str_error("return {}\n# no\n", "str:2:");
+    expect_str_error("\xEF\xBB\xBF\xEF\xBB\xBFreturn {}", "str:1:");
+    /* A binary chunk after the '#' line is still refused as one. */
+    expect_str_error("#!x\n\033Lua", "str:1: attempt to load a binary chunk (mode is 't')");
+    tu_rmtree(dir);
+    free(dir);
+}
+
 /* Loading is thread-safe: same results from several threads at once. */
 static void *thread_body(void *arg) {
     uint64_t want = *(uint64_t *)arg;
@@ -891,6 +995,8 @@ int main(void) {
         cmocka_unit_test(test_hostile_strings),
         cmocka_unit_test(test_long_path_in_messages),
         cmocka_unit_test(test_api_errors),
+        cmocka_unit_test(test_not_regular_file),
+        cmocka_unit_test(test_bom_and_shebang),
         cmocka_unit_test(test_threads),
     };
     return cmocka_run_group_tests_name("scheme", tests, NULL, NULL);

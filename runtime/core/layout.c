@@ -55,9 +55,10 @@ static void place_quant(placer *p, const kvf_section_layout *l, size_t rows, siz
         size_t grows = heads * (size_t)l->groups_along_tokens; /* cannot overflow: <= rows */
         place(p, grows, (size_t)head_dim * 2, &st->scales_off, &st->scales_bytes);
         if (affine) place(p, grows, (size_t)head_dim * 2, &st->zeros_off, &st->zeros_bytes);
-    } else if (l->scale_format == KVF_SCALE_FP16) {
-        place(p, rows, gpt * 2, &st->scales_off, &st->scales_bytes);
-        if (affine) place(p, rows, gpt * 2, &st->zeros_off, &st->zeros_bytes);
+    } else if (l->scale_format == KVF_SCALE_FP16 || l->scale_format == KVF_SCALE_FP8) {
+        const size_t b = l->scale_format == KVF_SCALE_FP8 ? 1 : 2; /* an fp16 or FP8 E4M3 scale (and zero) a group */
+        place(p, rows, gpt * b, &st->scales_off, &st->scales_bytes);
+        if (affine) place(p, rows, gpt * b, &st->zeros_off, &st->zeros_bytes);
     } else {
         place(p, rows, gpt, &st->scales_off, &st->scales_bytes);   /* u8 group scale codes */
         place(p, rows, 2, &st->tscales_off, &st->tscales_bytes);   /* fp16 token scales */
@@ -102,6 +103,18 @@ static void place_section(placer *p, const kvf_section_plan *c, int head_dim, in
         place(p, heads, 4, &l->bscale_off, &l->bscale_bytes);
         place(p, rows, r, &l->coef_off, &l->coef_bytes);
         place(p, rows, 2, &l->cscale_off, &l->cscale_bytes);
+    }
+    l->outliers = c->outliers;
+    l->mp_channels = c->mp_channels;
+    l->mp_bits = c->mp_bits;
+    if (c->outliers > 0) {
+        place(p, rows, (size_t)c->outliers, &l->oidx_off, &l->oidx_bytes);
+        place(p, rows, (size_t)c->outliers * 2, &l->oval_off, &l->oval_bytes);
+    }
+    if (c->mp_channels > 0) {
+        place(p, heads, (size_t)head_dim, &l->mmap_off, &l->mmap_bytes);
+        place(p, rows, (size_t)c->mp_channels * (size_t)c->mp_bits / 8, &l->mcode_off, &l->mcode_bytes);
+        place(p, rows, 2, &l->mscale_off, &l->mscale_bytes);
     }
 }
 

@@ -70,7 +70,8 @@ static int check_groups(const rules *r, const char *sec, const kvf_tensor_cfg *t
                    "smoothing) (got %d)", t->centroids);
     if (t->axis == KVF_AXIS_TOKEN && t->scale_format != KVF_SCALE_FP16)
         return bad(r, sec, "scale_format",
-                   "must be \"fp16\" when axis = \"token\" (two-level scales are per token) (got \"int8_fp16\")");
+                   "must be \"fp16\" when axis = \"token\" (its scales are per channel and group of tokens) (got \"%s\")",
+                   t->scale_format == KVF_SCALE_FP8 ? "fp8" : "int8_fp16");
     if (t->scale_format == KVF_SCALE_INT8_FP16 && s->head_dim / t->group_size > 256)
         return bad(r, sec, "group_size", "at most 256 groups per token with two-level scales (got %d)",
                    t->group_size);
@@ -120,6 +121,53 @@ static int check_methods(const rules *r, const char *sec, const kvf_tensor_cfg *
     if (t->bits == 16 && t->psac_rank > 0)
         return bad(r, sec, "psac_rank",
                    "must be 0 when bits = 16 (there is no quantization error to compensate) (got %d)", t->psac_rank);
+    return KVF_OK;
+}
+
+/* The pipeline's options: where they apply and what they combine with. */
+static int check_pipeline(const rules *r) {
+    const struct kvf_scheme *s = r->s;
+    const kvf_pipeline_cfg *p = &s->pipe;
+    const int anchors = p->anchor_every > 0, feedback = p->feedback_decay > 0;
+    for (int t = 0; t < 2; t++) {
+        const char *sec = t ? "value" : "key";
+        const kvf_tensor_cfg *c = t ? &s->value : &s->key;
+        const int k = p->outliers[t], mp = p->mp_fraction[t] > 0;
+        if (!k && !mp && !anchors && !feedback) continue;
+        const char *what = k ? "outliers" : mp ? "mixed_precision" : anchors ? "anchors" : "error_feedback";
+        char field[64];
+        snprintf(field, sizeof field, "%s.%s", what, !k && !mp ? (anchors ? "every" : "decay") : sec);
+        if (c->bits == 16)
+            return report(r, field, "applies to quantized sections only (this section has bits = 16)", NULL, NULL);
+        if (c->axis == KVF_AXIS_TOKEN)
+            return report(r, field, "needs groups along channels (this section has axis = \"token\")", NULL, NULL);
+        if (c->rotation != KVF_ROTATION_NONE)
+            return report(r, field, "cannot be combined with rotation = \"hadamard\" (the pipeline works on "
+                                    "the values as stored)", NULL, NULL);
+        if (c->psac_rank > 0)
+            return report(r, field, "cannot be combined with key.psac_rank > 0 (PSAC fits the error the pipeline "
+                                    "changes)", NULL, NULL);
+        if (feedback && c->stages > 1)
+            return report(r, "error_feedback.decay",
+                          "needs stages = 1 (the carried error is taken from the one stage's reconstruction)", NULL,
+                          NULL);
+        if (k >= s->head_dim)
+            return bad(r, "outliers", sec, "must be below head_dim (%d) (got %d)", s->head_dim, k);
+        if (mp) {
+            const int m = (int)(p->mp_fraction[t] * s->head_dim / 8 + 0.5) * 8;
+            if (m < 8)
+                return bad(r, "mixed_precision", t ? "value_fraction" : "key_fraction",
+                           "refines %g x head_dim channels, rounded to a multiple of 8: none (got %g)",
+                           p->mp_fraction[t], p->mp_fraction[t]);
+            if (m >= s->head_dim)
+                return bad(r, "mixed_precision", t ? "value_fraction" : "key_fraction",
+                           "leaves no channel at the base precision (%d of %d refined) (got %g)", m, s->head_dim,
+                           p->mp_fraction[t]);
+        }
+    }
+    if (anchors && p->anchor_every % s->chunk.span)
+        return bad(r, "anchors", "every", "must be a multiple of chunk.span (%d): anchors are whole spans (got %d)",
+                   s->chunk.span, p->anchor_every);
     return KVF_OK;
 }
 
@@ -195,6 +243,18 @@ static void section_of(const struct kvf_scheme *s, const kvf_tensor_cfg *t, int 
      * this one, and its head's PSAC basis once: more tiles a block help
      * there (docs/BENCHMARKS.md, decode tiles). */
     o->decode_tiles = o->centroids > 0 || o->psac_rank > 0 ? 4 : 2;
+    const kvf_pipeline_cfg *pp = &s->pipe;
+    const int sec = is_key ? 0 : 1;
+    if (q) {
+        o->outliers = pp->outliers[sec];
+        o->mp_channels = pp->mp_fraction[sec] > 0 ? (int)(pp->mp_fraction[sec] * s->head_dim / 8 + 0.5) * 8 : 0;
+        o->mp_bits = o->mp_channels ? pp->mp_refine_bits : 0;
+        o->anchor_bits = pp->anchor_every > 0 ? pp->anchor_bits : 0;
+        o->feedback = pp->feedback_decay > 0;
+        /* A reference or a carried error changes what is quantized: the
+         * k-means path prepares it in its f32 workspace. */
+        if (o->anchor_bits || o->feedback) o->bf16_source = 0;
+    }
 }
 
 /* The value section runs the key section's k-means kernels where their
@@ -203,7 +263,9 @@ static void section_of(const struct kvf_scheme *s, const kvf_tensor_cfg *t, int 
 static int same_kmeans(const kvf_section_plan *k, const kvf_section_plan *v) {
     return k->path == KVF_PATH_KMEANS && v->path == KVF_PATH_KMEANS && k->rotation == v->rotation &&
            k->group == v->group && k->bits == v->bits && k->mode == v->mode && k->scale_format == v->scale_format &&
-           k->centroids == v->centroids && k->bf16_source == v->bf16_source && k->exact == v->exact;
+           k->centroids == v->centroids && k->bf16_source == v->bf16_source && k->outliers == v->outliers &&
+           k->mp_channels == v->mp_channels && k->mp_bits == v->mp_bits && k->anchor_bits == v->anchor_bits &&
+           k->feedback == v->feedback && k->exact == v->exact;
 }
 
 static void kernels_of(kvf_plan *p) {
@@ -242,6 +304,7 @@ int kvf_plan_build(const struct kvf_scheme *s, const kvf_plan_blame *blame, kvf_
         if (!(rc = check_methods(&r, sec, c, t == 0))) rc = check_groups(&r, sec, c);
     }
     if (!rc) rc = check_rope(&r);
+    if (!rc) rc = check_pipeline(&r);
     if (rc) return rc;
     memset(out, 0, sizeof *out);
     section_of(s, &s->key, 1, &out->sec[0]);

@@ -77,4 +77,23 @@ void kvf_ref_quant_encode(const kvf_section_layout *l, const kvf_stage_layout *s
 void kvf_ref_quant_decode(const kvf_section_layout *l, const kvf_stage_layout *st, int64_t n,
                           int32_t h, int d, const uint8_t *packed, float *rhat);
 
+/* ref_pipeline.c: the practitioner's pipeline (METHODS.md 8). */
+/* The k channels of a row r of largest magnitude (a NaN above every number;
+ * ties: the lower channel), largest first. */
+void kvf_ref_outliers_pick(const float *r, int d, int k, uint8_t *idx);
+/* Refinement of a row's calibrated channels (map[c]: the slot, 255 none):
+ * the difference r - rhat quantized symmetric at `bits` under the row's
+ * fp16 scale (its largest |difference| / (2^(bits-1) - 1); a difference that
+ * is not finite, as at an outlier where r is NaN, counts as 0); codes at bit
+ * slot * bits (m slots), the scale, and what decode adds to each refined
+ * channel (add[c]; other channels untouched). */
+void kvf_ref_refine_encode(const float *r, const float *rhat, const uint8_t *map, int d, int m, int bits,
+                           uint8_t *codes, uint16_t *scale, float *add);
+/* What decode adds to each refined channel of a row (others untouched). */
+void kvf_ref_refine_decode(const uint8_t *codes, uint16_t scale, const uint8_t *map, int d, int bits, float *add);
+/* Section t's rows of head h of an anchor span (of scheme `anchor`,
+ * kvf_scheme_anchor's) as f32 [n_tokens][d], before RoPE. */
+int kvf_ref_anchor_rows(const struct kvf_scheme *anchor, const uint8_t *packed, int64_t n_tokens, int32_t n_heads,
+                        int32_t h, int t, float *rows);
+
 #endif

@@ -9,6 +9,7 @@
  */
 #include "cpu/ref.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -297,36 +298,134 @@ static int psac_head(const section_job *j, int32_t h, const void *qstats, head_b
     return KVF_OK;
 }
 
+/* The pipeline's inputs of one section (METHODS.md 8). */
+typedef struct pipe_in {
+    const struct kvf_scheme *anchor_s; /* the anchor scheme, with anchor */
+    const uint8_t *anchor;             /* the anchor span, or NULL */
+    int64_t anchor_tokens;
+    float *fb;                         /* the section's carried error [H][N][d], or NULL */
+    int fb_in;                         /* read it (else zeros) */
+    const uint8_t *map;                /* the section's channel map [H][d], or NULL */
+} pipe_in;
+
+/* The anchor's rows of head h, or NULL without an anchor (*rc set on failure). */
+static float *anchor_rows(const section_job *j, const pipe_in *p, int32_t h, int *rc) {
+    *rc = KVF_OK;
+    if (!p || !p->anchor) return NULL;
+    float *rows = malloc((size_t)p->anchor_tokens * (size_t)j->L->head_dim * sizeof(float));
+    if (!rows) {
+        *rc = kvf_set_error(KVF_ENOMEM, "CPU reference: out of memory for the anchor's rows");
+        return NULL;
+    }
+    *rc = kvf_ref_anchor_rows(p->anchor_s, p->anchor, p->anchor_tokens, j->L->n_heads, h, j->cfg == &j->s->key ? 0 : 1,
+                              rows);
+    if (*rc) { free(rows); return NULL; }
+    return rows;
+}
+
+/* What the pipeline adds to decode's sum y of token t of head h, in decode's
+ * order: the refinement of the calibrated channels, the anchor's row, then
+ * the outliers' exact values (METHODS.md 8). */
+static void pipeline_finish(const section_job *j, const pipe_in *p, int32_t h, int64_t t, const uint8_t *packed,
+                            const float *ref, const float *radd, float *y) {
+    const kvf_section_layout *l = j->l;
+    const int d = j->L->head_dim;
+    const size_t row = row_of(j->L, h, t);
+    if (l->mp_channels) {
+        const uint8_t *map = packed + l->mmap_off + (size_t)h * (size_t)d;
+        for (int c = 0; c < d; c++)
+            if (map[c] != 255) y[c] = y[c] + radd[c];
+    }
+    if (ref) {
+        const float *a = ref + (size_t)(t % p->anchor_tokens) * (size_t)d;
+        for (int c = 0; c < d; c++) y[c] = y[c] + a[c];
+    }
+    for (int i = 0; i < l->outliers; i++)
+        y[packed[l->oidx_off + row * (size_t)l->outliers + (size_t)i]] =
+            kvf_bf16_to_f32(kvf_get_u16(packed + l->oval_off + (row * (size_t)l->outliers + (size_t)i) * 2));
+}
+
 static int encode_head(const section_job *j, const uint16_t *x, int32_t h, const void *qstats,
-                       const kvf_warm_src *w, head_buf *b, uint8_t *packed) {
-    int64_t nd = j->L->n_tokens * j->L->head_dim;
+                       const kvf_warm_src *w, const pipe_in *p, head_buf *b, uint8_t *packed) {
+    const kvf_section_layout *l = j->l;
+    const int64_t n = j->L->n_tokens, nd = n * j->L->head_dim;
+    const int d = j->L->head_dim;
+    const float decay = (float)j->s->pipe.feedback_decay;
+    int rc;
+    float *ref = anchor_rows(j, p, h, &rc);
+    if (rc) return rc;
+    float *fb = p && p->fb ? p->fb + (size_t)h * (size_t)nd : NULL;
     load_head(j, x, h, b);
+    /* What is quantized: the input, less the anchor's row, plus decay times
+     * the carried error (each an f32 operation, in this order). */
     memcpy(b->e, b->x0, (size_t)nd * sizeof(float));
+    for (int64_t t = 0; t < n && (ref || (fb && p->fb_in)); t++)
+        for (int c = 0; c < d; c++) {
+            float v = b->e[t * d + c];
+            if (ref) v = v - ref[(t % p->anchor_tokens) * d + c];
+            if (fb && p->fb_in) v = v + decay * fb[t * d + c];
+            b->e[t * d + c] = v;
+        }
     /* QVG-Pro as QVG's code: every stage smooths the remaining residual with
      * its own centroids; only the last residual is quantized (METHODS.md 1). */
-    const float *r = b->e;
-    for (int s = 0; s < j->l->stages && j->l->centroids > 0; s++) {
-        int rc = smooth_stage(j, s, h, qstats, w, b, packed);
-        if (rc) return rc;
-        if (s + 1 < j->l->stages) memcpy(b->e, b->r, (size_t)nd * sizeof(float));
+    float *r = b->e;
+    for (int s = 0; s < l->stages && l->centroids > 0 && !rc; s++) {
+        rc = smooth_stage(j, s, h, qstats, w, b, packed);
+        if (s + 1 < l->stages) memcpy(b->e, b->r, (size_t)nd * sizeof(float));
         r = b->r;
     }
-    kvf_ref_quant_encode(j->l, &j->l->stage[0], j->L->n_tokens, h, j->L->head_dim, r, packed);
-    if (j->l->psac_rank == 0) return KVF_OK;
-    sum_stages(j, h, packed, b); /* y as decode gets it */
-    return psac_head(j, h, qstats, b, packed);
+    /* Outliers: taken out of the residual (NaN: no group's scale sees them)
+     * and kept as the input gives them. */
+    for (int64_t t = 0; t < n && l->outliers && !rc; t++) {
+        const size_t row = row_of(j->L, h, t);
+        uint8_t *idx = packed + l->oidx_off + row * (size_t)l->outliers;
+        kvf_ref_outliers_pick(r + t * d, d, l->outliers, idx);
+        const uint16_t *src = x + t * j->sh->token_stride + h * j->sh->head_stride;
+        for (int i = 0; i < l->outliers; i++) {
+            kvf_put_u16(packed + l->oval_off + (row * (size_t)l->outliers + (size_t)i) * 2, src[idx[i]]);
+            r[t * d + idx[i]] = NAN;
+        }
+    }
+    if (!rc) kvf_ref_quant_encode(l, &l->stage[0], n, h, d, r, packed);
+    if (!rc && l->psac_rank > 0) {
+        sum_stages(j, h, packed, b); /* y as decode gets it */
+        rc = psac_head(j, h, qstats, b, packed);
+    }
+    if (!rc && (l->mp_channels || ref || fb)) {
+        sum_stages(j, h, packed, b);
+        const uint8_t *map = l->mp_channels ? p->map + (size_t)h * (size_t)d : NULL;
+        if (map) memcpy(packed + l->mmap_off + (size_t)h * (size_t)d, map, (size_t)d);
+        float radd[KVF_REF_MAX_DIM];
+        for (int64_t t = 0; t < n; t++) {
+            const size_t row = row_of(j->L, h, t);
+            float *y = b->y + t * d;
+            if (map) {
+                uint16_t sc;
+                kvf_ref_refine_encode(r + t * d, b->rhat + t * d, map, d, l->mp_channels, l->mp_bits,
+                                      packed + l->mcode_off + row * (size_t)l->mp_channels * (size_t)l->mp_bits / 8, &sc,
+                                      radd);
+                kvf_put_u16(packed + l->mscale_off + row * 2, sc);
+            }
+            pipeline_finish(j, p, h, t, packed, ref, radd, y);
+            if (fb)
+                for (int c = 0; c < d; c++) fb[t * d + c] = b->x0[t * d + c] - y[c];
+        }
+    }
+    free(ref);
+    return rc;
 }
 
 typedef struct encode_arg {
     const uint16_t *x;
     const void *qstats;
     const kvf_warm_src *warm; /* NULL: the strided sample */
+    const pipe_in *pipe;
     uint8_t *packed;
 } encode_arg;
 
 static int encode_pool_head(const section_job *j, int32_t h, head_buf *b, const void *arg) {
     const encode_arg *a = arg;
-    return encode_head(j, a->x, h, a->qstats, a->warm, b, a->packed);
+    return encode_head(j, a->x, h, a->qstats, a->warm, a->pipe, b, a->packed);
 }
 
 /* Both sections: a BF16 one is copied, the others' heads go to the threads. */
@@ -339,7 +438,9 @@ static int encode_sections(const section_job *const sec[2], const encode_arg arg
         }
         job.sec[job.n_sec] = sec[t];
         job.arg[job.n_sec++] = &arg[t];
-        job.parts |= HB_ENCODE | (sec[t]->l->psac_rank > 0 ? HB_DECODE_SUM : 0);
+        const kvf_section_layout *l = sec[t]->l;
+        const int sum = l->psac_rank > 0 || l->mp_channels || (arg[t].pipe && (arg[t].pipe->anchor || arg[t].pipe->fb));
+        job.parts |= HB_ENCODE | (sum ? HB_DECODE_SUM : 0);
         if (sec[t]->l->centroids > job.centroids) job.centroids = sec[t]->l->centroids;
     }
     return for_each_head(&job);
@@ -371,6 +472,7 @@ typedef struct decode_arg {
     const uint8_t *packed;
     const int32_t *pos;
     uint16_t *out;
+    const pipe_in *pipe; /* the anchor, or NULL */
     /* RoPE's frequencies and axes depend on the channel only: once per section. */
     int axis[KVF_REF_MAX_DIM / 2];
     float inv[KVF_REF_MAX_DIM / 2];
@@ -378,7 +480,24 @@ typedef struct decode_arg {
 
 static int decode_pool_head(const section_job *j, int32_t h, head_buf *b, const void *arg) {
     const decode_arg *a = arg;
+    const kvf_section_layout *l = j->l;
+    int rc;
+    float *ref = anchor_rows(j, a->pipe, h, &rc);
+    if (rc) return rc;
     sum_stages(j, h, a->packed, b);
+    if (l->mp_channels || ref || l->outliers) {
+        const int d = j->L->head_dim;
+        const uint8_t *map = l->mp_channels ? a->packed + l->mmap_off + (size_t)h * (size_t)d : NULL;
+        float radd[KVF_REF_MAX_DIM];
+        for (int64_t t = 0; t < j->L->n_tokens; t++) {
+            const size_t row = row_of(j->L, h, t);
+            if (map)
+                kvf_ref_refine_decode(a->packed + l->mcode_off + row * (size_t)l->mp_channels * (size_t)l->mp_bits / 8,
+                                      kvf_get_u16(a->packed + l->mscale_off + row * 2), map, d, l->mp_bits, radd);
+            pipeline_finish(j, a->pipe, h, t, a->packed, ref, radd, b->y + t * d);
+        }
+    }
+    free(ref);
     finish_head(j, h, a->packed, a->pos, a->inv, a->axis, b, a->out);
     return KVF_OK;
 }
@@ -431,7 +550,33 @@ int kvf_ref_encode(const struct kvf_scheme *s, const uint16_t *k, const uint16_t
 int kvf_ref_encode_warm(const struct kvf_scheme *s, const uint16_t *k, const uint16_t *v, const kvf_shape *shape,
                         const void *qstats, const uint8_t *prev, size_t prev_bytes, int64_t prev_n_tokens,
                         uint8_t *packed, size_t packed_bytes) {
-    if (!s || !k || !v || !shape || !packed)
+    const kvf_encode_args args = {.qstats = qstats, .prev = prev, .prev_bytes = prev_bytes,
+                                  .prev_n_tokens = prev_n_tokens};
+    return kvf_ref_encode_ex(s, k, v, shape, &args, packed, packed_bytes);
+}
+
+/* The pipeline's inputs of both sections from an encode's or decode's
+ * arguments (anchor checked, header included). */
+static int pipe_inputs(const struct kvf_scheme *s, const kvf_layout *L, const void *packed, size_t packed_bytes,
+                       const void *anchor, size_t anchor_bytes, int64_t anchor_n_tokens, struct kvf_scheme *anchor_s,
+                       pipe_in pipe[2], const char *fn) {
+    kvf_layout AL;
+    memset(pipe, 0, 2 * sizeof *pipe);
+    int rc = kvf_pipeline_args_check(s, L, packed, packed_bytes, anchor, anchor_bytes, anchor_n_tokens, anchor_s, &AL,
+                                     fn);
+    if (!rc && anchor) rc = kvf_packed_check(anchor_s, anchor, anchor_bytes, anchor_n_tokens, L->n_heads);
+    if (rc) return anchor ? kvf_wrap_error(rc, "%s: the anchor", fn) : rc;
+    for (int t = 0; t < 2 && anchor; t++) {
+        pipe[t].anchor_s = anchor_s;
+        pipe[t].anchor = anchor;
+        pipe[t].anchor_tokens = anchor_n_tokens;
+    }
+    return KVF_OK;
+}
+
+int kvf_ref_encode_ex(const struct kvf_scheme *s, const uint16_t *k, const uint16_t *v, const kvf_shape *shape,
+                      const kvf_encode_args *args, uint8_t *packed, size_t packed_bytes) {
+    if (!s || !k || !v || !shape || !packed || !args)
         return kvf_set_error(KVF_EINVAL, "kvf_ref_encode: NULL argument");
     kvf_layout L;
     kvf_shape sh;
@@ -441,12 +586,39 @@ int kvf_ref_encode_warm(const struct kvf_scheme *s, const uint16_t *k, const uin
         return kvf_set_error(KVF_ERANGE,
                              "packed buffer is %zu bytes, %zu needed for %lld tokens x %d heads",
                              packed_bytes, L.total_bytes, (long long)L.n_tokens, (int)L.n_heads);
-    if (qstats && (rc = check_qstats(s, qstats, sh.n_heads))) return rc;
-    kvf_warm_src warm = {prev, {0}};
-    if (prev) {
-        if ((rc = kvf_warm_check(s, prev, prev_bytes, prev_n_tokens, sh.n_heads, packed, L.total_bytes, &warm.L)) ||
-            (rc = kvf_packed_check(s, prev, prev_bytes, prev_n_tokens, sh.n_heads)))
+    if (args->qstats && (rc = check_qstats(s, args->qstats, sh.n_heads))) return rc;
+    kvf_warm_src warm = {args->prev, {0}};
+    if (args->prev) {
+        if ((rc = kvf_warm_check(s, args->prev, args->prev_bytes, args->prev_n_tokens, sh.n_heads, packed,
+                                 L.total_bytes, &warm.L)) ||
+            (rc = kvf_packed_check(s, args->prev, args->prev_bytes, args->prev_n_tokens, sh.n_heads)))
             return kvf_wrap_error(rc, "kvf_encode_warm: the previous span's packed cache");
+    }
+    if ((L.key.mp_channels || L.value.mp_channels) && !args->channel_map)
+        return kvf_set_error(KVF_EINVAL, "kvf_encode: scheme %s refines calibrated channels (mixed_precision): the "
+                                         "channel map is required (kvf_mixed_map)", s->name);
+    for (int t = 0; t < 2 && args->channel_map; t++) {
+        const int m = t ? L.value.mp_channels : L.key.mp_channels;
+        const size_t hd = (size_t)L.n_heads * (size_t)s->head_dim;
+        for (size_t i = 0; i < hd && m; i++) {
+            const uint8_t e = args->channel_map[(size_t)t * hd + i];
+            if (e != 255 && e >= m)
+                return kvf_set_error(KVF_EINVAL, "kvf_encode: channel map (%s, head %zu, channel %zu): slot %d of %d",
+                                     t ? "value" : "key", i / (size_t)s->head_dim, i % (size_t)s->head_dim, e, m);
+        }
+    }
+    struct kvf_scheme anchor_s;
+    pipe_in pipe[2];
+    if ((rc = pipe_inputs(s, &L, packed, L.total_bytes, args->anchor, args->anchor_bytes, args->anchor_n_tokens,
+                          &anchor_s, pipe, "kvf_encode")))
+        return rc;
+    const size_t nd = (size_t)L.n_heads * (size_t)L.n_tokens * (size_t)s->head_dim;
+    for (int t = 0; t < 2; t++) {
+        if (s->pipe.feedback_decay > 0 && args->feedback) {
+            pipe[t].fb = args->feedback + (size_t)t * nd;
+            pipe[t].fb_in = args->feedback_in;
+        }
+        if (args->channel_map) pipe[t].map = args->channel_map + (size_t)t * (size_t)L.n_heads * (size_t)s->head_dim;
     }
 
     memset(packed, 0, L.total_bytes); /* padding between planes is zero */
@@ -455,7 +627,8 @@ int kvf_ref_encode_warm(const struct kvf_scheme *s, const uint16_t *k, const uin
     memcpy(packed, &hdr, sizeof hdr);
     section_job jk = job_of(s, &L, &sh, true), jv = job_of(s, &L, &sh, false);
     const section_job *sec[2] = {&jk, &jv};
-    const encode_arg arg[2] = {{k, qstats, &warm, packed}, {v, NULL, &warm, packed}}; /* values: no QSAC, no PSAC */
+    /* values: no QSAC, no PSAC */
+    const encode_arg arg[2] = {{k, args->qstats, &warm, &pipe[0], packed}, {v, NULL, &warm, &pipe[1], packed}};
     return encode_sections(sec, arg);
 }
 
@@ -477,10 +650,33 @@ static int check_indices(const kvf_layout *L, const kvf_section_layout *l, const
     return KVF_OK;
 }
 
+/* Every stored outlier channel below head_dim and every refinement slot below
+ * the refined count: a corrupt cache with another would write or read past
+ * a row (the GPU decode clamps them instead). */
+static int check_outliers(const kvf_layout *L, const kvf_section_layout *l, const uint8_t *packed,
+                          const char *tensor) {
+    for (size_t i = 0; i < l->oidx_bytes; i++)
+        if (packed[l->oidx_off + i] >= L->head_dim)
+            return kvf_set_error(KVF_EFORMAT, "packed cache is corrupt: %s outlier %zu stores channel %d of %d", tensor,
+                                 i, packed[l->oidx_off + i], L->head_dim);
+    for (size_t i = 0; i < l->mmap_bytes; i++)
+        if (packed[l->mmap_off + i] != 255 && packed[l->mmap_off + i] >= l->mp_channels)
+            return kvf_set_error(KVF_EFORMAT, "packed cache is corrupt: %s channel map entry %zu is slot %d of %d",
+                                 tensor, i, packed[l->mmap_off + i], l->mp_channels);
+    return KVF_OK;
+}
+
 int kvf_ref_decode(const struct kvf_scheme *s, const uint8_t *packed, size_t packed_bytes,
                    const kvf_shape *shape, const int32_t *positions, uint16_t *k_out, uint16_t *v_out) {
-    if (!s || !packed || !shape || !k_out || !v_out)
+    const kvf_decode_args args = {.positions = positions};
+    return kvf_ref_decode_ex(s, packed, packed_bytes, shape, &args, k_out, v_out);
+}
+
+int kvf_ref_decode_ex(const struct kvf_scheme *s, const uint8_t *packed, size_t packed_bytes, const kvf_shape *shape,
+                      const kvf_decode_args *args, uint16_t *k_out, uint16_t *v_out) {
+    if (!s || !packed || !shape || !k_out || !v_out || !args)
         return kvf_set_error(KVF_EINVAL, "kvf_ref_decode: NULL argument");
+    const int32_t *positions = args->positions;
     bool rope = s->rope.placement == KVF_ROPE_PRE;
     if (rope && !positions)
         return kvf_set_error(KVF_EINVAL,
@@ -497,9 +693,16 @@ int kvf_ref_decode(const struct kvf_scheme *s, const uint8_t *packed, size_t pac
                              packed_bytes, L.total_bytes);
     if ((rc = check_indices(&L, &L.key, packed, "key")) || (rc = check_indices(&L, &L.value, packed, "value")))
         return rc;
+    if ((rc = check_outliers(&L, &L.key, packed, "key")) || (rc = check_outliers(&L, &L.value, packed, "value")))
+        return rc;
+    struct kvf_scheme anchor_s;
+    pipe_in pipe[2];
+    if ((rc = pipe_inputs(s, &L, packed, L.total_bytes, args->anchor, args->anchor_bytes, args->anchor_n_tokens,
+                          &anchor_s, pipe, "kvf_decode")))
+        return rc;
     section_job jk = job_of(s, &L, &sh, true), jv = job_of(s, &L, &sh, false);
     const section_job *sec[2] = {&jk, &jv};
-    decode_arg arg[2] = {{.packed = packed, .pos = rope ? positions : NULL, .out = k_out},
-                         {.packed = packed, .pos = NULL, .out = v_out}};
+    decode_arg arg[2] = {{.packed = packed, .pos = rope ? positions : NULL, .out = k_out, .pipe = &pipe[0]},
+                         {.packed = packed, .pos = NULL, .out = v_out, .pipe = &pipe[1]}};
     return decode_sections(sec, arg);
 }

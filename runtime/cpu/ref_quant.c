@@ -61,6 +61,11 @@ static float group_absmax(const float *x, int count, int64_t stride) {
  * and payload (they differ between CPUs and GPUs). */
 static uint16_t stored_f16(float f) { return isnan(f) ? 0x7e00u : kvf_f32_to_f16(f); }
 
+/* A group's stored scale or zero in the section's format (fp16, or FP8
+ * E4M3: scale_format "fp8"), and its value back. */
+static uint16_t stored_scale(int fp8, float f) { return fp8 ? kvf_f32_to_e4m3(f) : stored_f16(f); }
+static float scale_value(int fp8, uint16_t s) { return fp8 ? kvf_e4m3_to_f32((uint8_t)s) : kvf_f16_to_f32(s); }
+
 /* Clamp to [lo, hi]; a NaN becomes lo. */
 static float clampf(float r, float lo, float hi) { return fminf(fmaxf(r, lo), hi); }
 
@@ -84,14 +89,14 @@ static uint8_t *code_row(const kvf_section_layout *l, const kvf_stage_layout *st
 }
 
 /* Affine: x_hat = M + S*q with M = fp16(min), S = fp16((max - min) / (2^b - 1)). */
-static void affine_fp16_encode(const group_ref *g, int bits, uint8_t *codes0, size_t row_bytes,
+static void affine_fp16_encode(const group_ref *g, int bits, int fp8, uint8_t *codes0, size_t row_bytes,
                                uint16_t *scale, uint16_t *zero) {
     float levels = (float)levels_of(bits), mn, mx;
     group_range(g->x, g->count, g->stride, &mn, &mx);
     float s = (mx - mn) / levels;
-    *scale = stored_f16(s);
-    *zero = stored_f16(mn);
-    float S = kvf_f16_to_f32(*scale), M = kvf_f16_to_f32(*zero);
+    *scale = stored_scale(fp8, s);
+    *zero = stored_scale(fp8, mn);
+    float S = scale_value(fp8, *scale), M = scale_value(fp8, *zero);
     for (int i = 0; i < g->count; i++) {
         unsigned q = 0;
         if (S > 0.0f) {
@@ -104,12 +109,12 @@ static void affine_fp16_encode(const group_ref *g, int bits, uint8_t *codes0, si
 }
 
 /* Symmetric: x_hat = S*(code - qmax) with S = fp16(max|x| / qmax), qmax = 2^(b-1) - 1. */
-static void symmetric_fp16_encode(const group_ref *g, int bits, uint8_t *codes0, size_t row_bytes,
+static void symmetric_fp16_encode(const group_ref *g, int bits, int fp8, uint8_t *codes0, size_t row_bytes,
                                   uint16_t *scale) {
     int qmax = qmax_of(bits);
     float s = group_absmax(g->x, g->count, g->stride) / (float)qmax;
-    *scale = stored_f16(s);
-    float S = kvf_f16_to_f32(*scale);
+    *scale = stored_scale(fp8, s);
+    float S = scale_value(fp8, *scale);
     for (int i = 0; i < g->count; i++) {
         int q = 0;
         if (S > 0.0f) q = (int)clampf(rintf(g->x[i * g->stride] / S), (float)-qmax, (float)qmax);
@@ -123,29 +128,32 @@ static float fp16_decode_one(int mode, int bits, float S, float M, unsigned q) {
     return S * (float)((int)q - qmax_of(bits));
 }
 
-/* One fp16 group: encode, storing its scale and zero at the given bytes. */
+/* One fp16 or FP8 group: encode, storing its scale and zero at the given bytes. */
 static void fp16_group_encode(const kvf_section_layout *l, const group_ref *g, uint8_t *codes0,
                               uint8_t *scale_at, uint8_t *zero_at) {
     uint16_t scale, zero;
+    const int fp8 = l->scale_format == KVF_SCALE_FP8;
     if (l->mode == KVF_MODE_AFFINE) {
-        affine_fp16_encode(g, l->bits, codes0, l->code_bytes_per_token, &scale, &zero);
-        kvf_put_u16(zero_at, zero);
+        affine_fp16_encode(g, l->bits, fp8, codes0, l->code_bytes_per_token, &scale, &zero);
+        if (fp8) *zero_at = (uint8_t)zero;
+        else kvf_put_u16(zero_at, zero);
     } else {
-        symmetric_fp16_encode(g, l->bits, codes0, l->code_bytes_per_token, &scale);
+        symmetric_fp16_encode(g, l->bits, fp8, codes0, l->code_bytes_per_token, &scale);
     }
-    kvf_put_u16(scale_at, scale);
+    if (fp8) *scale_at = (uint8_t)scale;
+    else kvf_put_u16(scale_at, scale);
 }
 
-/* Axis channel, fp16: FORMAT.md's RTN, groups of G channels of one token. */
+/* Axis channel, fp16 or FP8: FORMAT.md's RTN, groups of G channels of one token. */
 static void channel_fp16_encode(const kvf_section_layout *l, const kvf_stage_layout *st, int64_t n,
                                 int32_t h, int d, const float *r, uint8_t *packed) {
-    size_t gpt = (size_t)l->groups_per_token;
+    size_t gpt = (size_t)l->groups_per_token, sb = l->scale_format == KVF_SCALE_FP8 ? 1 : 2;
     for (int64_t t = 0; t < n; t++) {
         size_t row = (size_t)h * (size_t)n + (size_t)t;
         for (int g = 0; g < l->groups_per_token; g++) {
             int c0 = g * l->group_size;
             group_ref gr = {r + t * d + c0, l->group_size, 1, 0, 0, c0, 1};
-            size_t at = (row * gpt + (size_t)g) * 2;
+            size_t at = (row * gpt + (size_t)g) * sb;
             fp16_group_encode(l, &gr, code_row(l, st, packed, row), packed + st->scales_off + at,
                               packed + st->zeros_off + at);
         }
@@ -156,13 +164,15 @@ static void channel_fp16_decode(const kvf_section_layout *l, const kvf_stage_lay
                                 int32_t h, int d, const uint8_t *packed, float *rhat) {
     size_t gpt = (size_t)l->groups_per_token;
     bool affine = l->mode == KVF_MODE_AFFINE;
+    const int fp8 = l->scale_format == KVF_SCALE_FP8;
     for (int64_t t = 0; t < n; t++) {
         size_t row = (size_t)h * (size_t)n + (size_t)t;
         const uint8_t *codes = packed + st->codes_off + row * l->code_bytes_per_token;
         for (int g = 0; g < l->groups_per_token; g++) {
-            size_t at = (row * gpt + (size_t)g) * 2;
-            float S = kvf_f16_to_f32(kvf_get_u16(packed + st->scales_off + at));
-            float M = affine ? kvf_f16_to_f32(kvf_get_u16(packed + st->zeros_off + at)) : 0.0f;
+            const size_t at = (row * gpt + (size_t)g) * (fp8 ? 1 : 2);
+            const uint8_t *sp = packed + st->scales_off + at, *zp = packed + st->zeros_off + at;
+            float S = scale_value(fp8, fp8 ? *sp : kvf_get_u16(sp));
+            float M = affine ? scale_value(fp8, fp8 ? *zp : kvf_get_u16(zp)) : 0.0f;
             for (int c = g * l->group_size; c < (g + 1) * l->group_size; c++)
                 rhat[t * d + c] = fp16_decode_one(l->mode, l->bits, S, M, get_code(codes, c, l->bits));
         }
@@ -289,7 +299,7 @@ static void channel_int8_decode(const kvf_section_layout *l, const kvf_stage_lay
 
 void kvf_ref_quant_encode(const kvf_section_layout *l, const kvf_stage_layout *st, int64_t n,
                           int32_t h, int d, const float *r, uint8_t *packed) {
-    if (l->axis == KVF_AXIS_TOKEN) token_fp16_encode(l, st, n, h, d, r, packed);
+    if (l->axis == KVF_AXIS_TOKEN) token_fp16_encode(l, st, n, h, d, r, packed); /* fp16 only (the plan's rule) */
     else if (l->scale_format == KVF_SCALE_INT8_FP16) channel_int8_encode(l, st, n, h, d, r, packed);
     else channel_fp16_encode(l, st, n, h, d, r, packed);
 }

@@ -318,58 +318,96 @@ static int check_qstats_arg(const kvf_context *ctx, const void *qstats) {
     return KVF_OK;
 }
 
-/* kvf_encode and kvf_encode_warm (fn: which, for messages). */
-static int encode(kvf_context *ctx, const void *k, const void *v, const kvf_shape *shape, const void *qstats,
-                  const void *prev, size_t prev_bytes, int64_t prev_n_tokens, void *packed, size_t packed_bytes,
-                  void *stream, const char *fn) {
+/* A device pointer's alignment: the kernels load and store 16 bytes at a time. */
+static int aligned16(const void *p, const char *fn, const char *what) {
+    if ((uintptr_t)p & 15u) return kvf_set_error(KVF_EINVAL, "%s: %s must be 16-byte aligned", fn, what);
+    return KVF_OK;
+}
+
+/* kvf_encode, kvf_encode_warm and kvf_encode_ex (fn: which, for messages). */
+static int encode(kvf_context *ctx, const void *k, const void *v, const kvf_shape *shape, const kvf_encode_args *a,
+                  void *packed, size_t packed_bytes, void *stream, const char *fn) {
     kvf_shape sh;
     kvf_layout l;
     int rc = prepare(ctx, k, v, packed, packed_bytes, shape, &sh, &l, fn);
     if (rc) return rc;
-    if (ctx->device == KVF_DEVICE_CPU)
-        return kvf_ref_encode_warm(ctx->scheme, k, v, &sh, qstats, prev, prev_bytes, prev_n_tokens, packed,
-                                   packed_bytes);
-    /* The previous span's header is not read on a device (kvf_decode does not
-     * read one either): its size and place are checked. */
-    kvf_warm_src warm = {prev, {0}};
-    if (prev) {
-        if ((rc = kvf_warm_check(ctx->scheme, prev, prev_bytes, prev_n_tokens, sh.n_heads, packed, l.total_bytes,
-                                 &warm.L)))
+    if (ctx->device == KVF_DEVICE_CPU) return kvf_ref_encode_ex(ctx->scheme, k, v, &sh, a, packed, packed_bytes);
+    /* Headers are not read on a device (that would synchronize): sizes and
+     * places are checked. */
+    kvf_gpu_inputs in = {.qstats = a->qstats, .warm = {a->prev, {0}}, .anchor = a->anchor,
+                         .feedback = ctx->scheme->pipe.feedback_decay > 0 ? a->feedback : NULL,
+                         .feedback_in = a->feedback_in, .channel_map = a->channel_map};
+    if (a->prev) {
+        if ((rc = kvf_warm_check(ctx->scheme, a->prev, a->prev_bytes, a->prev_n_tokens, sh.n_heads, packed,
+                                 l.total_bytes, &in.warm.L)))
             return kvf_wrap_error(rc, "%s: the previous span's packed cache", fn);
-        if ((uintptr_t)prev & 15u) /* the init kernel reads its rows 16 bytes at a time */
-            return kvf_set_error(KVF_EINVAL, "%s: the previous span's packed cache must be 16-byte aligned", fn);
+        if ((rc = aligned16(a->prev, fn, "the previous span's packed cache"))) return rc;
     }
-    if ((rc = check_qstats_arg(ctx, qstats)) || (rc = kvf_ctx_push(ctx))) return rc;
-    return kvf_ctx_pop(ctx, kvf_gpu_encode(ctx, k, v, &sh, &l, qstats, &warm, packed, stream));
+    struct kvf_scheme anchor_s;
+    if ((rc = kvf_pipeline_args_check(ctx->scheme, &l, packed, l.total_bytes, a->anchor, a->anchor_bytes,
+                                      a->anchor_n_tokens, &anchor_s, &in.anchor_layout, fn)) ||
+        (a->anchor && (rc = aligned16(a->anchor, fn, "the anchor"))) ||
+        (in.feedback && (rc = aligned16(in.feedback, fn, "the feedback state"))))
+        return rc;
+    if ((l.key.mp_channels || l.value.mp_channels) && !a->channel_map)
+        return kvf_set_error(KVF_EINVAL, "%s: scheme %s refines calibrated channels (mixed_precision): the channel "
+                                         "map is required (kvf_mixed_map)", fn, ctx->scheme->name);
+    if ((rc = check_qstats_arg(ctx, a->qstats)) || (rc = kvf_ctx_push(ctx))) return rc;
+    return kvf_ctx_pop(ctx, kvf_gpu_encode(ctx, k, v, &sh, &l, &in, packed, stream));
 }
 
 int kvf_encode(kvf_context *ctx, const void *k, const void *v, const kvf_shape *shape, const void *qstats,
                void *packed, size_t packed_bytes, void *stream) {
-    return encode(ctx, k, v, shape, qstats, NULL, 0, 0, packed, packed_bytes, stream, "kvf_encode");
+    const kvf_encode_args a = {.qstats = qstats};
+    return encode(ctx, k, v, shape, &a, packed, packed_bytes, stream, "kvf_encode");
 }
 
 int kvf_encode_warm(kvf_context *ctx, const void *k, const void *v, const kvf_shape *shape, const void *qstats,
                     const void *prev, size_t prev_bytes, int64_t prev_n_tokens, void *packed, size_t packed_bytes,
                     void *stream) {
-    return encode(ctx, k, v, shape, qstats, prev, prev_bytes, prev_n_tokens, packed, packed_bytes, stream,
-                  "kvf_encode_warm");
+    const kvf_encode_args a = {.qstats = qstats, .prev = prev, .prev_bytes = prev_bytes, .prev_n_tokens = prev_n_tokens};
+    return encode(ctx, k, v, shape, &a, packed, packed_bytes, stream, "kvf_encode_warm");
+}
+
+int kvf_encode_ex(kvf_context *ctx, const void *k, const void *v, const kvf_shape *shape, const kvf_encode_args *args,
+                  void *packed, size_t packed_bytes, void *stream) {
+    if (!args) return kvf_set_error(KVF_EINVAL, "kvf_encode_ex: args is NULL");
+    return encode(ctx, k, v, shape, args, packed, packed_bytes, stream, "kvf_encode_ex");
+}
+
+static int decode(kvf_context *ctx, const void *packed, size_t packed_bytes, const kvf_shape *shape,
+                  const kvf_decode_args *a, void *k_out, void *v_out, void *stream, const char *fn) {
+    kvf_shape sh;
+    kvf_layout l;
+    int rc = prepare(ctx, k_out, v_out, packed, packed_bytes, shape, &sh, &l, fn);
+    if (rc) return rc;
+    /* Keys cached before RoPE get it at decode, bits 16 included (METHODS.md:
+     * "Bits 16"), as the CPU reference does. */
+    if (ctx->scheme->rope.placement == KVF_ROPE_PRE && !a->positions)
+        return kvf_set_error(KVF_EINVAL, "%s: scheme %s caches keys before RoPE: positions are required", fn,
+                             ctx->scheme->name);
+    if (ctx->device == KVF_DEVICE_CPU) return kvf_ref_decode_ex(ctx->scheme, packed, packed_bytes, &sh, a, k_out, v_out);
+    struct kvf_scheme anchor_s;
+    kvf_layout al;
+    if ((rc = kvf_pipeline_args_check(ctx->scheme, &l, packed, l.total_bytes, a->anchor, a->anchor_bytes,
+                                      a->anchor_n_tokens, &anchor_s, &al, fn)) ||
+        (a->anchor && (rc = aligned16(a->anchor, fn, "the anchor"))))
+        return rc;
+    if ((rc = kvf_ctx_push(ctx))) return rc;
+    return kvf_ctx_pop(ctx, kvf_gpu_decode(ctx, packed, &sh, &l, a->positions, a->anchor, a->anchor ? &al : NULL,
+                                           k_out, v_out, stream));
 }
 
 int kvf_decode(kvf_context *ctx, const void *packed, size_t packed_bytes, const kvf_shape *shape,
                const int32_t *positions, void *k_out, void *v_out, void *stream) {
-    kvf_shape sh;
-    kvf_layout l;
-    int rc = prepare(ctx, k_out, v_out, packed, packed_bytes, shape, &sh, &l, "kvf_decode");
-    if (rc) return rc;
-    /* Keys cached before RoPE get it at decode, bits 16 included (METHODS.md:
-     * "Bits 16"), as the CPU reference does. */
-    if (ctx->scheme->rope.placement == KVF_ROPE_PRE && !positions)
-        return kvf_set_error(KVF_EINVAL, "kvf_decode: scheme %s caches keys before RoPE: positions are required",
-                             ctx->scheme->name);
-    if (ctx->device == KVF_DEVICE_CPU)
-        return kvf_ref_decode(ctx->scheme, packed, packed_bytes, &sh, positions, k_out, v_out);
-    if ((rc = kvf_ctx_push(ctx))) return rc;
-    return kvf_ctx_pop(ctx, kvf_gpu_decode(ctx, packed, &sh, &l, positions, k_out, v_out, stream));
+    const kvf_decode_args a = {.positions = positions};
+    return decode(ctx, packed, packed_bytes, shape, &a, k_out, v_out, stream, "kvf_decode");
+}
+
+int kvf_decode_ex(kvf_context *ctx, const void *packed, size_t packed_bytes, const kvf_shape *shape,
+                  const kvf_decode_args *args, void *k_out, void *v_out, void *stream) {
+    if (!args) return kvf_set_error(KVF_EINVAL, "kvf_decode_ex: args is NULL");
+    return decode(ctx, packed, packed_bytes, shape, args, k_out, v_out, stream, "kvf_decode_ex");
 }
 
 /* ------------------------------------------------------- query statistics */

@@ -30,12 +30,24 @@ struct kvf_context {
 int kvf_ctx_push(const kvf_context *ctx);
 int kvf_ctx_pop(const kvf_context *ctx, int rc);
 
+/* An encode's inputs besides K and V, checked (context.c). */
+typedef struct kvf_gpu_inputs {
+    const void *qstats;
+    kvf_warm_src warm;
+    const void *anchor;        /* NULL: none */
+    kvf_layout anchor_layout;  /* its layout, with anchor */
+    float *feedback;           /* NULL: none */
+    int feedback_in;
+    const uint8_t *channel_map;
+} kvf_gpu_inputs;
+
 /* launch.c, each inside kvf_ctx_push. Arguments are checked by the caller
  * (context.c). */
 int kvf_gpu_encode(kvf_context *ctx, const void *k, const void *v, const kvf_shape *sh, const kvf_layout *l,
-                   const void *qstats, const kvf_warm_src *warm, void *packed, void *stream);
+                   const kvf_gpu_inputs *in, void *packed, void *stream);
 int kvf_gpu_decode(kvf_context *ctx, const void *packed, const kvf_shape *sh, const kvf_layout *l,
-                   const int32_t *positions, void *k_out, void *v_out, void *stream);
+                   const int32_t *positions, const void *anchor, const kvf_layout *anchor_layout, void *k_out,
+                   void *v_out, void *stream);
 int kvf_gpu_qstats_init(kvf_context *ctx, void *qstats, size_t total, const kvf_qstats_layout *ql, void *stream);
 int kvf_gpu_qstats_update(kvf_context *ctx, void *qstats, const kvf_qstats_layout *ql, const void *q,
                           const kvf_shape *q_shape, int group, void *stream);

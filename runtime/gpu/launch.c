@@ -76,6 +76,41 @@ static struct kvf_section_planes section_planes(const kvf_section_layout *l) {
     return a;
 }
 
+static struct kvf_pipe_planes pipe_planes(const kvf_section_layout *l) {
+    struct kvf_pipe_planes a = {l->oidx_off, l->oval_off, l->mmap_off, l->mcode_off, l->mscale_off};
+    return a;
+}
+
+/* Section t's rows of an anchor span (its layout al), or none. */
+static struct kvf_anchor_ref anchor_ref(const void *anchor, const kvf_layout *al, int t) {
+    struct kvf_anchor_ref a;
+    memset(&a, 0, sizeof a);
+    if (!anchor) return a;
+    const kvf_section_layout *l = t ? &al->value : &al->key;
+    a.packed = dptr(anchor);
+    a.codes = l->stage[0].codes_off;
+    a.scales = l->stage[0].scales_off;
+    a.zeros = l->stage[0].zeros_off;
+    a.tokens = (int)al->n_tokens;
+    return a;
+}
+
+/* What section t's encode kernels take of the pipeline. */
+static struct kvf_pipe_io pipe_io(const kvf_context *ctx, const kvf_gpu_inputs *in, const kvf_layout *l, int t) {
+    struct kvf_pipe_io io;
+    memset(&io, 0, sizeof io);
+    const kvf_section_layout *sl = t ? &l->value : &l->key;
+    const size_t nd = (size_t)l->n_heads * (size_t)l->n_tokens * (size_t)l->head_dim;
+    io.planes = pipe_planes(sl);
+    io.anchor = anchor_ref(in->anchor, &in->anchor_layout, t);
+    if (in->feedback) io.fb = dptr(in->feedback + (size_t)t * nd);
+    if (in->channel_map && sl->mp_channels)
+        io.map = dptr(in->channel_map + (size_t)t * (size_t)l->n_heads * (size_t)l->head_dim);
+    io.fb_in = in->feedback_in;
+    io.decay = (float)ctx->scheme->pipe.feedback_decay;
+    return io;
+}
+
 static struct kvf_qstats_planes qstats_planes(const kvf_qstats_layout *l) {
     struct kvf_qstats_planes a = {l->count_off, l->msum_off, l->u_off, l->lambda_off, l->n_heads, l->head_dim,
                                   l->rank, 0};
@@ -203,7 +238,8 @@ static int kmeans_stage(kvf_context *ctx, int t, int stage, const kvf_shape *sh,
  * where the plan says so, else on the prepared f32 workspace), the residual,
  * then PSAC for keys. */
 static int encode_kmeans(kvf_context *ctx, int t, const void *x, const kvf_shape *sh, const void *qstats,
-                         const kvf_warm_src *warm, CUdeviceptr packed, const kvf_section_layout *l, void *stream) {
+                         const kvf_warm_src *warm, const struct kvf_pipe_io *io, CUdeviceptr packed,
+                         const kvf_section_layout *l, void *stream) {
     const kvf_section_plan *c = &ctx->scheme->plan.sec[t];
     const int base = t * KVF_R_SECTION_STRIDE, d = ctx->scheme->head_dim;
     const int bf = ctx->assign_cfg[t][KVF_AC_BF16_SOURCE], parts = sum_parts(ctx, sh);
@@ -224,7 +260,7 @@ static int encode_kmeans(kvf_context *ctx, int t, const void *x, const kvf_shape
         src.ts = sh->token_stride;
         src.hs = sh->head_stride;
     } else {
-        const struct kvf_kmeans_prep_params prep = {{dptr(x), sh->token_stride, sh->head_stride}, n, nh, ws.e};
+        const struct kvf_kmeans_prep_params prep = {{dptr(x), sh->token_stride, sh->head_stride}, n, nh, ws.e, *io};
         if ((rc = launch1(ctx, KVF_R_K_PREP + base, row_grid(ctx, sh), &prep, stream))) return rc;
     }
     if (c->qsac > 1) {
@@ -248,7 +284,8 @@ static int encode_kmeans(kvf_context *ctx, int t, const void *x, const kvf_shape
     }
     struct kvf_kmeans_residual_params res = {.src = src, .e_out = ws.e, .n = n, .nh = nh,
                                              .write_e = c->psac_rank > 0, .packed = packed,
-                                             .planes = stage_planes(&l->stage[0])};
+                                             .planes = stage_planes(&l->stage[0]),
+                                             .in = {dptr(x), sh->token_stride, sh->head_stride}, .pipe = *io};
     res.planes.index = l->stage[last].index_off;
     res.planes.centroids = l->stage[last].centroids_off;
     const unsigned res_grid =
@@ -269,7 +306,9 @@ static int encode_kmeans(kvf_context *ctx, int t, const void *x, const kvf_shape
 /* -------------------------------------------------------------- encode */
 
 int kvf_gpu_encode(kvf_context *ctx, const void *k, const void *v, const kvf_shape *sh, const kvf_layout *l,
-                   const void *qstats, const kvf_warm_src *warm, void *packed, void *stream) {
+                   const kvf_gpu_inputs *in, void *packed, void *stream) {
+    const void *qstats = in->qstats;
+    const kvf_warm_src *warm = &in->warm;
     kvf_packed_header hdr;
     kvf_header_fill(ctx->scheme, l, &hdr);
     struct kvf_header_words words;
@@ -286,13 +325,15 @@ int kvf_gpu_encode(kvf_context *ctx, const void *k, const void *v, const kvf_sha
                 if ((rc = launch1(ctx, KVF_R_HEADER, 1, &h, stream))) return rc;
                 header_written = 1;
             }
-            if ((rc = encode_kmeans(ctx, t, src[t], sh, qstats, warm, dp, sec[t], stream))) return rc;
+            const struct kvf_pipe_io io = pipe_io(ctx, in, l, t);
+            if ((rc = encode_kmeans(ctx, t, src[t], sh, qstats, warm, &io, dp, sec[t], stream))) return rc;
             continue;
         }
         const struct kvf_encode_params e = {.in = {dptr(src[t]), sh->token_stride, sh->head_stride},
                                             .n_tokens = (int)sh->n_tokens, .n_heads = sh->n_heads, .packed = dp,
                                             .planes = stage_planes(&sec[t]->stage[0]),
-                                            .write_header = !header_written, .hdr = words};
+                                            .write_header = !header_written, .hdr = words,
+                                            .pipe = pipe_io(ctx, in, l, t)};
         header_written = 1;
         const unsigned grid =
             c->path == KVF_PATH_TOKEN_GROUPS
@@ -301,13 +342,24 @@ int kvf_gpu_encode(kvf_context *ctx, const void *k, const void *v, const kvf_sha
                 : row_grid(ctx, sh);
         if ((rc = launch1(ctx, KVF_R_ENCODE_K + t, grid, &e, stream))) return rc;
     }
+    /* Mixed precision: the channel map goes into the span, so its decode needs
+     * nothing else. */
+    for (int t = 0; t < 2; t++) {
+        const kvf_section_layout *sl = sec[t];
+        if (!sl->mp_channels) continue;
+        const CUdeviceptr map = dptr(in->channel_map + (size_t)t * (size_t)l->n_heads * (size_t)l->head_dim);
+        CUresult r = ctx->cu->cuMemcpyDtoDAsync(dp + sl->mmap_off, map, sl->mmap_bytes, (CUstream)stream);
+        if (r != CUDA_SUCCESS) return kvf_cuda_fail(r, "cuMemcpyDtoDAsync(channel map)", __FILE__, __LINE__, ctx->device);
+    }
     return KVF_OK;
 }
 
 /* -------------------------------------------------------------- decode */
 
 int kvf_gpu_decode(kvf_context *ctx, const void *packed, const kvf_shape *sh, const kvf_layout *l,
-                   const int32_t *positions, void *k_out, void *v_out, void *stream) {
+                   const int32_t *positions, const void *anchor, const kvf_layout *anchor_layout, void *k_out,
+                   void *v_out, void *stream) {
+
     const kvf_scheme *s = ctx->scheme;
     struct kvf_decode_params p;
     memset(&p, 0, sizeof p);
@@ -320,6 +372,8 @@ int kvf_gpu_decode(kvf_context *ctx, const void *packed, const kvf_shape *sh, co
     p.ts = sh->token_stride;
     p.hs = sh->head_stride;
     p.positions = dptr(positions);
+    p.anchor[0] = anchor_ref(anchor, anchor_layout, 0);
+    p.anchor[1] = anchor_ref(anchor, anchor_layout, 1);
     p.rope.log2_theta = log2(s->rope.theta > 0 ? s->rope.theta : 10000.0);
     p.rope.n_sections = kvf_rope_sections(s, p.rope.sections);
     /* Grid (token tiles of K, then of V; heads): blockIdx.y is the head (at

@@ -1,4 +1,4 @@
--- temporal anchors are a later issue: only nil or false now
+-- anchors are a table: { every = N, bits = 4 | 8 | 16 }
 return {
   anchors = true,
 }

@@ -1,4 +1,4 @@
--- values get no PSAC (SPEC.md section 3, QuantWM)
+-- values get no PSAC (docs/BACKGROUND.md section 4, QuantWM)
 return {
   key = { psac_rank = 8 },
   value = {

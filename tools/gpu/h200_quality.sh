@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 5 on the GPU machine (out/ carried, with out/data/vtest.avi from `make data`):
+# The quality evaluation on the GPU machine (out/ carried, with out/data/vtest.avi from `make data`):
 # rollouts through the Python binding, a multi-layer KV dump, `kvforge eval --gpu`
 # for every shipped scheme, and the decode benchmark. Files come back under $OUT.
 # KVF_Q_SCHEMES: the schemes to evaluate instead (names or .lua paths: an A/B of

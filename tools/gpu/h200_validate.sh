@@ -37,8 +37,9 @@ fi
 if has jit; then
   # NVRTC 13 keeps what it compiles in the driver's compute cache (~/.nv) where
   # it can load libcuda, so a second compile of the same source there reads
-  # ~0.4 s: CUDA_CACHE_DISABLE=1 makes each of these a first compile (session 18).
-  echo "== cold compile (kvforge and driver caches off, fresh processes: the issue's <= 3 s) and warm"
+  # ~0.4 s: CUDA_CACHE_DISABLE=1 makes each of these a first compile
+  # (docs/journal/benchmarks.md, entry f481413).
+  echo "== cold compile (kvforge and driver caches off, fresh processes: the target's <= 3 s) and warm"
   for s in rtn_int2 qvg_int2 quantwm_int2; do CUDA_CACHE_DISABLE=1 KVFORGE_CACHE=0 out/bin/kvforge compile $s --arch sm_90; done
   out/bin/kvforge compile quantwm_int2 --arch sm_90
   out/bin/kvforge compile quantwm_int2 --arch sm_90
@@ -54,8 +55,9 @@ if has sanitizer && command -v compute-sanitizer >/dev/null; then
   # shared-memory kernels (k-means assign: qvg_int2, and assign_ranges, whose
   # blocks stage two heads in turn; query statistics: quantwm_int2), then every
   # shipped scheme; each run bounded by `timeout` (exit 124 = timed out), 580 s
-  # at most in all: the part fits one 600 s device command on its own. The
-  # k-means list took 132 s and, once, more than 140 (session 21), so 200.
+  # at most in all: the part fits one 600 s command on its own. The k-means
+  # list took 132 s and, once, more than 140 (docs/journal/validation.md, entry
+  # 550dd58), so 200.
   echo "== compute-sanitizer over test_gpu in small mode (API errors of the deliberate bad-image test not reported)"
   san() { # name, scheme list ("" = all), tool, limit in s, extra options (may be absent)
     local start=$SECONDS rc

@@ -10,8 +10,8 @@ strided sample of the tokens (kvforge's, with offset 0), C = 256 as
 qvg_int2. Prints, per tensor and head, the fraction of labels that change,
 the shifts, the nearest/second-nearest gap, and the skippable tokens and
 whole 16-token tiles (the assignment's unit of work).
-Usage: .venv/bin/python tools/gpu/kmeans_skip_bound.py [DUMP] (session 14's
-figures: docs/BENCHMARKS.md)."""
+Usage: .venv/bin/python tools/gpu/kmeans_skip_bound.py [DUMP] (its figures:
+docs/journal/benchmarks.md, entry c54bcd7)."""
 import json
 import struct
 import sys
