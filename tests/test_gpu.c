@@ -1,6 +1,8 @@
-/* GPU against the CPU reference: packed bytes identical, decode bit-identical,
- * runs repeatable, strided tensors, precompiled images, query statistics with
- * NaN/Inf rows. Skipped (and says so) where there is no GPU.
+/* GPU against the CPU reference: packed bytes identical, decode bit-identical
+ * (k-means with assign = "exact": exact()), runs repeatable, strided tensors,
+ * precompiled images, query statistics with NaN/Inf rows; the fast k-means
+ * assignment (the default) within its contract (gpu_fast_assign). Skipped
+ * (and says so) where there is no GPU.
  *
  * KVF_TEST_SMALL=1: the same tests on a few dozen tokens and 2 heads (every
  * kernel still runs, shared-memory loops included), sized for compute-sanitizer
