@@ -96,10 +96,12 @@ lib: $(O)/lib/libkvforge.a $(O)/lib/libkvforge.so
 # Unit tests. GPU tests skip (and say so) where there is no GPU.
 test: all
 	@KVF_SRC=$(CURDIR) O=$(O) sh tests/run_all.sh $(TEST_BIN)
+	@KVF_SRC=$(CURDIR) O=$(O) sh tests/test_cli.sh
 	@sh tests/check_exports.sh $(O)/lib/libkvforge.so include/kvforge.h
 	@$(PYTHON) tests/format_model.py --check
 	@$(MAKE) --no-print-directory py-test
 	@$(MAKE) --no-print-directory wm-test
+	@$(WM_PYTHON) -m pytest -q tests/test_frontier_compare.py
 
 test-gpu: all
 	@KVF_SRC=$(CURDIR) O=$(O) sh tests/run_all.sh $(O)/bin/test_gpu

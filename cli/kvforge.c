@@ -1,75 +1,177 @@
-/* kvforge command line: gen, compile, export, info, cache, demo, eval. */
+/* kvforge command line: gen, compile, export, info, cache, demo, eval.
+ * Every subcommand parses its options with getopt_long (one table each,
+ * eval/cli_args.c's messages): --help prints its usage on stdout (exit 0);
+ * an unknown option, a missing value or a bad operand is a usage error
+ * (exit 2, the option named on stderr); a failure is exit 1. */
 #include "gpu/cuda_api.h"
+#include "calibrate.h"
+#include "cli_args.h"
 #include "eval.h"
 #include "gen.h"
 #include "gpu/jit.h"
 #include "cpu/ref.h"
 
 #include <math.h>
+#include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
-static int usage(void) {
-    fputs("usage:\n"
-          "  kvforge gen SCHEME.lua [-o DIR]                 write the generated CUDA, C and header\n"
-          "  kvforge compile SCHEME.lua [--arch sm_90,...] [--resources]\n"
-          "                                                  NVRTC compile only (no GPU needed; compute_XX: PTX);\n"
-          "                                                  --resources: ptxas's registers/spills/static shared\n"
-          "                                                  memory per kernel\n"
-          "  kvforge export SCHEME.lua --arch sm_80,sm_90 -o DIR   fatbin + C/header embedding it\n"
-          "  kvforge info SCHEME.lua                         canonical configuration and footprint\n"
-          "  kvforge cache list | cache clear | cache dir    the JIT disk cache\n"
-          "  kvforge demo [SCHEME.lua] [--cpu]                encode/decode a synthetic chunk\n"
-          "  kvforge eval --scheme SCHEME.lua --data DUMP.safetensors [--gpu] [--json] [--threads N] [--warm]\n"
-          "               [--write-recon RECON.safetensors]\n"
-          "                                                  attention-level quality on a KV dump; --warm:\n"
-          "                                                  k-means warm-started from the previous span;\n"
-          "                                                  --write-recon: the scheme's cache as a recon file\n"
-          "  kvforge eval --peer RECON.safetensors --data DUMP.safetensors [--json] [--threads N]\n"
-          "                                                  the same metrics for another system's cache\n"
-          "                                                  (docs/QUALITY.md, eval/peer/)\n"
-          "A SCHEME is a file path, or the name of a shipped scheme (rtn_int2).\n",
-          stderr);
-    return 2;
-}
+#define USAGE_ERROR KVF_CLI_USAGE
+
+static const char overview[] =
+    "usage: kvforge COMMAND [options]\n"
+    "KV-cache compression schemes for video world models: kernels, quality, demo.\n"
+    "\n"
+    "commands:\n"
+    "  gen SCHEME [-o DIR]              write the generated CUDA, C and header\n"
+    "  compile SCHEME [--arch LIST] [--resources]\n"
+    "                                   NVRTC compile only (no GPU needed)\n"
+    "  export SCHEME [--arch LIST] [-o DIR]\n"
+    "                                   fatbin + C/header embedding it (precompiled kernels)\n"
+    "  info SCHEME                      canonical configuration and footprint\n"
+    "  cache list|clear|dir             the JIT disk cache\n"
+    "  demo [SCHEME] [--cpu]            encode/decode a synthetic chunk\n"
+    "  eval --scheme SCHEME --data DUMP attention-level quality on a KV dump (--peer RECON:\n"
+    "                                   another system's cache)\n"
+    "  calibrate --scheme SCHEME --data DUMP -o TABLE\n"
+    "                                   mixed precision's sensitivity table from a KV dump\n"
+    "  version                          the version\n"
+    "  help [COMMAND]                   this text, or a command's (also: COMMAND --help)\n"
+    "\n"
+    "A SCHEME is a file path, or the name of a shipped scheme (rtn_int2).\n"
+    "Exit status: 0 done, 1 failed, 2 a usage error.\n";
+
+static const char usage_gen[] =
+    "usage: kvforge gen SCHEME [-o DIR]\n"
+    "Write the scheme's generated CUDA (instantiations of templates/), C and header.\n"
+    "  -o, --output DIR   where (default: out/gen)\n"
+    "  -h, --help         this help\n";
+
+static const char usage_compile[] =
+    "usage: kvforge compile SCHEME [--arch LIST] [--resources] [--quiet]\n"
+    "NVRTC compile of the scheme's kernels (no GPU needed), from the disk cache when there.\n"
+    "  -a, --arch LIST    comma-separated, each once: sm_XX (cubin) or compute_XX (PTX)\n"
+    "                     (default: sm_80,sm_90)\n"
+    "  -r, --resources    ptxas's registers, spills and static shared memory per kernel\n"
+    "  -q, --quiet        no progress on stderr (shown only when stderr is a terminal)\n"
+    "  -h, --help         this help\n";
+
+static const char usage_export[] =
+    "usage: kvforge export SCHEME [--arch LIST] [-o DIR] [--quiet]\n"
+    "Precompiled kernels: a fatbin (a cubin per arch, PTX of the newest) and C/header embedding it.\n"
+    "  -a, --arch LIST    comma-separated sm_XX, each once (default: sm_80,sm_90)\n"
+    "  -o, --output DIR   where (default: out/export)\n"
+    "  -q, --quiet        no progress on stderr (shown only when stderr is a terminal)\n"
+    "  -h, --help         this help\n";
+
+static const char usage_info[] =
+    "usage: kvforge info SCHEME\n"
+    "The scheme's canonical configuration, its id, and its footprint at two spans.\n"
+    "  -h, --help         this help\n";
+
+static const char usage_cache[] =
+    "usage: kvforge cache list|clear|dir\n"
+    "The JIT disk cache ($KVFORGE_CACHE_DIR, else $XDG_CACHE_HOME/kvforge, else ~/.cache/kvforge;\n"
+    "KVFORGE_CACHE=0 turns it off).\n"
+    "  list               its entries\n"
+    "  clear              remove them\n"
+    "  dir                its directory\n"
+    "  -h, --help         this help\n";
+
+static const char usage_demo[] =
+    "usage: kvforge demo [SCHEME] [--cpu]\n"
+    "Encode and decode one synthetic 480p chunk (default scheme: schemes/quantwm_int2.lua) on\n"
+    "GPU 0, or the CPU reference where there is no GPU; errors and time.\n"
+    "  -c, --cpu          the CPU reference even where there is a GPU\n"
+    "  -h, --help         this help\n";
+
+static const char usage_version[] =
+    "usage: kvforge version\n"
+    "The version of kvforge.\n";
 
 static int fail(int rc) {
     fprintf(stderr, "kvforge: %s: %s\n", kvf_strerror(rc), kvf_last_error());
     return 1;
 }
 
+/* A usage error about operands: the message, the hint; exit status 2. */
+static int usage_error(const char *prog, const char *fmt, const char *what) {
+    fprintf(stderr, "%s: ", prog);
+    fprintf(stderr, fmt, what);
+    fprintf(stderr, "\nTry '%s --help'.\n", prog);
+    return USAGE_ERROR;
+}
+
+/* Exactly n operands (from optind) but at most max; names what is missing. */
+static int operands(int argc, char **argv, const char *prog, int min, int max, const char *what) {
+    const int n = argc - optind;
+    if (n < min) return usage_error(prog, "missing %s", what);
+    if (n > max) return usage_error(prog, "unexpected argument '%.200s'", argv[optind + max]);
+    return 0;
+}
+
+/* A path given for a file must be a regular file where it exists: a FIFO
+ * would block the read (or write) forever, a device or directory makes no
+ * sense. KVF_EIO with a message, else KVF_OK. */
+static int regular_or_absent(const char *path, const char *what) {
+    struct stat st;
+    if (stat(path, &st) != 0 || S_ISREG(st.st_mode)) return KVF_OK;
+    return kvf_set_error(KVF_EIO, "%s: is %s, not a regular file: give a %s", path,
+                         S_ISDIR(st.st_mode) ? "a directory" : S_ISFIFO(st.st_mode) ? "a FIFO" : "a device or socket",
+                         what);
+}
+
 static int load_scheme(const char *arg, kvf_scheme **s) {
+    int rc = regular_or_absent(arg, "scheme file (.lua)");
+    if (rc) return rc;
     if (strchr(arg, '/') || strstr(arg, ".lua") || access(arg, F_OK) == 0) return kvf_scheme_load(arg, s);
     return kvf_scheme_load_builtin(arg, s);
 }
 
-/* Split "sm_80,sm_90" in place. */
-static int split_archs(char *list, const char **archs, int max) {
-    int n = 0;
-    for (char *tok = strtok(list, ","); tok && n < max; tok = strtok(NULL, ",")) archs[n++] = tok;
-    return n;
+/* Whether progress goes to stderr: a terminal there, and no --quiet. */
+static int show_progress(int quiet) { return !quiet && isatty(STDERR_FILENO); }
+
+/* One progress line on a terminal's stderr, overwritten by the next ("\r",
+ * clear to the end of the line); NULL clears it. */
+static void progress_line(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void progress_line(const char *fmt, ...) {
+    fputs("\r\033[K", stderr);
+    if (fmt) {
+        va_list ap;
+        va_start(ap, fmt);
+        vfprintf(stderr, fmt, ap);
+        va_end(ap);
+    }
+    fflush(stderr);
 }
 
-static const char *opt_value(int argc, char **argv, const char *name, const char *def) {
-    for (int i = 0; i + 1 < argc; i++)
-        if (!strcmp(argv[i], name)) return argv[i + 1];
-    return def;
+static double now_ms(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
 }
 
-static int has_flag(int argc, char **argv, const char *name) {
-    for (int i = 0; i < argc; i++)
-        if (!strcmp(argv[i], name)) return 1;
-    return 0;
-}
+/* ------------------------------------------------------------------ gen */
 
 static int cmd_gen(int argc, char **argv) {
-    if (argc < 1) return usage();
+    static const struct option longs[] = {
+        {"output", required_argument, NULL, 'o'}, {"help", no_argument, NULL, 'h'}, {NULL, 0, NULL, 0}};
+    const char *prog = "kvforge gen", *dir = NULL;
+    int state = 0, c;
+    while ((c = kvf_cli_getopt(argc, argv, longs, prog, stderr, &state)) != -1) {
+        if (c == 'h') { fputs(usage_gen, stdout); return 0; }
+        if (c != 'o') return USAGE_ERROR;
+        if (dir) return kvf_cli_twice(prog, "output", stderr);
+        dir = optarg;
+    }
+    int rc = operands(argc, argv, prog, 1, 1, "SCHEME");
+    if (rc) return rc;
+    if (!dir) dir = "out/gen";
     kvf_scheme *s;
-    int rc = load_scheme(argv[0], &s);
-    if (rc) return fail(rc);
-    const char *dir = opt_value(argc, argv, "-o", "out/gen");
+    if ((rc = load_scheme(argv[optind], &s))) return fail(rc);
     kvf_gen_output g;
     if (!(rc = kvf_gen(s, &g))) {
         rc = kvf_gen_write(&g, dir);
@@ -80,17 +182,78 @@ static int cmd_gen(int argc, char **argv) {
     return rc ? fail(rc) : 0;
 }
 
-/* The scheme named by argv[0] and the --arch list (default sm_80,sm_90):
- * spec as given, archs split from a copy of it. */
-typedef struct arch_job { kvf_scheme *s; const char *spec; char list[256]; const char *archs[16]; int n; } arch_job;
+/* ------------------------------------------------------ compile, export */
 
-static int arch_job_open(int argc, char **argv, arch_job *j) {
-    int rc = load_scheme(argv[0], &j->s);
-    if (rc) return rc;
-    j->spec = opt_value(argc, argv, "--arch", "sm_80,sm_90");
-    snprintf(j->list, sizeof j->list, "%s", j->spec);
-    j->n = split_archs(j->list, j->archs, 16);
-    return KVF_OK;
+#define MAX_ARCHS 16
+
+/* The scheme and the archs of compile and export: --arch's list split (a copy). */
+typedef struct arch_job {
+    kvf_scheme *s;
+    const char *spec;
+    char list[256];
+    const char *archs[MAX_ARCHS];
+    int n;
+} arch_job;
+
+/* Split spec ("sm_80,sm_90") into j: every entry non-empty and given once. */
+static int parse_archs(const char *prog, const char *spec, arch_job *j) {
+    j->spec = spec;
+    j->n = 0;
+    if (strlen(spec) >= sizeof j->list) return usage_error(prog, "--arch '%.80s...': too long", spec);
+    snprintf(j->list, sizeof j->list, "%s", spec);
+    for (char *p = j->list;;) {
+        char *comma = strchr(p, ',');
+        if (comma) *comma = 0;
+        if (!*p) return usage_error(prog, "--arch '%s': an empty entry (write sm_80,sm_90)", spec);
+        for (int i = 0; i < j->n; i++)
+            if (!strcmp(j->archs[i], p)) {
+                fprintf(stderr, "%s: --arch '%s': %s is given twice\nTry '%s --help'.\n", prog, spec, p, prog);
+                return USAGE_ERROR;
+            }
+        if (j->n == MAX_ARCHS) return usage_error(prog, "--arch '%s': more than 16 entries", spec);
+        j->archs[j->n++] = p;
+        if (!comma) return 0;
+        p = comma + 1;
+    }
+}
+
+enum { ARCH_RESOURCES = 1, ARCH_OUTPUT = 2 };
+
+/* compile's and export's options (which: ARCH_RESOURCES for compile,
+ * ARCH_OUTPUT for export) and the scheme; 0, a usage status, or -1 after
+ * --help (printed). */
+static int arch_args(int argc, char **argv, const char *prog, const char *usage, int which, arch_job *j,
+                     int *resources, const char **dir, int *quiet) {
+    static const struct option compile_longs[] = {
+        {"arch", required_argument, NULL, 'a'}, {"resources", no_argument, NULL, 'r'},
+        {"quiet", no_argument, NULL, 'q'},     {"help", no_argument, NULL, 'h'}, {NULL, 0, NULL, 0}};
+    static const struct option export_longs[] = {
+        {"arch", required_argument, NULL, 'a'}, {"output", required_argument, NULL, 'o'},
+        {"quiet", no_argument, NULL, 'q'},     {"help", no_argument, NULL, 'h'}, {NULL, 0, NULL, 0}};
+    const struct option *longs = which == ARCH_OUTPUT ? export_longs : compile_longs;
+    const char *arch = NULL;
+    int state = 0, c;
+    *quiet = 0;
+    while ((c = kvf_cli_getopt(argc, argv, longs, prog, stderr, &state)) != -1) {
+        switch (c) {
+        case 'h': fputs(usage, stdout); return -1;
+        case 'q': *quiet = 1; break;
+        case 'r': *resources = 1; break;
+        case 'a':
+            if (arch) return kvf_cli_twice(prog, "arch", stderr);
+            arch = optarg;
+            break;
+        case 'o':
+            if (*dir) return kvf_cli_twice(prog, "output", stderr);
+            *dir = optarg;
+            break;
+        default: return USAGE_ERROR;
+        }
+    }
+    int rc = operands(argc, argv, prog, 1, 1, "SCHEME");
+    if (rc || (rc = parse_archs(prog, arch ? arch : "sm_80,sm_90", j))) return rc;
+    if ((rc = load_scheme(argv[optind], &j->s))) return fail(rc);
+    return 0;
 }
 
 /* ptxas's report per kernel for each arch (kvf_jit_usage). */
@@ -119,29 +282,32 @@ static int print_usage_report(kvf_scheme *s, const arch_job *j) {
 }
 
 static int cmd_compile(int argc, char **argv) {
-    if (argc < 1) return usage();
     arch_job j;
-    int rc = arch_job_open(argc, argv, &j);
-    if (rc) return fail(rc);
+    int resources = 0, quiet;
+    const char *unused = NULL;
+    int rc = arch_args(argc, argv, "kvforge compile", usage_compile, ARCH_RESOURCES, &j, &resources, &unused, &quiet);
+    if (rc) return rc < 0 ? 0 : rc;
     kvf_scheme *s = j.s;
-    if (has_flag(argc, argv, "--resources")) {
+    if (resources) {
         rc = print_usage_report(s, &j);
         kvf_scheme_free(s);
         return rc ? fail(rc) : 0;
     }
+    const int progress = j.n > 1 && show_progress(quiet);
     for (int i = 0; i < j.n && !rc; i++) {
         kvf_jit_images im;
-        struct timespec t0, t1;
-        clock_gettime(CLOCK_MONOTONIC, &t0);
+        if (progress) progress_line("kvforge compile: %s (%d of %d)...", j.archs[i], i + 1, j.n);
+        const double t0 = now_ms();
         const int ptx = !strncmp(j.archs[i], "compute_", 8); /* a virtual arch: PTX */
         rc = kvf_jit_programs(s, j.archs[i], ptx, &im); /* what a context loads */
-        clock_gettime(CLOCK_MONOTONIC, &t1);
+        const double ms = now_ms() - t0;
+        if (progress) progress_line(NULL);
         if (!rc) {
             size_t bytes = 0;
             for (int p = 0; p < im.n; p++) bytes += ptx ? strlen(im.image[p]) : im.size[p];
             printf("%s %s: %d program%s, %zu bytes of %s from %s in %.1f ms\n", kvf_scheme_id(s), j.archs[i], im.n,
-                   im.n > 1 ? "s" : "", bytes, ptx ? "PTX" : "cubin", im.origin,
-                   (t1.tv_sec - t0.tv_sec) * 1e3 + (t1.tv_nsec - t0.tv_nsec) / 1e6);
+                   im.n > 1 ? "s" : "", bytes, ptx ? "PTX" : "cubin", im.origin, ms);
+            fflush(stdout);
             kvf_jit_images_free(&im);
         }
     }
@@ -149,26 +315,79 @@ static int cmd_compile(int argc, char **argv) {
     return rc ? fail(rc) : 0;
 }
 
+/* Progress of an export: each arch's cubin (and the newest's PTX) compiled
+ * into the disk cache first, one line each, so that kvf_export finds them
+ * there (it asks for "sm_NN" cubins and the newest arch's "compute_NN" PTX,
+ * runtime/gpu/export.c); with the cache off, one line for the whole. A
+ * failure here is left for kvf_export to report. */
+static void export_progress(const kvf_scheme *s, const arch_job *j) {
+    char dir[4096];
+    if (kvf_cache_dir(dir, sizeof dir) != KVF_OK || !*dir) {
+        progress_line("kvforge export: compiling %d arch%s and PTX...", j->n, j->n > 1 ? "es" : "");
+        return;
+    }
+    int newest = 0;
+    for (int i = 1; i < j->n; i++)
+        if (atoi(j->archs[i] + 3) > atoi(j->archs[newest] + 3)) newest = i;
+    for (int i = 0; i <= j->n; i++) {
+        char arch[40];
+        const int ptx = i == j->n;
+        if (strncmp(j->archs[ptx ? newest : i], "sm_", 3)) return; /* kvf_export refuses it */
+        snprintf(arch, sizeof arch, "%s_%d", ptx ? "compute" : "sm", atoi(j->archs[ptx ? newest : i] + 3));
+        progress_line("kvforge export: %s %s (%d of %d)...", arch, ptx ? "PTX" : "cubin", i + 1, j->n + 1);
+        void *image = NULL;
+        size_t size;
+        const char *origin;
+        int rc = kvf_jit_image(s, arch, ptx, &image, &size, &origin);
+        free(image);
+        if (rc) return;
+    }
+    progress_line("kvforge export: fatbin and sources...");
+}
+
 static int cmd_export(int argc, char **argv) {
-    if (argc < 1) return usage();
     arch_job j;
-    int rc = arch_job_open(argc, argv, &j);
-    if (rc) return fail(rc);
+    int unused = 0, quiet;
+    const char *dir = NULL;
+    int rc = arch_args(argc, argv, "kvforge export", usage_export, ARCH_OUTPUT, &j, &unused, &dir, &quiet);
+    if (rc) return rc < 0 ? 0 : rc;
+    if (!dir) dir = "out/export";
     kvf_scheme *s = j.s;
-    const char *dir = opt_value(argc, argv, "-o", "out/export");
+    const int progress = j.n > 1 && show_progress(quiet);
+    if (progress) export_progress(s, &j);
     rc = kvf_export(s, j.archs, j.n, dir);
+    if (progress) progress_line(NULL);
     if (!rc) printf("exported %s for %s to %s (%s.fatbin, %s_aot.c/.h, %s.c/.h)\n", kvf_scheme_id(s), j.spec, dir,
                     kvf_scheme_id(s), kvf_scheme_id(s), kvf_scheme_id(s));
     kvf_scheme_free(s);
     return rc ? fail(rc) : 0;
 }
 
+/* ------------------------------------------------------------ info, cache */
+
+/* Commands with --help as their only option: 0 to go on, else the status. */
+static int help_only(int argc, char **argv, const char *prog, const char *usage, int *done) {
+    static const struct option longs[] = {{"help", no_argument, NULL, 'h'}, {NULL, 0, NULL, 0}};
+    int state = 0, c;
+    *done = 1;
+    while ((c = kvf_cli_getopt(argc, argv, longs, prog, stderr, &state)) != -1) {
+        if (c != 'h') return USAGE_ERROR;
+        fputs(usage, stdout);
+        return 0;
+    }
+    *done = 0;
+    return 0;
+}
+
 static int cmd_info(int argc, char **argv) {
-    if (argc < 1) return usage();
+    const char *prog = "kvforge info";
+    int done, rc = help_only(argc, argv, prog, usage_info, &done);
+    if (done) return rc;
+    if ((rc = operands(argc, argv, prog, 1, 1, "SCHEME"))) return rc;
+    const char *path = argv[optind];
     kvf_scheme *s;
-    int rc = load_scheme(argv[0], &s);
-    if (rc) return fail(rc);
-    printf("-- %s (id %s)\n%s", argv[0], kvf_scheme_id(s), kvf_scheme_canonical(s));
+    if ((rc = load_scheme(path, &s))) return fail(rc);
+    printf("-- %s (id %s)\n%s", path, kvf_scheme_id(s), kvf_scheme_canonical(s));
     static const int64_t spans[] = {4680, 37440};
     for (int i = 0; i < 2; i++) {
         kvf_footprint f;
@@ -181,16 +400,28 @@ static int cmd_info(int argc, char **argv) {
 }
 
 static int cmd_cache(int argc, char **argv) {
-    if (argc < 1) return usage();
-    int rc;
-    if (!strcmp(argv[0], "list")) rc = kvf_cache_list(stdout);
-    else if (!strcmp(argv[0], "clear")) rc = kvf_cache_clear();
-    else if (!strcmp(argv[0], "dir")) {
+    const char *prog = "kvforge cache";
+    int done, rc = help_only(argc, argv, prog, usage_cache, &done);
+    if (done) return rc;
+    if ((rc = operands(argc, argv, prog, 1, 1, "the action (list, clear or dir)"))) return rc;
+    const char *what = argv[optind];
+    if (!strcmp(what, "list")) rc = kvf_cache_list(stdout);
+    else if (!strcmp(what, "clear")) rc = kvf_cache_clear();
+    else if (!strcmp(what, "dir")) {
         char dir[4096];
         rc = kvf_cache_dir(dir, sizeof dir);
         if (!rc) puts(*dir ? dir : "(disk cache off)");
-    } else return usage();
+    } else return usage_error(prog, "unknown action '%.200s' (list, clear or dir)", what);
     return rc ? fail(rc) : 0;
+}
+
+static int cmd_version(int argc, char **argv) {
+    const char *prog = "kvforge version";
+    int done, rc = help_only(argc, argv, prog, usage_version, &done);
+    if (done) return rc;
+    if ((rc = operands(argc, argv, prog, 0, 0, ""))) return rc;
+    puts(KVF_VERSION_STRING);
+    return 0;
 }
 
 /* ------------------------------------------------------------------ demo */
@@ -208,11 +439,6 @@ static demo_err compare(const uint16_t *x, const uint16_t *y, size_t n) {
     return e;
 }
 
-static double now_ms(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
-}
 
 /* Round trip through a device: copies in, encode, decode, copies out. */
 static int demo_gpu(kvf_context *ctx, const uint16_t *k, const uint16_t *v, const uint16_t *q, const kvf_shape *sh,
@@ -297,8 +523,7 @@ static void demo_rope_keys(const kvf_scheme *s, uint16_t *k, int64_t tokens, int
         }
 }
 
-static int cmd_demo(int argc, char **argv) {
-    const char *path = argc > 0 && argv[0][0] != '-' ? argv[0] : "schemes/quantwm_int2.lua";
+static int run_demo(const char *path, int want_cpu) {
     kvf_scheme *s;
     int rc = load_scheme(path, &s);
     if (rc) return fail(rc);
@@ -324,7 +549,7 @@ static int cmd_demo(int argc, char **argv) {
     if (pre && !(pos = demo_positions(tokens, axes))) return fail(kvf_set_error(KVF_ENOMEM, "demo positions"));
     const size_t pos_bytes = (size_t)tokens * axes * sizeof(int32_t);
 
-    int count = 0, want_cpu = has_flag(argc, argv, "--cpu");
+    int count = 0;
     kvf_context *ctx = NULL;
     char why[600] = "--cpu given";
     if (!want_cpu) {
@@ -378,43 +603,28 @@ static int cmd_demo(int argc, char **argv) {
     return 0;
 }
 
+static int cmd_demo(int argc, char **argv) {
+    static const struct option longs[] = {
+        {"cpu", no_argument, NULL, 'c'}, {"help", no_argument, NULL, 'h'}, {NULL, 0, NULL, 0}};
+    const char *prog = "kvforge demo";
+    int state = 0, c, cpu = 0;
+    while ((c = kvf_cli_getopt(argc, argv, longs, prog, stderr, &state)) != -1) {
+        if (c == 'h') { fputs(usage_demo, stdout); return 0; }
+        if (c != 'c') return USAGE_ERROR;
+        cpu = 1;
+    }
+    int rc = operands(argc, argv, prog, 0, 1, "");
+    if (rc) return rc;
+    return run_demo(optind < argc ? argv[optind] : "schemes/quantwm_int2.lua", cpu);
+}
+
 /* ------------------------------------------------------------------ eval */
 
-typedef struct eval_args { const char *scheme, *peer, *data, *recon_out; int gpu, json, threads, warm; } eval_args;
-
-static int parse_eval_args(int argc, char **argv, eval_args *a) {
-    memset(a, 0, sizeof *a);
-    for (int i = 0; i < argc; i++) {
-        const char *o = argv[i];
-        if (!strcmp(o, "--gpu")) a->gpu = 1;
-        else if (!strcmp(o, "--json")) a->json = 1;
-        else if (!strcmp(o, "--warm")) a->warm = 1;
-        else if (i + 1 < argc && !strcmp(o, "--scheme")) a->scheme = argv[++i];
-        else if (i + 1 < argc && !strcmp(o, "--data")) a->data = argv[++i];
-        else if (i + 1 < argc && !strcmp(o, "--peer")) a->peer = argv[++i];
-        else if (i + 1 < argc && !strcmp(o, "--write-recon")) a->recon_out = argv[++i];
-        else if (i + 1 < argc && !strcmp(o, "--threads")) {
-            long long n;
-            if (!kvf_parse_int(argv[++i], 1, KVF_MAX_THREADS, &n)) {
-                fprintf(stderr, "kvforge eval: --threads %s: must be an integer in 1..%d\n", argv[i], KVF_MAX_THREADS);
-                return 2;
-            }
-            a->threads = (int)n;
-        } else {
-            fprintf(stderr, "kvforge eval: unknown or incomplete option '%s'\n", o);
-            return usage();
-        }
-    }
-    if (!a->scheme == !a->peer || !a->data) {
-        fputs("kvforge eval: --data and one of --scheme or --peer are required\n", stderr);
-        return usage();
-    }
-    if (a->peer && (a->gpu || a->warm || a->recon_out)) {
-        fprintf(stderr, "kvforge eval: --peer takes no %s: the recon file holds the peer's decoded cache\n",
-                a->gpu ? "--gpu" : a->warm ? "--warm" : "--write-recon");
-        return 2;
-    }
-    return 0;
+static void eval_progress(void *user, int layer, int layers, int chunk, int chunks) {
+    (void)user;
+    const double done = ((double)layer * chunks + chunk + 1) / ((double)layers * chunks);
+    progress_line("kvforge eval: layer %d of %d, chunk %d of %d (%.0f%%)", layer + 1, layers, chunk + 1, chunks,
+                  100 * done);
 }
 
 static int print_report(const kvf_eval_report *r, int json) {
@@ -430,9 +640,14 @@ static int print_report(const kvf_eval_report *r, int json) {
 }
 
 static int cmd_eval(int argc, char **argv) {
-    eval_args a;
-    int rc = parse_eval_args(argc, argv, &a);
+    kvf_eval_args a;
+    int rc = kvf_eval_parse_args(argc, argv, &a, stderr);
     if (rc) return rc;
+    if (a.help) {
+        kvf_eval_usage(stdout);
+        return 0;
+    }
+    if (a.recon_out && (rc = regular_or_absent(a.recon_out, "recon file path to write"))) return fail(rc);
     kvf_scheme *s = NULL;
     kvf_recon *recon = NULL;
     if ((rc = a.peer ? kvf_recon_open(a.peer, &recon) : load_scheme(a.scheme, &s))) return fail(rc);
@@ -442,30 +657,112 @@ static int cmd_eval(int argc, char **argv) {
         kvf_recon_close(recon);
         return fail(rc);
     }
-    kvf_eval_options opt = {a.gpu ? 0 : KVF_DEVICE_CPU, a.threads, a.warm, a.recon_out};
+    const int progress = show_progress(a.quiet);
+    kvf_eval_options opt = {.device = a.gpu ? 0 : KVF_DEVICE_CPU, .threads = a.threads, .warm = a.warm,
+                            .recon_out = a.recon_out, .strict = a.strict, .table = a.table,
+                            .progress = progress ? eval_progress : NULL};
     kvf_eval_report r;
     rc = recon ? kvf_eval_run_peer(recon, d, &opt, &r) : kvf_eval_run(s, d, &opt, &r);
+    if (progress) progress_line(NULL);
     kvf_dump_close(d);
     kvf_scheme_free(s);
     kvf_recon_close(recon);
     if (rc) return fail(rc);
     int status = print_report(&r, a.json);
+    fflush(stdout);
+    kvf_eval_print_warnings(&r, stderr);
     kvf_eval_report_free(&r);
     return status;
 }
 
+/* ------------------------------------------------------------- calibrate */
+
+static void calibrate_progress(void *user, int done, int total) {
+    (void)user;
+    progress_line("kvforge calibrate: %d of %d (layer, chunk) measured (%.0f%%)", done, total, 100.0 * done / total);
+}
+
+static int cmd_calibrate(int argc, char **argv) {
+    kvf_calibrate_args a;
+    int rc = kvf_calibrate_parse_args(argc, argv, &a, stderr);
+    if (rc) return rc;
+    if (a.help) {
+        kvf_calibrate_usage(stdout);
+        return 0;
+    }
+    if ((rc = regular_or_absent(a.output, "table file path to write"))) return fail(rc);
+    kvf_scheme *s = NULL;
+    kvf_dump *d = NULL;
+    if ((rc = load_scheme(a.scheme, &s)) || (rc = kvf_dump_open(a.data, &d))) {
+        kvf_scheme_free(s);
+        return fail(rc);
+    }
+    const int progress = show_progress(a.quiet);
+    rc = kvf_calibrate(s, d, a.first_chunk, a.n_chunks, a.output, progress ? calibrate_progress : NULL, NULL);
+    if (progress) progress_line(NULL);
+    kvf_dump_close(d);
+    kvf_scheme_free(s);
+    if (rc) return fail(rc);
+    printf("%s\n", a.output);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ main */
+
+typedef struct command {
+    const char *name;
+    int (*run)(int argc, char **argv);
+    void (*usage_fn)(FILE *out); /* a usage printed by a function (eval's, calibrate's), or NULL */
+    const char *usage;
+} command;
+
+static const command commands[] = {
+    {"gen", cmd_gen, NULL, usage_gen},
+    {"compile", cmd_compile, NULL, usage_compile},
+    {"export", cmd_export, NULL, usage_export},
+    {"info", cmd_info, NULL, usage_info},
+    {"cache", cmd_cache, NULL, usage_cache},
+    {"demo", cmd_demo, NULL, usage_demo},
+    {"eval", cmd_eval, kvf_eval_usage, NULL},
+    {"calibrate", cmd_calibrate, kvf_calibrate_usage, NULL},
+    {"version", cmd_version, NULL, usage_version},
+};
+
+static const command *find_command(const char *name) {
+    for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
+        if (!strcmp(commands[i].name, name)) return &commands[i];
+    return NULL;
+}
+
+static int unknown_command(const char *name) {
+    fprintf(stderr, "kvforge: unknown command '%.200s'\nTry 'kvforge --help'.\n", name);
+    return USAGE_ERROR;
+}
+
+/* kvforge help [COMMAND] */
+static int cmd_help(int argc, char **argv) {
+    if (argc > 2) return usage_error("kvforge help", "unexpected argument '%.200s'", argv[2]);
+    if (argc < 2) { fputs(overview, stdout); return 0; }
+    const command *c = find_command(argv[1]);
+    if (!c) return unknown_command(argv[1]);
+    if (c->usage_fn) c->usage_fn(stdout);
+    else fputs(c->usage, stdout);
+    return 0;
+}
+
 int main(int argc, char **argv) {
-    if (argc < 2) return usage();
+    if (argc < 2) {
+        fputs(overview, stderr);
+        return USAGE_ERROR;
+    }
     const char *cmd = argv[1];
-    argc -= 2;
-    argv += 2;
-    if (!strcmp(cmd, "gen")) return cmd_gen(argc, argv);
-    if (!strcmp(cmd, "compile")) return cmd_compile(argc, argv);
-    if (!strcmp(cmd, "export")) return cmd_export(argc, argv);
-    if (!strcmp(cmd, "info")) return cmd_info(argc, argv);
-    if (!strcmp(cmd, "cache")) return cmd_cache(argc, argv);
-    if (!strcmp(cmd, "demo")) return cmd_demo(argc, argv);
-    if (!strcmp(cmd, "eval")) return cmd_eval(argc, argv);
-    if (!strcmp(cmd, "version") || !strcmp(cmd, "--version")) { puts(KVF_VERSION_STRING); return 0; }
-    return usage();
+    if (!strcmp(cmd, "--help") || !strcmp(cmd, "-h") || !strcmp(cmd, "help")) return cmd_help(argc - 1, argv + 1);
+    if (!strcmp(cmd, "--version")) return cmd_version(1, argv + 1);
+    if (cmd[0] == '-') {
+        fprintf(stderr, "kvforge: unknown option '%.200s' (options follow the command)\nTry 'kvforge --help'.\n", cmd);
+        return USAGE_ERROR;
+    }
+    const command *c = find_command(cmd);
+    /* the command's argv: argv[0] its name, as getopt_long wants */
+    return c ? c->run(argc - 1, argv + 1) : unknown_command(cmd);
 }

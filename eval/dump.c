@@ -10,6 +10,8 @@
 
 static const char *const role_names[KVF_DUMP_ROLES] = {"q", "k", "k_pre", "q_pre", "v"};
 
+const char *kvf_dump_role_name(int role) { return role >= 0 && role < KVF_DUMP_ROLES ? role_names[role] : "?"; }
+
 #define MAX_LAYERS KVF_DUMP_MAX_LAYERS
 #define MAX_CHUNKS KVF_DUMP_MAX_CHUNKS
 #define MAX_HEADS KVF_DUMP_MAX_HEADS
@@ -251,18 +253,39 @@ const kvf_st_tensor *kvf_dump_tensor(const kvf_dump *d, int layer, int chunk, in
     return *slot(d, layer, chunk, role);
 }
 
-void kvf_dump_bf16(const kvf_st_tensor *t, size_t first, size_t n, uint16_t *out) {
-    memcpy(out, t->data + first * 2, n * 2);
+int kvf_dump_bf16(const kvf_st_tensor *t, size_t first, size_t n, uint16_t *out) {
+    return kvf_st_read(t, first * 2, n * 2, out);
 }
 
-void kvf_dump_f32(const kvf_st_tensor *t, size_t first, size_t n, float *out) {
-    const uint8_t *p = t->data + first * 2;
+int kvf_dump_f32(const kvf_st_tensor *t, size_t first, size_t n, float *out) {
+    /* The BF16 bytes land in the upper half of out, then widen in place from
+     * the front: element i is read (at byte 2n + 2i) before out[i] (bytes
+     * 4i..4i+3) is written, and 4i + 3 < 2n + 2(i + 1) for every i < n - 1, so
+     * no element is overwritten before it is read. */
+    uint8_t *bytes = (uint8_t *)out;
+    int rc = kvf_st_read(t, first * 2, n * 2, bytes + n * 2);
     for (size_t i = 0; i < n; i++) {
-        uint32_t u = ((uint32_t)p[2 * i] | (uint32_t)p[2 * i + 1] << 8) << 16;
+        const uint8_t *p = bytes + n * 2 + i * 2;
+        uint32_t u = ((uint32_t)p[0] | (uint32_t)p[1] << 8) << 16;
         memcpy(&out[i], &u, 4);
     }
+    return rc;
 }
 
-void kvf_dump_i32(const kvf_st_tensor *t, size_t first, size_t n, int32_t *out) {
-    memcpy(out, t->data + first * 4, n * 4);
+int kvf_dump_i32(const kvf_st_tensor *t, size_t first, size_t n, int32_t *out) {
+    return kvf_st_read(t, first * 4, n * 4, out);
+}
+
+size_t kvf_count_nonfinite_f32(const float *x, size_t n, size_t *first) {
+    size_t count = 0;
+    for (size_t i = 0; i < n; i++)
+        if (!isfinite(x[i]) && count++ == 0 && first) *first = i;
+    return count;
+}
+
+size_t kvf_count_nonfinite_bf16(const uint16_t *x, size_t n, size_t *first) {
+    size_t count = 0;
+    for (size_t i = 0; i < n; i++)
+        if ((x[i] & 0x7f80u) == 0x7f80u && count++ == 0 && first) *first = i; /* exponent all ones */
+    return count;
 }

@@ -37,20 +37,28 @@ typedef struct kvf_dump {
     const kvf_st_tensor **t; /* [layers][chunks][KVF_DUMP_ROLES], NULL where absent */
 } kvf_dump;
 
-/* Open and validate (the file stays mapped until kvf_dump_close). */
+/* Open and validate (the file stays open until kvf_dump_close; its data is
+ * read when asked, kvf_st_open). */
 int kvf_dump_open(const char *path, kvf_dump **out);
 /* The same over bytes in memory (not copied), for tests and fuzzing. */
 int kvf_dump_parse(const void *bytes, size_t len, const char *label, kvf_dump **out);
 void kvf_dump_close(kvf_dump *d);
 
+/* The role's name in a tensor's name ("q", "k", "k_pre", "q_pre", "v"; "?" out of range). */
+const char *kvf_dump_role_name(int role);
 /* The tensor of a role at (layer, chunk), or NULL when absent. */
 const kvf_st_tensor *kvf_dump_tensor(const kvf_dump *d, int layer, int chunk, int role);
 
-/* Copies out of the file (any alignment): BF16 elements [first, first + n)
- * as uint16 or as float, int32 elements as int32. */
-void kvf_dump_bf16(const kvf_st_tensor *t, size_t first, size_t n, uint16_t *out);
-void kvf_dump_f32(const kvf_st_tensor *t, size_t first, size_t n, float *out);
-void kvf_dump_i32(const kvf_st_tensor *t, size_t first, size_t n, int32_t *out);
+/* Copies out of the file (kvf_st_read): BF16 elements [first, first + n)
+ * as uint16 or as float, int32 elements as int32. KVF_EIO when the file
+ * was truncated while open (out zeroed where nothing was read). */
+int kvf_dump_bf16(const kvf_st_tensor *t, size_t first, size_t n, uint16_t *out);
+int kvf_dump_f32(const kvf_st_tensor *t, size_t first, size_t n, float *out);
+int kvf_dump_i32(const kvf_st_tensor *t, size_t first, size_t n, int32_t *out);
+/* How many of x[0..n) are NaN or infinite; the index of the first in *first
+ * (untouched when there is none; first may be NULL). */
+size_t kvf_count_nonfinite_f32(const float *x, size_t n, size_t *first);
+size_t kvf_count_nonfinite_bf16(const uint16_t *x, size_t n, size_t *first);
 
 /* Shared with recon.c: a metadata value that must be a plain decimal in
  * [lo, hi] (KVF_EFORMAT naming the key otherwise), and a decimal index

@@ -21,8 +21,10 @@ typedef struct recon_out {
     int64_t *bytes;    /* [layers][RECON_OUT_PARTS] */
 } recon_out;
 
-#define RECON_OUT_PARTS 3
-static const char *const recon_out_parts[RECON_OUT_PARTS] = {"packed", "bf16", "qstats"};
+/* packed spans (anchors included), BF16 chunks, the query statistics, and
+ * error feedback's carried error: what a layer holds at the stream's end */
+#define RECON_OUT_PARTS 4
+static const char *const recon_out_parts[RECON_OUT_PARTS] = {"packed", "bf16", "qstats", "feedback"};
 
 typedef struct layer_run {
     const kvf_scheme *s; /* NULL when scoring a recon */
@@ -31,13 +33,18 @@ typedef struct layer_run {
     recon_out *rout;        /* where the scheme's cache is kept for a recon file, or NULL */
     kvf_eval_backend *be;
     kvf_eval_report *rep;
+    const kvf_eval_options *opt;
     int threads, key_role, q_role, n_axes;
+    int spans;                            /* spans packed in the current layer */
+    uint8_t *seen;                        /* [chunks][KVF_DUMP_ROLES]: counted in the current layer */
+    int *entry;                           /* [chunks][KVF_DUMP_ROLES]: its rep->nonfinite index, or -1 */
     int64_t rows;                         /* chunks * tokens: rows of one KV head */
     float *k_ref, *v_ref, *k_hat, *v_hat; /* [kv_heads][rows][d] */
     uint8_t *packed_chunk;                /* [chunks] */
     uint8_t *mask;                        /* [rows] */
     uint16_t *span_k, *span_v, *out_k, *out_v; /* [kv_heads][span * tokens][d] */
     int32_t *span_pos;                    /* [span * tokens][n_axes] */
+    uint8_t *map;                         /* [2][kv_heads][d]: mixed precision's channel map, or NULL */
     float *q;                             /* [q_heads][max_queries][d] */
     uint16_t *q_bf16;
     uint16_t *cmp_a, *cmp_b;              /* [tokens][d]: a recon's exact chunk against the dump's */
@@ -49,6 +56,8 @@ static double now_s(void) {
     return (double)t.tv_sec + t.tv_nsec * 1e-9;
 }
 
+
+static void copy_text(char *dst, size_t cap, const char *src);
 
 /* -------------------------------------------------------------- checks */
 
@@ -95,8 +104,8 @@ static int q_role_of(const kvf_scheme *s, const kvf_dump *d) {
 /* ------------------------------------------------------------ buffers */
 
 static void free_run(layer_run *r) {
-    void *p[] = {r->k_ref, r->v_ref, r->k_hat, r->v_hat, r->packed_chunk, r->mask, r->span_k,
-                 r->span_v, r->out_k, r->out_v, r->span_pos, r->q, r->q_bf16, r->cmp_a, r->cmp_b};
+    void *p[] = {r->k_ref, r->v_ref, r->k_hat, r->v_hat, r->packed_chunk, r->mask, r->span_k, r->span_v,
+                 r->out_k, r->out_v, r->span_pos, r->q, r->q_bf16, r->cmp_a, r->cmp_b, r->seen, r->entry, r->map};
     for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) free(p[i]);
 }
 
@@ -129,6 +138,9 @@ static int alloc_run(layer_run *r) {
     r->q_bf16 = alloc_n(q, 2, &ok);
     r->cmp_a = alloc_n(chunk, 2, &ok);
     r->cmp_b = alloc_n(chunk, 2, &ok);
+    r->seen = alloc_n((size_t)d->chunks * KVF_DUMP_ROLES, 1, &ok);
+    r->entry = alloc_n((size_t)d->chunks * KVF_DUMP_ROLES, sizeof(int), &ok);
+    r->map = alloc_n(r->rep->mixed ? (size_t)2 * d->kv_heads * d->head_dim : 0, 1, &ok);
     if (ok) return KVF_OK;
     return kvf_set_error(KVF_ENOMEM, "out of memory for the evaluation buffers (%zu floats per K/V copy)", kv);
 }
@@ -136,46 +148,123 @@ static int alloc_run(layer_run *r) {
 /* Row of token t (of the whole stream) of KV head h. */
 static size_t row(const layer_run *r, int h, int64_t t) { return ((size_t)h * r->rows + t) * r->d->head_dim; }
 
+/* ------------------------------------------------- non-finite values */
+
+/* Head h's slice (n values, as floats f or BF16 b) of the tensor of (layer,
+ * chunk, role), just read: its NaN and infinities counted, the first one's
+ * place kept. Under strict, the first one is an error. */
+static int check_slice(layer_run *r, int layer, int chunk, int role, int h, const float *f, const uint16_t *b,
+                       size_t n) {
+    size_t first = 0;
+    const size_t count = f ? kvf_count_nonfinite_f32(f, n, &first) : kvf_count_nonfinite_bf16(b, n, &first);
+    if (!count) return KVF_OK;
+    const kvf_dump *d = r->d;
+    kvf_eval_report *rep = r->rep;
+    const int64_t token = (int64_t)(first / (size_t)d->head_dim);
+    const int channel = (int)(first % (size_t)d->head_dim);
+    const float x = f ? f[first] : kvf_bf16_to_f32(b[first]);
+    const char *what = isnan(x) ? "NaN" : x > 0 ? "+inf" : "-inf";
+    const kvf_st_tensor *t = kvf_dump_tensor(d, layer, chunk, role);
+    if (r->opt && r->opt->strict)
+        return kvf_set_error(KVF_EFORMAT,
+                             "%s: tensor \"%s\" holds %zu non-finite value%s in head %d (first: %s at token %lld, "
+                             "channel %d); strict: non-finite values are an error",
+                             kvf_st_label(d->file), t->name, count, count > 1 ? "s" : "", h, what, (long long)token,
+                             channel);
+    int *e = &r->entry[(size_t)chunk * KVF_DUMP_ROLES + role];
+    if (*e < 0) {
+        kvf_eval_nonfinite *grown = realloc(rep->nonfinite, (size_t)(rep->n_nonfinite + 1) * sizeof *grown);
+        if (!grown) return kvf_set_error(KVF_ENOMEM, "out of memory counting non-finite values");
+        rep->nonfinite = grown;
+        kvf_eval_nonfinite *nf = &grown[rep->n_nonfinite];
+        memset(nf, 0, sizeof *nf);
+        copy_text(nf->tensor, sizeof nf->tensor, t->name);
+        nf->head = h;
+        nf->token = token;
+        nf->channel = channel;
+        nf->first = x;
+        *e = rep->n_nonfinite++;
+    }
+    rep->nonfinite[*e].count += (int64_t)count;
+    rep->nonfinite_values += (int64_t)count;
+    rep->nonfinite_by_role[role] += (int64_t)count;
+    rep->layer_nonfinite[layer] += (int64_t)count;
+    return KVF_OK;
+}
+
+/* Whether (chunk, role) is read for the first time in this layer (then marked). */
+static int first_read(layer_run *r, int chunk, int role) {
+    uint8_t *s = &r->seen[(size_t)chunk * KVF_DUMP_ROLES + role];
+    if (*s) return 0;
+    *s = 1;
+    r->rep->tensors_checked++;
+    return 1;
+}
+
+static void new_layer_counts(layer_run *r) {
+    const size_t cells = (size_t)r->d->chunks * KVF_DUMP_ROLES;
+    memset(r->seen, 0, cells);
+    for (size_t i = 0; i < cells; i++) r->entry[i] = -1;
+}
+
+/* The quality metrics of m undefined (what NaN inputs make them). */
+static void undefine(kvf_eval_metrics *m) {
+    m->top1_shift = m->top5_overlap = m->attn_out_rel_err = NAN;
+    m->key_mse = m->value_mse = m->qk_err = NAN;
+}
+
 /* K (post-RoPE) and V of every chunk, as the reference and as the initial cache. */
-static void load_layer(layer_run *r, int layer) {
+static int load_layer(layer_run *r, int layer) {
     const kvf_dump *d = r->d;
     const size_t n = (size_t)d->tokens * d->head_dim;
-    for (int c = 0; c < d->chunks; c++) {
+    int rc = KVF_OK;
+    for (int c = 0; c < d->chunks && !rc; c++) {
         const kvf_st_tensor *k = kvf_dump_tensor(d, layer, c, KVF_DUMP_K), *v = kvf_dump_tensor(d, layer, c, KVF_DUMP_V);
-        for (int h = 0; h < d->kv_heads; h++) {
-            kvf_dump_f32(k, (size_t)h * n, n, r->k_ref + row(r, h, (int64_t)c * d->tokens));
-            kvf_dump_f32(v, (size_t)h * n, n, r->v_ref + row(r, h, (int64_t)c * d->tokens));
+        first_read(r, c, KVF_DUMP_K);
+        first_read(r, c, KVF_DUMP_V);
+        for (int h = 0; h < d->kv_heads && !rc; h++) {
+            float *kr = r->k_ref + row(r, h, (int64_t)c * d->tokens), *vr = r->v_ref + row(r, h, (int64_t)c * d->tokens);
+            if (!(rc = kvf_dump_f32(k, (size_t)h * n, n, kr)) && !(rc = kvf_dump_f32(v, (size_t)h * n, n, vr)) &&
+                !(rc = check_slice(r, layer, c, KVF_DUMP_K, h, kr, NULL, n)))
+                rc = check_slice(r, layer, c, KVF_DUMP_V, h, vr, NULL, n);
         }
     }
+    if (rc) return rc;
     const size_t all = (size_t)d->kv_heads * r->rows * d->head_dim;
     memcpy(r->k_hat, r->k_ref, all * sizeof(float));
     memcpy(r->v_hat, r->v_ref, all * sizeof(float));
     memset(r->packed_chunk, 0, (size_t)d->chunks);
+    return KVF_OK;
 }
 
 /* ------------------------------------------------------------ packing */
 
-/* Pack chunks [a, b) as one span and put what decode returns in the cache. */
-static int pack_span(layer_run *r, int layer, int a, int b, kvf_eval_sums *bytes) {
+/* Pack chunks [a, b) as one span (what the policy says of it: sp) and put
+ * what decode returns in the cache. */
+static int pack_span(layer_run *r, int layer, int a, int b, const kvf_eval_span *sp, kvf_eval_sums *bytes) {
     const kvf_dump *d = r->d;
     const int64_t N = d->tokens, span_tokens = (int64_t)(b - a) * N;
     const size_t n = (size_t)N * d->head_dim;
-    for (int c = a; c < b; c++) {
+    int rc = KVF_OK;
+    for (int c = a; c < b && !rc; c++) {
         const kvf_st_tensor *k = kvf_dump_tensor(d, layer, c, r->key_role), *v = kvf_dump_tensor(d, layer, c, KVF_DUMP_V);
-        for (int h = 0; h < d->kv_heads; h++) {
+        const int check = first_read(r, c, r->key_role); /* k_pre: not read before */
+        for (int h = 0; h < d->kv_heads && !rc; h++) {
             size_t at = ((size_t)h * span_tokens + (size_t)(c - a) * N) * d->head_dim;
-            kvf_dump_bf16(k, (size_t)h * n, n, r->span_k + at);
-            kvf_dump_bf16(v, (size_t)h * n, n, r->span_v + at);
+            if (!(rc = kvf_dump_bf16(k, (size_t)h * n, n, r->span_k + at)) &&
+                !(rc = kvf_dump_bf16(v, (size_t)h * n, n, r->span_v + at)) && check)
+                rc = check_slice(r, layer, c, r->key_role, h, NULL, r->span_k + at, n);
         }
     }
     const int32_t *pos = NULL;
-    if (r->key_role == KVF_DUMP_K_PRE) {
-        kvf_dump_i32(d->pos, (size_t)a * N * r->n_axes, (size_t)span_tokens * r->n_axes, r->span_pos);
+    if (!rc && r->key_role == KVF_DUMP_K_PRE) {
+        rc = kvf_dump_i32(d->pos, (size_t)a * N * r->n_axes, (size_t)span_tokens * r->n_axes, r->span_pos);
         pos = r->span_pos;
     }
+    if (rc) return rc;
     kvf_shape sh = {span_tokens, d->kv_heads, 0, 0};
     size_t packed;
-    int rc = kvf_eval_backend_roundtrip(r->be, r->span_k, r->span_v, &sh, pos, r->n_axes, r->out_k, r->out_v, &packed);
+    rc = kvf_eval_backend_roundtrip(r->be, sp, r->span_k, r->span_v, &sh, pos, r->n_axes, r->out_k, r->out_v, &packed);
     if (rc) return kvf_wrap_error(rc, "layer %d, chunks %d..%d", layer, a, b - 1);
     for (int h = 0; h < d->kv_heads; h++)
         for (int64_t t = 0; t < span_tokens; t++) {
@@ -187,6 +276,13 @@ static int pack_span(layer_run *r, int layer, int a, int b, kvf_eval_sums *bytes
         }
     memset(r->packed_chunk + a, 1, (size_t)(b - a));
     bytes->stored_bytes += (double)packed;
+    /* a layer's second and later spans start from the previous one's k-means;
+     * packed after chunk b - 1, the span is scored from step b on */
+    if (r->rep->warm && r->rep->has_centroids && r->spans > 0) {
+        r->rep->warm_spans++;
+        if (b < d->chunks) r->rep->warm_spans_scored++;
+    }
+    r->spans++;
     return KVF_OK;
 }
 
@@ -196,7 +292,10 @@ static int pack_ready(layer_run *r, int layer, int t, kvf_eval_sums *bytes) {
     kvf_chunk_step st;
     int rc = kvf_chunk_policy(r->s, t, &st);
     if (rc || !st.pack_chunks) return rc;
-    return pack_span(r, layer, (int)st.pack_first, (int)(st.pack_first + st.pack_chunks), bytes);
+    const kvf_eval_span sp = {.anchor = st.anchor, .against = st.anchor_first >= 0, .feedback_in = st.feedback_in,
+                              .warm = st.warm_chunks > 0};
+    if (st.anchor) r->rep->anchor_spans++;
+    return pack_span(r, layer, (int)st.pack_first, (int)(st.pack_first + st.pack_chunks), &sp, bytes);
 }
 
 /* ------------------------------------------------------ recon files */
@@ -208,23 +307,24 @@ static int load_history(layer_run *r, int layer, int c) {
     const kvf_dump *d = r->d;
     const kvf_recon *rc = r->recon;
     const kvf_st_tensor *t[2] = {kvf_recon_tensor(rc, layer, c, KVF_RECON_K), kvf_recon_tensor(rc, layer, c, KVF_RECON_V)};
-    const kvf_st_tensor *flags = kvf_recon_tensor(rc, layer, c, KVF_RECON_PACKED);
+    const uint8_t *flags = kvf_recon_flags(rc, layer, c);
     const size_t n = (size_t)d->tokens * d->head_dim;
     memset(r->packed_chunk, 0, (size_t)d->chunks);
-    memcpy(r->packed_chunk, flags->data, (size_t)c);
+    memcpy(r->packed_chunk, flags, (size_t)c);
     for (int h = 0; h < d->kv_heads; h++)
         for (int i = 0; i < c; i++) {
             const size_t src = ((size_t)h * c + i) * n, dst = row(r, h, (int64_t)i * d->tokens);
             for (int x = 0; x < 2; x++) {
                 float *hat = x ? r->v_hat : r->k_hat;
                 const float *ref = x ? r->v_ref : r->k_ref;
+                int err;
                 if (r->packed_chunk[i]) {
-                    kvf_dump_f32(t[x], src, n, hat + dst);
+                    if ((err = kvf_dump_f32(t[x], src, n, hat + dst))) return err;
                     continue;
                 }
                 const kvf_st_tensor *dt = kvf_dump_tensor(d, layer, i, x ? KVF_DUMP_V : KVF_DUMP_K);
-                kvf_dump_bf16(t[x], src, n, r->cmp_a);
-                kvf_dump_bf16(dt, (size_t)h * n, n, r->cmp_b);
+                if ((err = kvf_dump_bf16(t[x], src, n, r->cmp_a)) || (err = kvf_dump_bf16(dt, (size_t)h * n, n, r->cmp_b)))
+                    return err;
                 if (memcmp(r->cmp_a, r->cmp_b, n * 2))
                     return kvf_set_error(KVF_EFORMAT,
                                          "%s: tensor \"%s\": chunk %d (KV head %d) is marked exact (packed = 0) but "
@@ -252,8 +352,9 @@ static int snapshot_step(layer_run *r, int layer, int c) {
         for (int i = 0; i < c; i++) {
             const size_t dst = ((size_t)h * c + i) * n, src = row(r, h, (int64_t)i * d->tokens);
             if (!flags[i]) {
-                kvf_dump_bf16(kvf_dump_tensor(d, layer, i, KVF_DUMP_K), (size_t)h * n, n, k + dst);
-                kvf_dump_bf16(kvf_dump_tensor(d, layer, i, KVF_DUMP_V), (size_t)h * n, n, v + dst);
+                int rc = kvf_dump_bf16(kvf_dump_tensor(d, layer, i, KVF_DUMP_K), (size_t)h * n, n, k + dst);
+                if (rc || (rc = kvf_dump_bf16(kvf_dump_tensor(d, layer, i, KVF_DUMP_V), (size_t)h * n, n, v + dst)))
+                    return rc;
                 continue;
             }
             for (size_t e = 0; e < n; e++) {
@@ -333,7 +434,7 @@ static int write_recon(const recon_out *o, const kvf_dump *d, const kvf_eval_rep
     const char *meta[] = {"format", KVF_RECON_FORMAT, "layers", num[0], "chunks", num[1], "kv_heads", num[2],
                           "head_dim", num[3], "tokens_per_chunk", num[4], "sink", num[5], "recent", num[6],
                           "span", num[7], "name", rep->scheme_id, "peer", peer, "dump", rep->data,
-                          "stored_bytes_parts", "packed,bf16,qstats"};
+                          "stored_bytes_parts", "packed,bf16,qstats,feedback"};
     int rc = kvf_st_write(path, meta, (int)(sizeof meta / sizeof meta[0] / 2), t, nt);
     free(t);
     free(names);
@@ -346,20 +447,30 @@ static int score_step(layer_run *r, int layer, int c, kvf_eval_sums *out) {
     const kvf_dump *d = r->d;
     const kvf_st_tensor *q = kvf_dump_tensor(d, layer, c, KVF_DUMP_Q);
     const int64_t nq = q->shape[1], n_keys = (int64_t)(c + 1) * d->tokens;
-    kvf_dump_f32(q, 0, (size_t)d->q_heads * nq * d->head_dim, r->q);
+    const size_t per_head = (size_t)nq * d->head_dim;
+    int rc = kvf_dump_f32(q, 0, (size_t)d->q_heads * per_head, r->q);
+    if (!rc && first_read(r, c, KVF_DUMP_Q))
+        for (int h = 0; h < d->q_heads && !rc; h++)
+            rc = check_slice(r, layer, c, KVF_DUMP_Q, h, r->q + h * per_head, NULL, per_head);
+    if (rc) return rc;
     for (int64_t t = 0; t < n_keys; t++) r->mask[t] = r->packed_chunk[t / d->tokens];
     kvf_eval_step st = {d->q_heads, d->kv_heads, d->head_dim, nq, r->q, n_keys, r->rows,
                         r->k_ref, r->v_ref, r->k_hat, r->v_hat, r->mask, r->threads};
-    int rc = kvf_eval_step_run(&st, out);
+    rc = kvf_eval_step_run(&st, out);
     return rc ? kvf_wrap_error(rc, "layer %d, chunk %d", layer, c) : KVF_OK;
 }
 
 static int update_qstats(layer_run *r, int layer, int c) {
     const kvf_dump *d = r->d;
     const kvf_st_tensor *q = kvf_dump_tensor(d, layer, c, r->q_role);
-    kvf_dump_bf16(q, 0, (size_t)d->q_heads * q->shape[1] * d->head_dim, r->q_bf16);
+    const size_t per_head = (size_t)q->shape[1] * d->head_dim;
+    int rc = kvf_dump_bf16(q, 0, (size_t)d->q_heads * per_head, r->q_bf16);
+    if (!rc && first_read(r, c, r->q_role))
+        for (int h = 0; h < d->q_heads && !rc; h++)
+            rc = check_slice(r, layer, c, r->q_role, h, NULL, r->q_bf16 + h * per_head, per_head);
+    if (rc) return rc;
     kvf_shape sh = {q->shape[1], d->q_heads, 0, 0};
-    int rc = kvf_eval_backend_qstats_update(r->be, r->q_bf16, &sh);
+    rc = kvf_eval_backend_qstats_update(r->be, r->q_bf16, &sh);
     return rc ? kvf_wrap_error(rc, "layer %d, chunk %d: query statistics", layer, c) : KVF_OK;
 }
 
@@ -371,10 +482,13 @@ static int run_layer(layer_run *r, int layer, kvf_eval_sums *overall) {
     const kvf_dump *d = r->d;
     kvf_eval_sums total = {0}, bytes = {0}, *steps = calloc((size_t)d->chunks, sizeof *steps);
     if (!steps) return kvf_set_error(KVF_ENOMEM, "out of memory for %d steps", d->chunks);
-    load_layer(r, layer);
-    if (r->be) kvf_eval_backend_new_layer(r->be);
-    int rc = KVF_OK;
-    if (rep->uses_qstats) {
+    new_layer_counts(r);
+    r->spans = 0;
+    int rc = load_layer(r, layer);
+    if (!rc && r->map && (rc = kvf_mixed_map(r->s, r->opt->table, layer, d->kv_heads, r->map)))
+        rc = kvf_wrap_error(rc, "layer %d: mixed precision's channel map", layer);
+    if (!rc && r->be) rc = kvf_eval_backend_new_layer(r->be, r->map, d->kv_heads);
+    if (!rc && rep->uses_qstats) {
         size_t qs = 0;
         if ((rc = kvf_eval_backend_qstats_init(r->be, d->kv_heads, &qs))) rc = kvf_wrap_error(rc, "layer %d", layer);
         rep->qstats_bytes = qs;
@@ -385,7 +499,11 @@ static int run_layer(layer_run *r, int layer, kvf_eval_sums *overall) {
         if (c > 0 && !rc) rc = score_step(r, layer, c, &steps[c]);
         if (!rc && !r->recon) rc = pack_ready(r, layer, c, &bytes);
         if (!rc && rep->uses_qstats) rc = update_qstats(r, layer, c);
+        if (!rc && r->opt && r->opt->progress) r->opt->progress(r->opt->progress_user, layer, d->layers, c, d->chunks);
     }
+    /* what was read is the file as opened: a change since would mix two files */
+    if (!rc) rc = kvf_st_check_unchanged(d->file);
+    if (!rc && r->recon) rc = kvf_st_check_unchanged(r->recon->file);
     if (!rc) {
         const double chunk_bf16 = 4.0 * (double)d->kv_heads * d->tokens * d->head_dim;
         double parts[KVF_RECON_MAX_PARTS] = {0};
@@ -396,7 +514,8 @@ static int run_layer(layer_run *r, int layer, kvf_eval_sums *overall) {
             for (int c = 0; c < d->chunks; c++)
                 if (!r->packed_chunk[c]) parts[1] += chunk_bf16;
             parts[2] = rep->uses_qstats ? (double)rep->qstats_bytes : 0;
-            bytes.stored_bytes += parts[1] + parts[2];
+            parts[3] = (double)kvf_eval_backend_state_bytes(r->be);
+            bytes.stored_bytes += parts[1] + parts[2] + parts[3];
             for (int i = 0; r->rout && i < RECON_OUT_PARTS; i++)
                 r->rout->bytes[(size_t)layer * RECON_OUT_PARTS + i] = (int64_t)parts[i];
         }
@@ -409,6 +528,10 @@ static int run_layer(layer_run *r, int layer, kvf_eval_sums *overall) {
         kvf_eval_sums_add(&total, &bytes);
         kvf_eval_finish(&total, &rep->layer[layer]);
         kvf_eval_sums_add(overall, &total);
+        if (rep->layer_nonfinite[layer]) { /* NaN in, no score out (what the sums give is not one) */
+            undefine(&rep->layer[layer]);
+            for (int c = 0; c < d->chunks; c++) undefine(&rep->step[(size_t)layer * d->chunks + c]);
+        }
     }
     free(steps);
     return rc;
@@ -456,6 +579,9 @@ static void describe(kvf_eval_report *rep, const kvf_scheme *s, const kvf_dump *
     rep->recent = s->chunk.recent;
     rep->span = s->chunk.span > 0 ? s->chunk.span : 1;
     rep->has_centroids = s->key.centroids > 0 || s->value.centroids > 0;
+    rep->mixed = s->plan.sec[0].mp_channels > 0 || s->plan.sec[1].mp_channels > 0;
+    rep->anchor_every = s->pipe.anchor_every;
+    rep->feedback_decay = s->pipe.feedback_decay;
     rep->n_parts = RECON_OUT_PARTS;
     for (int i = 0; i < RECON_OUT_PARTS; i++) copy_text(rep->part_name[i], sizeof rep->part_name[i], recon_out_parts[i]);
 }
@@ -481,12 +607,14 @@ static int run_layers(layer_run *r) {
     int rc = KVF_OK;
     rep->layer = calloc((size_t)d->layers, sizeof *rep->layer);
     rep->step = calloc((size_t)d->layers * d->chunks, sizeof *rep->step);
-    if (!rep->layer || !rep->step) rc = kvf_set_error(KVF_ENOMEM, "out of memory for the report");
+    rep->layer_nonfinite = calloc((size_t)d->layers, sizeof *rep->layer_nonfinite);
+    if (!rep->layer || !rep->step || !rep->layer_nonfinite) rc = kvf_set_error(KVF_ENOMEM, "out of memory for the report");
     if (!rc) rc = alloc_run(r);
     kvf_eval_sums overall = {0};
     for (int l = 0; l < d->layers && !rc; l++) rc = run_layer(r, l, &overall);
     free_run(r);
     if (!rc) kvf_eval_finish(&overall, &rep->overall);
+    if (!rc && rep->nonfinite_values) undefine(&rep->overall);
     return rc;
 }
 
@@ -500,7 +628,17 @@ int kvf_eval_run(const kvf_scheme *s, const kvf_dump *d, const kvf_eval_options 
     if ((rc = kvf_eval_backend_open(s, opt->device, opt->warm, &be))) return rc;
     describe(rep, s, d, be);
     rep->warm = opt->warm != 0;
-    layer_run r = {.s = s, .d = d, .be = be, .rep = rep, .threads = opt->threads > 0 ? opt->threads : kvf_cpu_count(),
+    if (rep->mixed) {
+        const char *table = opt->table ? opt->table : s->pipe.mp_table;
+        if (!table[0]) {
+            kvf_eval_backend_close(be);
+            return kvf_set_error(KVF_EINVAL, "scheme %s refines calibrated channels (mixed_precision) and names no "
+                                 "sensitivity table: give one (kvforge eval --table; kvforge calibrate writes it)",
+                                 s->name);
+        }
+        copy_text(rep->table, sizeof rep->table, table);
+    }
+    layer_run r = {.s = s, .d = d, .be = be, .rep = rep, .opt = opt, .threads = opt->threads > 0 ? opt->threads : kvf_cpu_count(),
                    .key_role = rep->pre_rope ? KVF_DUMP_K_PRE : KVF_DUMP_K, .q_role = q_role_of(s, d),
                    .n_axes = kvf_rope_sections(s, NULL), .rows = (int64_t)d->chunks * d->tokens};
     rep->q_pre_used = r.q_role == KVF_DUMP_Q_PRE;
@@ -522,7 +660,7 @@ int kvf_eval_run_peer(const kvf_recon *recon, const kvf_dump *d, const kvf_eval_
     if (rc) return rc;
     const double t0 = now_s();
     describe_peer(rep, recon, d);
-    layer_run r = {.d = d, .recon = recon, .rep = rep, .threads = opt->threads > 0 ? opt->threads : kvf_cpu_count(),
+    layer_run r = {.d = d, .recon = recon, .rep = rep, .opt = opt, .threads = opt->threads > 0 ? opt->threads : kvf_cpu_count(),
                    .key_role = KVF_DUMP_K, .q_role = KVF_DUMP_Q, .rows = (int64_t)d->chunks * d->tokens};
     if ((rc = run_layers(&r))) { kvf_eval_report_free(rep); return rc; }
     rep->seconds = now_s() - t0;
@@ -533,5 +671,10 @@ void kvf_eval_report_free(kvf_eval_report *r) {
     if (!r) return;
     free(r->layer);
     free(r->step);
+    free(r->nonfinite);
+    free(r->layer_nonfinite);
     r->layer = r->step = NULL;
+    r->nonfinite = NULL;
+    r->layer_nonfinite = NULL;
+    r->n_nonfinite = 0;
 }

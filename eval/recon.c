@@ -116,7 +116,7 @@ static int check_dtype(const kvf_recon *r, const kvf_st_tensor *t, kvf_st_dtype 
                          kvf_st_dtype_name(t->dtype), kvf_st_dtype_name(want));
 }
 
-static int check_history(const kvf_recon *r, const kvf_st_tensor *t, int step, int role) {
+static int check_history(kvf_recon *r, const kvf_st_tensor *t, int layer, int step, int role) {
     char want[160];
     if (role == KVF_RECON_PACKED) {
         int rc = check_dtype(r, t, KVF_ST_U8);
@@ -125,10 +125,16 @@ static int check_history(const kvf_recon *r, const kvf_st_tensor *t, int step, i
             snprintf(want, sizeof want, "[%d] (one flag per chunk before step %d)", step, step);
             return shape_error(r, t, want);
         }
+        /* read once here (step bytes, which the file holds): scoring needs them */
+        uint8_t *flags = malloc((size_t)step);
+        if (!flags) return kvf_set_error(KVF_ENOMEM, "%s: out of memory for tensor \"%s\"", kvf_st_label(r->file), t->name);
+        r->flags[(size_t)layer * r->chunks + step] = flags;
+        int rc_ = kvf_st_read(t, 0, (size_t)step, flags);
+        if (rc_) return rc_;
         for (int i = 0; i < step; i++)
-            if (t->data[i] > 1)
+            if (flags[i] > 1)
                 return kvf_set_error(KVF_EFORMAT, "%s: tensor \"%s\": element %d is %u, must be 0 (exact) or 1 (packed)",
-                                     kvf_st_label(r->file), t->name, i, t->data[i]);
+                                     kvf_st_label(r->file), t->name, i, flags[i]);
         return KVF_OK;
     }
     int rc = check_dtype(r, t, KVF_ST_BF16);
@@ -142,7 +148,7 @@ static int check_history(const kvf_recon *r, const kvf_st_tensor *t, int step, i
     return KVF_OK;
 }
 
-static int check_bytes(const kvf_recon *r, const kvf_st_tensor *t) {
+static int check_bytes(kvf_recon *r, const kvf_st_tensor *t, int layer) {
     int rc = check_dtype(r, t, KVF_ST_I64);
     if (rc) return rc;
     if (t->ndim != 1 || t->shape[0] != r->n_parts) {
@@ -150,9 +156,10 @@ static int check_bytes(const kvf_recon *r, const kvf_st_tensor *t) {
         snprintf(want, sizeof want, "[%d] (one count per name of stored_bytes_parts)", r->n_parts);
         return shape_error(r, t, want);
     }
+    int64_t *parts = r->part_bytes + (size_t)layer * KVF_RECON_MAX_PARTS;
+    if ((rc = kvf_st_read(t, 0, 8 * (size_t)r->n_parts, parts))) return rc;
     for (int i = 0; i < r->n_parts; i++) {
-        int64_t b;
-        memcpy(&b, t->data + 8 * (size_t)i, 8);
+        const int64_t b = parts[i];
         if (b < 0 || b > MAX_PART_BYTES)
             return kvf_set_error(KVF_EFORMAT, "%s: tensor \"%s\": part \"%s\" = %lld bytes, must be in [0, 2^53]",
                                  kvf_st_label(r->file), t->name, r->part[i], (long long)b);
@@ -181,7 +188,9 @@ static int index_tensors(kvf_recon *r) {
     }
     r->t = calloc((size_t)r->layers * r->chunks * KVF_RECON_ROLES, sizeof *r->t);
     r->bytes = calloc((size_t)r->layers, sizeof *r->bytes);
-    if (!r->t || !r->bytes) return kvf_set_error(KVF_ENOMEM, "%s: out of memory indexing tensors", kvf_st_label(f));
+    r->flags = calloc((size_t)r->layers * r->chunks, sizeof *r->flags);
+    r->part_bytes = calloc((size_t)r->layers * KVF_RECON_MAX_PARTS, sizeof *r->part_bytes);
+    if (!r->t || !r->bytes || !r->flags || !r->part_bytes) return kvf_set_error(KVF_ENOMEM, "%s: out of memory indexing tensors", kvf_st_label(f));
     for (size_t i = 0; i < n; i++) {
         const kvf_st_tensor *t = kvf_st_at(f, i);
         int layer, step, role, rc;
@@ -195,10 +204,10 @@ static int index_tensors(kvf_recon *r) {
         }
         if (role < 0) {
             r->bytes[layer] = t;
-            rc = check_bytes(r, t);
+            rc = check_bytes(r, t, layer);
         } else {
             *slot(r, layer, step, role) = t;
-            rc = check_history(r, t, step, role);
+            rc = check_history(r, t, layer, step, role);
         }
         if (rc) return rc;
     }
@@ -246,6 +255,9 @@ int kvf_recon_parse(const void *bytes, size_t len, const char *label, kvf_recon 
 
 void kvf_recon_close(kvf_recon *r) {
     if (!r) return;
+    for (size_t i = 0; r->flags && i < (size_t)r->layers * r->chunks; i++) free(r->flags[i]);
+    free(r->flags);
+    free(r->part_bytes);
     free(r->t);
     free(r->bytes);
     kvf_st_close(r->file);
@@ -267,6 +279,11 @@ int kvf_recon_check_dump(const kvf_recon *r, const kvf_dump *d) {
     return KVF_OK;
 }
 
+const uint8_t *kvf_recon_flags(const kvf_recon *r, int layer, int step) {
+    if (!r || layer < 0 || layer >= r->layers || step < 1 || step >= r->chunks) return NULL;
+    return r->flags[(size_t)layer * r->chunks + step];
+}
+
 const kvf_st_tensor *kvf_recon_tensor(const kvf_recon *r, int layer, int step, int role) {
     if (!r || layer < 0 || layer >= r->layers || step < 1 || step >= r->chunks || role < 0 || role >= KVF_RECON_ROLES)
         return NULL;
@@ -276,8 +293,7 @@ const kvf_st_tensor *kvf_recon_tensor(const kvf_recon *r, int layer, int step, i
 double kvf_recon_layer_bytes(const kvf_recon *r, int layer, double *parts) {
     double sum = 0;
     for (int i = 0; i < r->n_parts; i++) {
-        int64_t b;
-        memcpy(&b, r->bytes[layer]->data + 8 * (size_t)i, 8);
+        const int64_t b = r->part_bytes[(size_t)layer * KVF_RECON_MAX_PARTS + i];
         if (parts) parts[i] = (double)b;
         sum += (double)b;
     }

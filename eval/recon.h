@@ -37,10 +37,12 @@ typedef struct kvf_recon {
     char part[KVF_RECON_MAX_PARTS][KVF_RECON_PART_NAME];
     const kvf_st_tensor **t;           /* [layers][chunks][KVF_RECON_ROLES]; step 0 is empty */
     const kvf_st_tensor **bytes;       /* [layers] */
+    uint8_t **flags;                   /* [layers][chunks]: the packed flags, read at open (step 0: NULL) */
+    int64_t *part_bytes;               /* [layers][KVF_RECON_MAX_PARTS]: stored_bytes, read at open */
 } kvf_recon;
 
 /* Open and validate (names, dtypes, shapes, metadata, packed flags 0 or 1,
- * byte counts >= 0); the file stays mapped until kvf_recon_close. */
+ * byte counts >= 0); the file stays open until kvf_recon_close. */
 int kvf_recon_open(const char *path, kvf_recon **out);
 /* The same over bytes in memory (not copied), for tests and fuzzing. */
 int kvf_recon_parse(const void *bytes, size_t len, const char *label, kvf_recon **out);
@@ -51,6 +53,8 @@ void kvf_recon_close(kvf_recon *r);
 int kvf_recon_check_dump(const kvf_recon *r, const kvf_dump *d);
 
 const kvf_st_tensor *kvf_recon_tensor(const kvf_recon *r, int layer, int step, int role);
+/* Step's packed flags (step bytes, 0 or 1), or NULL out of range. */
+const uint8_t *kvf_recon_flags(const kvf_recon *r, int layer, int step);
 /* Sum of the layer's stored byte parts; part i's bytes in *parts (may be NULL). */
 double kvf_recon_layer_bytes(const kvf_recon *r, int layer, double *parts);
 

@@ -5,6 +5,60 @@
 #include <math.h>
 #include <stdlib.h>
 
+/* ------------------------------------------------------------- warnings */
+
+#define MAX_WARNINGS 3
+#define WARNING_LEN 768
+
+static const char *value_name(float x) { return isnan(x) ? "NaN" : x > 0 ? "+inf" : "-inf"; }
+
+/* The warnings of a run, in lines[]; returns how many. */
+static int warnings_of(const kvf_eval_report *r, char lines[MAX_WARNINGS][WARNING_LEN]) {
+    int n = 0;
+    if (r->nonfinite_values > 0) {
+        char *w = lines[n++];
+        int o = snprintf(w, WARNING_LEN, "the dump holds %lld NaN or infinite value%s in %d of the %lld tensors read (",
+                         (long long)r->nonfinite_values, r->nonfinite_values > 1 ? "s" : "", r->n_nonfinite,
+                         (long long)r->tensors_checked);
+        for (int role = 0, any = 0; role < KVF_DUMP_ROLES && o < WARNING_LEN; role++)
+            if (r->nonfinite_by_role[role]) {
+                o += snprintf(w + o, WARNING_LEN - o, "%s%s: %lld", any ? ", " : "", kvf_dump_role_name(role),
+                              (long long)r->nonfinite_by_role[role]);
+                any = 1;
+            }
+        const kvf_eval_nonfinite *f = &r->nonfinite[0];
+        if (o < WARNING_LEN)
+            o += snprintf(w + o, WARNING_LEN - o, "); first: tensor %s, head %d, token %lld, channel %d (%s); "
+                          "undefined (null) quality metrics for layer%s",
+                          f->tensor, f->head, (long long)f->token, f->channel, value_name(f->first),
+                          r->layers > 1 ? "s" : "");
+        for (int l = 0, shown = 0; l < r->layers && o < WARNING_LEN; l++)
+            if (r->layer_nonfinite && r->layer_nonfinite[l]) {
+                if (shown == 8) { o += snprintf(w + o, WARNING_LEN - o, " ..."); break; }
+                o += snprintf(w + o, WARNING_LEN - o, "%s %d", shown ? "," : "", l);
+                shown++;
+            }
+        if (o < WARNING_LEN) snprintf(w + o, WARNING_LEN - o, " and overall");
+    }
+    if (r->warm && !r->has_centroids)
+        snprintf(lines[n++], WARNING_LEN,
+                 "--warm changed nothing: scheme %s has no k-means (no centroids) to warm-start", r->scheme_id);
+    else if (r->warm && r->warm_spans_scored == 0)
+        snprintf(lines[n++], WARNING_LEN,
+                 "--warm changed no score: %d span%s of %d chunk%s %s warm-started, none scored by a later chunk's "
+                 "queries (a layer's first span is encoded cold; a span packed after the last chunk is never scored)",
+                 r->warm_spans, r->warm_spans == 1 ? "" : "s", r->chunks, r->chunks == 1 ? "" : "s",
+                 r->warm_spans == 1 ? "was" : "were");
+    return n;
+}
+
+int kvf_eval_print_warnings(const kvf_eval_report *r, FILE *out) {
+    char lines[MAX_WARNINGS][WARNING_LEN];
+    int n = warnings_of(r, lines);
+    for (int i = 0; i < n; i++) fprintf(out, "warning: %s\n", lines[i]);
+    return n;
+}
+
 /* ---------------------------------------------------------------- table */
 
 /* One number right-aligned in width columns ('f' or 'e', 4 digits), "-" for NaN. */
@@ -53,8 +107,20 @@ void kvf_eval_print_table(const kvf_eval_report *r, FILE *out) {
                 r->pre_rope ? "before RoPE (k_pre, decoded with pos)" : "after RoPE (k)");
     if (r->warm)
         fprintf(out, "         k-means warm-started from the layer's previous span%s\n",
-                r->has_centroids ? "" : " (asked; the scheme has no k-means, so nothing changes)");
+                !r->has_centroids ? " (asked; the scheme has no k-means, so nothing changes)"
+                : r->warm_spans_scored ? "" : " (asked; no warm-started span was scored)");
+    if (r->anchor_every || r->feedback_decay > 0 || r->mixed) {
+        fprintf(out, "         pipeline:");
+        if (r->anchor_every) fprintf(out, " an anchor every %d chunks (%d anchor spans);", r->anchor_every, r->anchor_spans);
+        if (r->feedback_decay > 0) fprintf(out, " error feedback, decay %g;", r->feedback_decay);
+        if (r->mixed) fprintf(out, " channel maps from %s", r->table);
+        fprintf(out, "\n");
+    }
     fprintf(out, "backend: %s, %.2f s\n", r->backend, r->seconds);
+    if (r->nonfinite_values)
+        fprintf(out, "inputs:  %lld NaN or infinite values in %d of %lld tensors read: quality metrics undefined "
+                     "(\"-\") where they entered\n",
+                (long long)r->nonfinite_values, r->n_nonfinite, (long long)r->tensors_checked);
     fprintf(out, "stored:  ");
     for (int i = 0; i < r->n_parts; i++)
         fprintf(out, "%s%s %.0f B", i ? ", " : "", r->part_name[i], r->part_bytes[i]);
@@ -93,7 +159,9 @@ static json_t *metrics_json(const kvf_eval_metrics *m, int with_bytes) {
 
 static json_t *layer_json(const kvf_eval_report *r, int l) {
     json_t *o = metrics_json(&r->layer[l], 1), *steps = json_array();
-    if (!o || !steps || json_object_set_new(o, "layer", json_integer(l))) goto fail;
+    if (!o || !steps || json_object_set_new(o, "layer", json_integer(l)) ||
+        json_object_set_new(o, "nonfinite", json_integer(r->layer_nonfinite ? (json_int_t)r->layer_nonfinite[l] : 0)))
+        goto fail;
     for (int c = 1; c < r->chunks; c++) {
         json_t *s = metrics_json(&r->step[(size_t)l * r->chunks + c], 0);
         if (!s || json_object_set_new(s, "chunk", json_integer(c)) || json_array_append_new(steps, s)) goto fail;
@@ -103,6 +171,32 @@ static json_t *layer_json(const kvf_eval_report *r, int l) {
 fail:
     json_decref(steps);
     json_decref(o);
+    return NULL;
+}
+
+/* {"values", "tensors_checked", "by_role": {...}, "tensors": [{tensor, count, first: {...}}]} */
+static json_t *nonfinite_json(const kvf_eval_report *r) {
+    json_t *o = json_pack("{s:I, s:I}", "values", (json_int_t)r->nonfinite_values, "tensors_checked",
+                          (json_int_t)r->tensors_checked);
+    json_t *roles = json_object(), *list = json_array();
+    for (int i = 0; roles && i < KVF_DUMP_ROLES; i++)
+        if (json_object_set_new(roles, kvf_dump_role_name(i), json_integer((json_int_t)r->nonfinite_by_role[i])))
+            goto fail;
+    for (int i = 0; list && i < r->n_nonfinite; i++) {
+        const kvf_eval_nonfinite *f = &r->nonfinite[i];
+        json_t *e = json_pack("{s:s, s:I, s:{s:i, s:I, s:i, s:s}}", "tensor", f->tensor, "count", (json_int_t)f->count,
+                              "first", "head", f->head, "token", (json_int_t)f->token, "channel", f->channel, "value",
+                              value_name(f->first));
+        if (json_array_append_new(list, e)) goto fail;
+    }
+    if (!o || !roles || !list) goto fail;
+    json_object_set_new(o, "by_role", roles);
+    json_object_set_new(o, "tensors", list);
+    return o;
+fail:
+    json_decref(o);
+    json_decref(roles);
+    json_decref(list);
     return NULL;
 }
 
@@ -127,6 +221,24 @@ char *kvf_eval_report_json(const kvf_eval_report *r) {
             json_decref(parts);
             parts = NULL;
         }
+    char lines[MAX_WARNINGS][WARNING_LEN];
+    const int n_warn = warnings_of(r, lines);
+    json_t *warnings = json_array();
+    for (int i = 0; warnings && i < n_warn; i++)
+        if (json_array_append_new(warnings, json_string(lines[i]))) { json_decref(warnings); warnings = NULL; }
+    json_t *policy = json_object_get(root, "policy");
+    if (!warnings || json_object_set_new(root, "warnings", warnings) ||
+        json_object_set_new(root, "nonfinite", nonfinite_json(r)) ||
+        json_object_set_new(policy, "warm_spans", json_integer(r->warm_spans)) ||
+        json_object_set_new(policy, "warm_spans_scored", json_integer(r->warm_spans_scored)) ||
+        json_object_set_new(policy, "anchor_every", json_integer(r->anchor_every)) ||
+        json_object_set_new(policy, "anchor_spans", json_integer(r->anchor_spans)) ||
+        json_object_set_new(policy, "feedback_decay", json_real(r->feedback_decay)) ||
+        json_object_set_new(policy, "table", r->mixed ? json_string(r->table) : json_null())) {
+        json_decref(parts);
+        json_decref(root);
+        return NULL;
+    }
     if (!parts || json_object_set_new(root, "stored_bytes_parts", parts) ||
         json_object_set_new(root, "kind", json_string(r->peer ? "peer" : "scheme")) ||
         (r->peer && json_object_set_new(root, "peer", json_string(r->peer_text)))) {

@@ -9,7 +9,6 @@
 #include <jansson.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -21,10 +20,10 @@
 
 struct kvf_st_file {
     char *label;
-    const uint8_t *bytes;
-    size_t len;
-    void *map;          /* mmap'ed by kvf_st_open, else NULL */
-    size_t map_len;
+    const uint8_t *bytes; /* kvf_st_parse's bytes, else NULL: read from fd */
+    size_t len;           /* of the bytes or the file */
+    int fd;               /* kvf_st_open's file, else -1 */
+    struct timespec mtime; /* the file's when opened (kvf_st_check_unchanged) */
     json_t *root;       /* the header; tensor names point into its keys */
     json_t *meta;       /* borrowed from root, or NULL */
     kvf_st_tensor *t;   /* sorted by name */
@@ -119,7 +118,7 @@ static int parse_offsets(const kvf_st_file *f, const char *name, const json_t *o
 }
 
 /* One tensor entry {"dtype", "shape", "data_offsets"}; nothing else allowed. */
-static int parse_entry(const kvf_st_file *f, const char *name, json_t *e, const uint8_t *data, size_t data_len,
+static int parse_entry(const kvf_st_file *f, const char *name, json_t *e, uint64_t data, size_t data_len,
                        kvf_st_tensor *t) {
     char pn[128];
     if (!json_is_object(e))
@@ -155,7 +154,8 @@ static int parse_entry(const kvf_st_file *f, const char *name, json_t *e, const 
                              " bytes, data_offsets [%" PRIu64 ", %" PRIu64 "] hold %" PRIu64,
                              f->label, kvf_st_printable(name, pn, sizeof pn), t->n_elements, dtypes[t->dtype].name,
                              t->n_elements * dtypes[t->dtype].size, begin, end, end - begin);
-    t->data = data + begin;
+    t->file = f;
+    t->offset = data + begin;
     t->n_bytes = (size_t)(end - begin);
     return KVF_OK;
 }
@@ -181,7 +181,7 @@ static int cmp_tensor(const void *a, const void *b) {
 
 static int cmp_by_offset(const void *a, const void *b) {
     const kvf_st_tensor *x = *(const kvf_st_tensor *const *)a, *y = *(const kvf_st_tensor *const *)b;
-    return x->data < y->data ? -1 : x->data > y->data;
+    return x->offset < y->offset ? -1 : x->offset > y->offset;
 }
 
 /* Two non-empty tensors must not share bytes. */
@@ -195,7 +195,7 @@ static int check_overlaps(const kvf_st_file *f) {
     qsort(by, m, sizeof *by, cmp_by_offset);
     int rc = KVF_OK;
     for (size_t i = 1; i < m && !rc; i++)
-        if (by[i - 1]->data + by[i - 1]->n_bytes > by[i]->data) {
+        if (by[i - 1]->offset + by[i - 1]->n_bytes > by[i]->offset) {
             char pa[128], pb[128];
             rc = kvf_set_error(KVF_EFORMAT, "%s: tensors \"%s\" and \"%s\" overlap in the data", f->label,
                                kvf_st_printable(by[i - 1]->name, pa, sizeof pa), kvf_st_printable(by[i]->name, pb, sizeof pb));
@@ -204,24 +204,26 @@ static int check_overlaps(const kvf_st_file *f) {
     return rc;
 }
 
-static int parse_header(kvf_st_file *f) {
-    if (f->len < 8)
-        return kvf_set_error(KVF_EFORMAT, "%s: %zu bytes: too short for the 8-byte header length", f->label, f->len);
-    uint64_t hlen;
-    memcpy(&hlen, f->bytes, 8);
+/* The header's length (the file's first 8 bytes) against the file's length. */
+static int check_header_length(const kvf_st_file *f, uint64_t hlen) {
     if (hlen > KVF_ST_MAX_HEADER)
         return kvf_set_error(KVF_EFORMAT, "%s: header length %" PRIu64 " exceeds the %u-byte limit", f->label, hlen,
                              KVF_ST_MAX_HEADER);
     if (hlen > f->len - 8)
         return kvf_set_error(KVF_EFORMAT, "%s: header length %" PRIu64 " runs past the end of the file (%zu bytes)",
                              f->label, hlen, f->len);
+    return KVF_OK;
+}
+
+/* The JSON header (text, hlen bytes, from byte 8 of the file). */
+static int parse_header(kvf_st_file *f, const char *text, uint64_t hlen) {
     json_error_t err;
-    f->root = json_loadb((const char *)f->bytes + 8, (size_t)hlen, JSON_REJECT_DUPLICATES, &err);
+    f->root = json_loadb(text, (size_t)hlen, JSON_REJECT_DUPLICATES, &err);
     if (!f->root)
         return kvf_set_error(KVF_EFORMAT, "%s: header is not valid JSON: %s (line %d, column %d)", f->label, err.text,
                              err.line, err.column);
     if (!json_is_object(f->root)) return kvf_set_error(KVF_EFORMAT, "%s: header must be a JSON object", f->label);
-    const uint8_t *data = f->bytes + 8 + hlen;
+    const uint64_t data = 8 + hlen;
     size_t data_len = f->len - 8 - (size_t)hlen, n = json_object_size(f->root);
     f->t = calloc(n ? n : 1, sizeof *f->t);
     if (!f->t) return kvf_set_error(KVF_ENOMEM, "%s: out of memory for %zu tensors", f->label, n);
@@ -240,6 +242,7 @@ static int parse_header(kvf_st_file *f) {
 
 static int new_file(const char *label, kvf_st_file **out) {
     *out = calloc(1, sizeof **out);
+    if (*out) (*out)->fd = -1;
     if (!*out || !((*out)->label = strdup(label ? label : "<memory>"))) {
         free(*out);
         *out = NULL;
@@ -257,43 +260,117 @@ int kvf_st_parse(const void *bytes, size_t len, const char *label, kvf_st_file *
     if (rc) return rc;
     f->bytes = bytes;
     f->len = len;
-    if ((rc = parse_header(f))) { kvf_st_close(f); return rc; }
+    uint64_t hlen = 0;
+    if (len < 8)
+        rc = kvf_set_error(KVF_EFORMAT, "%s: %zu bytes: too short for the 8-byte header length", f->label, len);
+    else memcpy(&hlen, bytes, 8);
+    if (rc || (rc = check_header_length(f, hlen)) || (rc = parse_header(f, (const char *)bytes + 8, hlen))) {
+        kvf_st_close(f);
+        return rc;
+    }
     *out = f;
+    return KVF_OK;
+}
+
+/* What a file that is not a regular one is, for the message. */
+static const char *file_kind(mode_t m) {
+    return S_ISDIR(m) ? "a directory" : S_ISFIFO(m) ? "a FIFO (named pipe)" : S_ISCHR(m) ? "a character device"
+         : S_ISBLK(m) ? "a block device" : S_ISSOCK(m) ? "a socket" : "not a regular file";
+}
+
+/* n bytes at offset `at` of f's file; KVF_EIO naming what when it ends before them. */
+static int read_at(const kvf_st_file *f, uint64_t at, size_t n, void *out, const char *what) {
+    size_t done = 0;
+    while (done < n) {
+        size_t ask = n - done < ((size_t)1 << 30) ? n - done : (size_t)1 << 30;
+        ssize_t got = pread(f->fd, (uint8_t *)out + done, ask, (off_t)(at + done));
+        if (got < 0 && errno == EINTR) continue;
+        if (got > 0) { done += (size_t)got; continue; }
+        int saved = errno;
+        memset((uint8_t *)out + done, 0, n - done);
+        if (got < 0)
+            return kvf_set_error(KVF_EIO, "%s: cannot read %s: %s", f->label, what, strerror(saved));
+        struct stat st;
+        long long now = fstat(f->fd, &st) == 0 ? (long long)st.st_size : -1;
+        return kvf_set_error(KVF_EIO,
+                             "%s: the file changed while read: %s needs bytes up to %llu, the file now ends at "
+                             "byte %lld (it had %zu when opened)",
+                             f->label, what, (unsigned long long)(at + n), now, f->len);
+    }
     return KVF_OK;
 }
 
 int kvf_st_open(const char *path, kvf_st_file **out) {
     if (!path || !out) return kvf_set_error(KVF_EINVAL, "kvf_st_open: NULL argument");
     *out = NULL;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    /* O_NONBLOCK: opening a FIFO with no writer does not wait (it is refused
+     * below); it changes nothing for a regular file. */
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
     if (fd < 0) return kvf_set_error(KVF_EIO, "%s: cannot open: %s", path, strerror(errno));
     struct stat st;
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    if (fstat(fd, &st) != 0) {
+        int saved = errno;
         close(fd);
-        return kvf_set_error(KVF_EIO, "%s: not a regular file", path);
+        return kvf_set_error(KVF_EIO, "%s: cannot stat: %s", path, strerror(saved));
+    }
+    if (!S_ISREG(st.st_mode)) {
+        close(fd);
+        return kvf_set_error(KVF_EIO, "%s: is %s, not a regular file: give a safetensors file", path,
+                             file_kind(st.st_mode));
     }
     kvf_st_file *f;
     int rc = new_file(path, &f);
     if (rc) { close(fd); return rc; }
-    if (st.st_size > 0) {
-        f->map_len = (size_t)st.st_size;
-        f->map = mmap(NULL, f->map_len, PROT_READ, MAP_PRIVATE, fd, 0);
-        if (f->map == MAP_FAILED) {
-            f->map = NULL;
-            rc = kvf_set_error(KVF_EIO, "%s: cannot map %zu bytes: %s", path, f->map_len, strerror(errno));
-        }
+    f->fd = fd;
+    f->len = (size_t)st.st_size;
+    f->mtime = st.st_mtim;
+    uint64_t hlen = 0;
+    char *text = NULL;
+    if (f->len < 8)
+        rc = kvf_set_error(KVF_EFORMAT, "%s: %zu bytes: too short for the 8-byte header length", path, f->len);
+    else if (!(rc = read_at(f, 0, 8, &hlen, "the header length")) && !(rc = check_header_length(f, hlen))) {
+        if (!(text = malloc(hlen ? (size_t)hlen : 1)))
+            rc = kvf_set_error(KVF_ENOMEM, "%s: out of memory for a %" PRIu64 "-byte header", path, hlen);
+        else if (!(rc = read_at(f, 8, (size_t)hlen, text, "the header")))
+            rc = parse_header(f, text, hlen);
     }
-    close(fd);
-    f->bytes = f->map;
-    f->len = f->map ? f->map_len : 0;
-    if (rc || (rc = parse_header(f))) { kvf_st_close(f); return rc; }
+    free(text);
+    if (rc) { kvf_st_close(f); return rc; }
     *out = f;
+    return KVF_OK;
+}
+
+int kvf_st_read(const kvf_st_tensor *t, size_t off, size_t n, void *out) {
+    if (!t || !t->file || (n && !out)) return kvf_set_error(KVF_EINVAL, "kvf_st_read: NULL argument");
+    const kvf_st_file *f = t->file;
+    if (off > t->n_bytes || n > t->n_bytes - off)
+        return kvf_set_error(KVF_EINVAL, "%s: tensor \"%s\": bytes [%zu, %zu) are outside its %zu", f->label, t->name,
+                             off, off + n, t->n_bytes);
+    if (!n) return KVF_OK;
+    if (f->bytes) {
+        memcpy(out, f->bytes + t->offset + off, n);
+        return KVF_OK;
+    }
+    char what[160], pn[128];
+    snprintf(what, sizeof what, "tensor \"%s\"", kvf_st_printable(t->name, pn, sizeof pn));
+    return read_at(f, t->offset + off, n, out, what);
+}
+
+int kvf_st_check_unchanged(const kvf_st_file *f) {
+    if (!f || f->fd < 0) return KVF_OK;
+    struct stat st;
+    if (fstat(f->fd, &st) != 0) return kvf_set_error(KVF_EIO, "%s: cannot stat: %s", f->label, strerror(errno));
+    if ((size_t)st.st_size != f->len || st.st_mtim.tv_sec != f->mtime.tv_sec || st.st_mtim.tv_nsec != f->mtime.tv_nsec)
+        return kvf_set_error(KVF_EIO,
+                             "%s: the file changed while read (%lld bytes now, %zu when opened; modified since): "
+                             "the results would mix two files",
+                             f->label, (long long)st.st_size, f->len);
     return KVF_OK;
 }
 
 void kvf_st_close(kvf_st_file *f) {
     if (!f) return;
-    if (f->map) munmap(f->map, f->map_len);
+    if (f->fd >= 0) close(f->fd);
     json_decref(f->root);
     free(f->t);
     free(f->label);

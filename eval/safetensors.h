@@ -23,23 +23,27 @@ typedef enum kvf_st_dtype {
     KVF_ST_DTYPE_COUNT
 } kvf_st_dtype;
 
+typedef struct kvf_st_file kvf_st_file;
+
 typedef struct kvf_st_tensor {
     const char *name;          /* owned by the file */
     kvf_st_dtype dtype;
     int ndim;
     int64_t shape[KVF_ST_MAX_DIMS];
     uint64_t n_elements;
-    const uint8_t *data;       /* inside the file's bytes; any alignment */
+    const kvf_st_file *file;   /* the file it is in (kvf_st_read reads from it) */
+    uint64_t offset;           /* of its first byte from the start of the file */
     size_t n_bytes;
 } kvf_st_tensor;
-
-typedef struct kvf_st_file kvf_st_file;
 
 /* Name ("BF16") and element size of a dtype. */
 const char *kvf_st_dtype_name(kvf_st_dtype t);
 size_t kvf_st_dtype_size(kvf_st_dtype t);
 
-/* Map a file read-only and parse it. `*out` is NULL on failure. */
+/* Open a regular file read-only and parse its header; the data is read when
+ * asked (kvf_st_read, pread), so a file truncated while open gives KVF_EIO,
+ * never SIGBUS. A FIFO, device, socket or directory is refused (KVF_EIO) and
+ * never waited on (opened O_NONBLOCK). `*out` is NULL on failure. */
 int kvf_st_open(const char *path, kvf_st_file **out);
 /* Parse bytes in memory (not copied: they must outlive the file object).
  * `label` names the bytes in messages. */
@@ -47,6 +51,13 @@ int kvf_st_parse(const void *bytes, size_t len, const char *label, kvf_st_file *
 void kvf_st_close(kvf_st_file *f);
 
 const char *kvf_st_label(const kvf_st_file *f);
+/* Bytes [off, off + n) of a tensor's data into out (any alignment). KVF_EIO
+ * when the file now ends before them (truncated while open) or cannot be read
+ * (out zeroed then); KVF_EINVAL when the range is outside the tensor. */
+int kvf_st_read(const kvf_st_tensor *t, size_t off, size_t n, void *out);
+/* KVF_EIO when the file's size or modification time differ from when it was
+ * opened (changed while read); KVF_OK for bytes in memory. */
+int kvf_st_check_unchanged(const kvf_st_file *f);
 size_t kvf_st_count(const kvf_st_file *f);
 /* Tensors sorted by name (strcmp order), 0 <= i < kvf_st_count(f). */
 const kvf_st_tensor *kvf_st_at(const kvf_st_file *f, size_t i);

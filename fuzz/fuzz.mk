@@ -17,7 +17,7 @@ FUZZ_O ?= out/fuzz
 FUZZ_SECONDS ?= 60
 # Extra libFuzzer flags, e.g. FUZZ_FLAGS=-jobs=2 or -runs=N
 FUZZ_FLAGS ?=
-FUZZ_TARGETS := fuzz_scheme fuzz_packed fuzz_roundtrip fuzz_dump
+FUZZ_TARGETS := fuzz_scheme fuzz_packed fuzz_roundtrip fuzz_dump fuzz_table
 FUZZ_SAN := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
 FUZZ_CFLAGS := -std=c11 -D_GNU_SOURCE $(WARN) -O1 -g $(FUZZ_SAN) -pthread \
 	-Iinclude -Iruntime -Itemplates -Igen -Ieval -Ifuzz -I$(O)/gen $(LUA_CFLAGS) -I$(CUDA_HOME)/include \
@@ -27,11 +27,13 @@ FUZZ_LIB_OBJ := $(patsubst %.c,$(FUZZ_O)/obj/%.o,$(LIB_SRC) $(EVAL_SRC)) $(FUZZ_
 FUZZ_SEEDS_fuzz_scheme := fuzz/corpus/scheme fuzz/regress/scheme schemes tests/schemes_bad
 FUZZ_SEEDS_fuzz_packed := fuzz/corpus/packed fuzz/regress/packed
 FUZZ_SEEDS_fuzz_roundtrip := fuzz/corpus/roundtrip fuzz/regress/roundtrip
-FUZZ_SEEDS_fuzz_dump := fuzz/corpus/dump fuzz/regress/dump
+FUZZ_SEEDS_fuzz_dump := fuzz/corpus/dump fuzz/corpus/dump_args fuzz/regress/dump
+FUZZ_SEEDS_fuzz_table := fuzz/corpus/table fuzz/regress/table
 FUZZ_OPTS_fuzz_scheme := -dict=fuzz/scheme.dict -timeout=10 -max_len=4096
 FUZZ_OPTS_fuzz_packed := -timeout=10 -max_len=32768
 FUZZ_OPTS_fuzz_roundtrip := -timeout=10 -max_len=8192
 FUZZ_OPTS_fuzz_dump := -dict=fuzz/dump.dict -timeout=10 -max_len=32768
+FUZZ_OPTS_fuzz_table := -timeout=10 -max_len=65536
 
 .PHONY: fuzz fuzz-build fuzz-seeds test-asan
 
@@ -55,12 +57,13 @@ $(FUZZ_O)/fuzz_dump: fuzz/fuzz_dump.h
 fuzz-build: $(addprefix $(FUZZ_O)/,$(FUZZ_TARGETS))
 
 fuzz: fuzz-build
-	@mkdir -p fuzz/regress/scheme fuzz/regress/packed fuzz/regress/roundtrip fuzz/regress/dump
+	@mkdir -p fuzz/regress/scheme fuzz/regress/packed fuzz/regress/roundtrip fuzz/regress/dump fuzz/regress/table
 	@status=0; for t in $(FUZZ_TARGETS); do \
 	  case $$t in \
 	    fuzz_scheme) seeds="$(FUZZ_SEEDS_fuzz_scheme)"; opts="$(FUZZ_OPTS_fuzz_scheme)";; \
 	    fuzz_packed) seeds="$(FUZZ_SEEDS_fuzz_packed)"; opts="$(FUZZ_OPTS_fuzz_packed)";; \
 	    fuzz_dump) seeds="$(FUZZ_SEEDS_fuzz_dump)"; opts="$(FUZZ_OPTS_fuzz_dump)";; \
+	    fuzz_table) seeds="$(FUZZ_SEEDS_fuzz_table)"; opts="$(FUZZ_OPTS_fuzz_table)";; \
 	    *) seeds="$(FUZZ_SEEDS_fuzz_roundtrip)"; opts="$(FUZZ_OPTS_fuzz_roundtrip)";; \
 	  esac; \
 	  sh fuzz/run.sh $(FUZZ_O)/$$t $(FUZZ_SECONDS) $(FUZZ_O)/work/$$t $(FUZZ_O)/artifacts/$$t \

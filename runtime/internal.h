@@ -68,7 +68,7 @@ typedef struct kvf_chunk_cfg {
     int sink;   /* first chunks never quantized */
 } kvf_chunk_cfg;
 
-/* The practitioner's temporally stable pipeline (docs/METHODS.md section 8):
+/* The practitioner's temporally stable pipeline (docs/METHODS.md section 11):
  * outlier separation, temporal anchors, error feedback and calibrated mixed
  * precision. Zero everywhere: off. */
 typedef struct kvf_pipeline_cfg {
@@ -240,7 +240,7 @@ typedef struct kvf_section_layout {
     size_t bscale_off, bscale_bytes; /* PSAC: f32 [H] basis scales */
     size_t coef_off, coef_bytes;     /* PSAC: int8 [H][N][r] */
     size_t cscale_off, cscale_bytes; /* PSAC: fp16 [H][N] */
-    /* The pipeline's planes (METHODS.md 8), after the others, so a scheme
+    /* The pipeline's planes (METHODS.md 11), after the others, so a scheme
      * without them keeps its layout: */
     int outliers, mp_channels, mp_bits;
     size_t oidx_off, oidx_bytes;     /* outliers: u8 [H][N][K] channels */
@@ -278,6 +278,13 @@ int kvf_anchor_scheme_of(const struct kvf_scheme *s, struct kvf_scheme *a);
 int kvf_pipeline_args_check(const struct kvf_scheme *s, const kvf_layout *L, const void *packed, size_t packed_bytes,
                             const void *anchor, size_t anchor_bytes, int64_t anchor_n_tokens,
                             struct kvf_scheme *anchor_s, kvf_layout *AL, const char *fn);
+
+/* -------------------------------------------- sensitivity table (sensitivity.c) */
+
+/* kvf_mixed_map over a table's text (path names it in messages): the reader
+ * the fuzzer drives. */
+int kvf_mixed_map_parse(const struct kvf_scheme *s, const char *text, size_t len, const char *path, int32_t layer,
+                        int32_t n_kv_heads, uint8_t *map);
 
 /* ------------------------------------------------- number formats (numfmt.c) */
 

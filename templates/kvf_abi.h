@@ -67,7 +67,7 @@ struct kvf_stage_planes {
     unsigned long long codes, scales, tscales, zeros, index, centroids;
 };
 
-/* The pipeline's planes of a section (METHODS.md 8): outliers' channels and
+/* The pipeline's planes of a section (METHODS.md 11): outliers' channels and
  * exact values; mixed precision's channel map, refinement codes and scales. */
 struct kvf_pipe_planes {
     unsigned long long oidx, oval, mmap, mcode, mscale;
@@ -149,7 +149,7 @@ struct kvf_header_params {
     struct kvf_header_words hdr;
 };
 
-/* What an encode kernel of a section needs of the pipeline (METHODS.md 8):
+/* What an encode kernel of a section needs of the pipeline (METHODS.md 11):
  * where the pipeline's planes go, the anchor the span is coded against, the
  * carried error, the channel map. Zero where the scheme has none. */
 struct kvf_pipe_io {

@@ -1,4 +1,4 @@
-// kvforge kernel template: the practitioner's pipeline (METHODS.md 8), the
+// kvforge kernel template: the practitioner's pipeline (METHODS.md 11), the
 // parts the row encodes (kvf_rtn.cuh), the k-means path (kvf_kmeans.cuh) and
 // the decode (kvf_decode.cuh) share: the anchor's rows, the outliers a row
 // keeps exactly, the refinement of the calibrated channels. A lane holds 8

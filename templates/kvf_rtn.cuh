@@ -20,7 +20,7 @@ constexpr int BLOCK = KVF_BLOCK; // kvf_abi.h: the host sizes grids with it
 // no bound, as before session 10, 30; occupancy is full either way).
 constexpr int MIN_BLOCKS = 8;
 
-// The pipeline (METHODS.md 8, kvf_pipeline.cuh): PK outliers a row, PM
+// The pipeline (METHODS.md 11, kvf_pipeline.cuh): PK outliers a row, PM
 // refined channels of PB bits, an anchor of AB bits, FB the carried error.
 // Without any (0s) this is the plain RTN encode.
 template <int D, int BITS, int G, int MODE, int SFMT, int ROT, int PK, int PM, int PB, int AB, int FB>

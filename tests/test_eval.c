@@ -4,9 +4,11 @@
  * eval/worldmodel/kv_small.safetensors when it exists). */
 #include "testutil.h"
 
+#include "calibrate.h"
 #include "dump.h"
 #include "eval.h"
 #include "metrics.h"
+#include "cli_args.h"
 #include "safetensors.h"
 
 #include <jansson.h>
@@ -14,6 +16,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -534,7 +538,7 @@ static void test_dump_corrupted(void **state) {
 static kvf_eval_report run_eval_opt(const kvf_scheme *s, const char *path, int device, int warm) {
     kvf_dump *d;
     assert_int_equal(kvf_dump_open(path, &d), KVF_OK);
-    kvf_eval_options opt = {device, 0, warm, NULL};
+    kvf_eval_options opt = {.device = device, .warm = warm};
     kvf_eval_report r;
     int rc = kvf_eval_run(s, d, &opt, &r);
     if (rc) fail_msg("kvf_eval_run: %s: %s", kvf_status_name(rc), kvf_last_error());
@@ -781,7 +785,7 @@ static void test_mismatch_errors(void **state) {
     synth_write(sd, path, NULL);
     kvf_dump *d;
     assert_int_equal(kvf_dump_open(path, &d), KVF_OK);
-    kvf_eval_options opt = {KVF_DEVICE_CPU, 1, 0, NULL};
+    kvf_eval_options opt = {.device = KVF_DEVICE_CPU, .threads = 1};
     kvf_eval_report r;
     kvf_scheme *s = tu_scheme_text("return { base = 'rtn_int2', head_dim = 64 }");
     assert_error_has(kvf_eval_run(s, d, &opt, &r), KVF_EINVAL, "head_dim = 128, scheme scheme has head_dim = 64");
@@ -887,18 +891,28 @@ static void test_recon_matches_scheme(void **state) {
         "return { base = 'kivi_int2' }",                               /* recent = 1: exact chunks in the history */
         "return { base = 'quantwm_int2', chunk = { sink = 1, span = 2 } }", /* query statistics, sink, span */
         "return { base = 'rtn_int4', name = 'pre', rope = { placement = 'pre', sections = {16, 24, 24} } }",
+        /* the pipeline: anchor spans (chunks 0 and 2), the carried error, a channel map */
+        "return { base = 'stable_int2', anchors = { every = 2, bits = 8 } }",
     };
+    const char *table = tmp_file("recon_table.json");
     kvf_dump *d;
     assert_int_equal(kvf_dump_open(path, &d), KVF_OK);
     for (size_t i = 0; i < sizeof schemes / sizeof schemes[0]; i++) {
         kvf_scheme *s = tu_scheme_text(schemes[i]);
-        kvf_eval_options opt = {KVF_DEVICE_CPU, 2, 0, rpath};
+        kvf_eval_options opt = {.device = KVF_DEVICE_CPU, .threads = 2, .recon_out = rpath};
+        if (i == 5) {
+            kvf_eval_report none;
+            assert_int_equal(kvf_eval_run(s, d, &opt, &none), KVF_EINVAL); /* no table */
+            assert_non_null(strstr(kvf_last_error(), "kvforge calibrate"));
+            if (kvf_calibrate(s, d, 0, 2, table, NULL, NULL)) fail_msg("%s", kvf_last_error());
+            opt.table = table;
+        }
         kvf_eval_report a, b;
         int rc = kvf_eval_run(s, d, &opt, &a);
         if (rc) fail_msg("%s: %s", schemes[i], kvf_last_error());
         kvf_recon *r;
         if (kvf_recon_open(rpath, &r)) fail_msg("%s", kvf_last_error());
-        assert_int_equal(r->n_parts, 3);
+        assert_int_equal(r->n_parts, 4);
         assert_int_equal(r->sink, a.sink);
         assert_int_equal(r->span, a.span);
         assert_string_equal(r->name, a.scheme_id);
@@ -909,9 +923,16 @@ static void test_recon_matches_scheme(void **state) {
         assert_same_report(&a, &b);
         assert_true(b.peer && !a.peer);
         assert_true(a.overall.stored_bytes > 0 && a.overall.kv_values > 0);
-        for (int p = 0; p < 3; p++) assert_true(a.part_bytes[p] == b.part_bytes[p]);
+        for (int p = 0; p < 4; p++) assert_true(a.part_bytes[p] == b.part_bytes[p]);
         if (i == 2) assert_true(a.part_bytes[1] > 0); /* KIVI's recent chunk */
         if (i == 3) assert_true(a.part_bytes[2] > 0); /* QuantWM's statistics */
+        if (i == 5) { /* per layer: one span of carried error (f32 K and V); two anchors of four spans */
+            assert_true(a.part_bytes[3] == 2.0 * 4 * c.layers * c.kv_heads * c.tokens * c.d);
+            assert_int_equal(a.anchor_spans, 2 * c.layers);
+            assert_string_equal(a.table, table);
+        } else {
+            assert_true(a.part_bytes[3] == 0);
+        }
         kvf_eval_report_free(&a);
         kvf_eval_report_free(&b);
         kvf_recon_close(r);
@@ -1030,7 +1051,7 @@ static void test_recon_lossless(void **state) {
         recon_write(sd, rpath, &o);
         kvf_recon *r;
         if (kvf_recon_open(rpath, &r)) fail_msg("%s", kvf_last_error());
-        kvf_eval_options opt = {KVF_DEVICE_CPU, 1, 0, NULL};
+        kvf_eval_options opt = {.device = KVF_DEVICE_CPU, .threads = 1};
         kvf_eval_report rep;
         if (kvf_eval_run_peer(r, d, &opt, &rep)) fail_msg("%s", kvf_last_error());
         const kvf_eval_metrics *m = &rep.overall;
@@ -1100,7 +1121,7 @@ static void test_recon_malformed(void **state) {
     recon_write(sd2, rpath, &other);
     kvf_recon *r;
     assert_int_equal(kvf_recon_open(rpath, &r), KVF_OK);
-    kvf_eval_options opt = {KVF_DEVICE_CPU, 1, 0, NULL};
+    kvf_eval_options opt = {.device = KVF_DEVICE_CPU, .threads = 1};
     kvf_eval_report rep;
     assert_error_has(kvf_eval_run_peer(r, d, &opt, &rep), KVF_EFORMAT, "tokens_per_chunk = 32, but the dump");
     kvf_recon_close(r);
@@ -1174,6 +1195,306 @@ static void test_cli_peer(void **state) {
     synth_free(sd);
 }
 
+/* ============================================================ what is wrong with a run */
+
+/* Element (head, token, channel) of a [heads][tokens][d] BF16 tensor set to x. */
+static void poke(uint16_t *t, int tokens, int d, int head, int token, int channel, float x) {
+    t[((size_t)head * tokens + token) * d + channel] = kvf_f32_to_bf16(x);
+}
+
+static kvf_eval_report run_path(const kvf_scheme *s, const char *path, const kvf_eval_options *opt, int *rc) {
+    kvf_dump *d;
+    assert_int_equal(kvf_dump_open(path, &d), KVF_OK);
+    kvf_eval_report r;
+    *rc = kvf_eval_run(s, d, opt, &r);
+    kvf_dump_close(d);
+    return r;
+}
+
+/* Run the CLI (cmd, stdout and stderr to files); returns the exit status and
+ * stderr's text in err. */
+static int run_cli(const char *cmd, const char *out_path, const char *err_path, char *err, size_t cap) {
+    char line[4096];
+    snprintf(line, sizeof line, "%s > '%s' 2> '%s'", cmd, out_path, err_path);
+    int status = system(line);
+    FILE *f = fopen(err_path, "r");
+    assert_non_null(f);
+    size_t n = fread(err, 1, cap - 1, f);
+    err[n] = 0;
+    fclose(f);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+/* NaN and infinities in K, V and Q: counted per tensor as read, the first
+ * one's place kept, the metrics they enter undefined (not a perfect score),
+ * the JSON and the warning say so; strict makes them an error. */
+static void test_nonfinite(void **state) {
+    (void)state;
+    synth_cfg c = small_cfg; /* 3 chunks of 64 tokens, 2 KV heads, 4 query heads, 32 queries */
+    c.layers = 2;
+    synth_dump *sd = synth_make(&c);
+    const char *path = tmp_file("nan.safetensors");
+    synth_write(sd, path, NULL);
+    kvf_scheme *s = tu_scheme("rtn_int2");
+    kvf_eval_options opt = {.device = KVF_DEVICE_CPU, .threads = 2};
+    int rc;
+    kvf_eval_report clean = run_path(s, path, &opt, &rc);
+    assert_int_equal(rc, KVF_OK);
+    assert_int_equal(clean.nonfinite_values, 0);
+    assert_int_equal(clean.n_nonfinite, 0);
+    /* per layer: k and v of 3 chunks, q of chunks 1 and 2 (chunk 0's queries score nothing) */
+    assert_int_equal(clean.tensors_checked, 2 * 8);
+    FILE *null = fopen("/dev/null", "w");
+    assert_int_equal(kvf_eval_print_warnings(&clean, null), 0);
+    fclose(null);
+
+    /* layer 1 only: v of chunk 0 (-inf), k of chunk 1 (two NaN), q of chunk 2 (+inf) */
+    const int ch = c.chunks;
+    poke(sd->v[1 * ch + 0], c.tokens, c.d, 1, 7, 9, -INFINITY);
+    poke(sd->k[1 * ch + 1], c.tokens, c.d, 0, 3, 5, NAN);
+    poke(sd->k[1 * ch + 1], c.tokens, c.d, 1, 60, 127, NAN);
+    poke(sd->q[1 * ch + 2], c.queries, c.d, 2, 31, 0, INFINITY);
+    synth_write(sd, path, NULL);
+    kvf_eval_report r = run_path(s, path, &opt, &rc);
+    assert_int_equal(rc, KVF_OK);
+    assert_int_equal(r.nonfinite_values, 4);
+    assert_int_equal(r.n_nonfinite, 3);
+    assert_int_equal(r.nonfinite_by_role[KVF_DUMP_K], 2);
+    assert_int_equal(r.nonfinite_by_role[KVF_DUMP_V], 1);
+    assert_int_equal(r.nonfinite_by_role[KVF_DUMP_Q], 1);
+    assert_int_equal(r.layer_nonfinite[0], 0);
+    assert_int_equal(r.layer_nonfinite[1], 4);
+    /* in reading order: layer 1's K/V of chunk 0, then chunk 1, then chunk 2's queries */
+    const kvf_eval_nonfinite *nf = r.nonfinite;
+    assert_string_equal(nf[0].tensor, "l1.c0.v");
+    assert_true(nf[0].count == 1 && nf[0].head == 1 && nf[0].token == 7 && nf[0].channel == 9);
+    assert_true(isinf(nf[0].first) && nf[0].first < 0);
+    assert_string_equal(nf[1].tensor, "l1.c1.k");
+    assert_true(nf[1].count == 2 && nf[1].head == 0 && nf[1].token == 3 && nf[1].channel == 5 && isnan(nf[1].first));
+    assert_string_equal(nf[2].tensor, "l1.c2.q");
+    assert_true(nf[2].count == 1 && nf[2].head == 2 && nf[2].token == 31 && nf[2].channel == 0 && nf[2].first > 0);
+    /* layer 0 scored as before; layer 1 and the overall undefined, not perfect */
+    assert_memory_equal(&r.layer[0], &clean.layer[0], sizeof r.layer[0]);
+    assert_true(isnan(r.layer[1].top1_shift) && isnan(r.layer[1].attn_out_rel_err) && isnan(r.layer[1].key_mse));
+    assert_true(isnan(r.overall.top1_shift) && isnan(r.overall.top5_overlap) && isnan(r.overall.value_mse));
+    assert_true(isnan(r.step[1 * ch + 2].top1_shift));
+    assert_float_equal(r.overall.compression, clean.overall.compression, 0);
+    char *json = kvf_eval_report_json(&r);
+    json_error_t err;
+    json_t *root = json_loads(json, 0, &err);
+    assert_non_null(root);
+    json_t *jn = json_object_get(root, "nonfinite");
+    assert_int_equal(json_integer_value(json_object_get(jn, "values")), 4);
+    assert_int_equal(json_integer_value(json_object_get(jn, "tensors_checked")), 16);
+    assert_int_equal(json_integer_value(json_object_get(json_object_get(jn, "by_role"), "k")), 2);
+    json_t *t1 = json_array_get(json_object_get(jn, "tensors"), 1);
+    assert_string_equal(json_string_value(json_object_get(t1, "tensor")), "l1.c1.k");
+    assert_int_equal(json_integer_value(json_object_get(t1, "count")), 2);
+    assert_string_equal(json_string_value(json_object_get(json_object_get(t1, "first"), "value")), "NaN");
+    assert_true(json_is_null(json_object_get(json_object_get(root, "overall"), "top1_shift")));
+    assert_int_equal(json_integer_value(json_object_get(json_array_get(json_object_get(root, "layers"), 1), "nonfinite")), 4);
+    assert_true(json_is_real(json_object_get(json_array_get(json_object_get(root, "layers"), 0), "top1_shift")));
+    const char *w = json_string_value(json_array_get(json_object_get(root, "warnings"), 0));
+    assert_non_null(w);
+    assert_non_null(strstr(w, "4 NaN or infinite values in 3 of the 16 tensors read"));
+    assert_non_null(strstr(w, "first: tensor l1.c0.v, head 1, token 7, channel 9 (-inf)"));
+    json_decref(root);
+    free(json);
+    kvf_eval_report_free(&r);
+
+    /* strict: an error naming the first one */
+    opt.strict = 1;
+    r = run_path(s, path, &opt, &rc);
+    assert_error_has(rc, KVF_EFORMAT, "tensor \"l1.c0.v\" holds 1 non-finite value in head 1 (first: -inf at token 7");
+
+    /* the command line: exit 0 with the warning, --strict exit 1 */
+    char bin[1200], cmd[4096], text[8192];
+    if (tu_built_program("kvforge", bin, sizeof bin)) {
+        const char *out = tmp_file("nan_out.json"), *errp = tmp_file("nan_err.txt");
+        snprintf(cmd, sizeof cmd, "'%s' eval --scheme rtn_int2 --data '%s' --json", bin, path);
+        assert_int_equal(run_cli(cmd, out, errp, text, sizeof text), 0);
+        if (!strstr(text, "warning: the dump holds 4 NaN or infinite values") || !strstr(text, "l1.c0.v"))
+            fail_msg("no warning on stderr: %s", text);
+        json_t *j = json_load_file(out, 0, &err);
+        assert_non_null(j);
+        assert_int_equal(json_integer_value(json_object_get(json_object_get(j, "nonfinite"), "values")), 4);
+        json_decref(j);
+        snprintf(cmd, sizeof cmd, "'%s' eval --scheme rtn_int2 --data '%s' --strict", bin, path);
+        assert_int_equal(run_cli(cmd, out, errp, text, sizeof text), 1);
+        if (!strstr(text, "l1.c0.v") || !strstr(text, "strict")) fail_msg("no error on stderr: %s", text);
+    }
+    kvf_eval_report_free(&clean);
+    kvf_scheme_free(s);
+    synth_free(sd);
+}
+
+/* --warm where no warm-started span is ever scored says so: a scheme
+ * without k-means, one chunk, two chunks (the second span, warm, is packed
+ * after the last chunk); four chunks score two warm spans of three. */
+static void test_warm_unscored(void **state) {
+    (void)state;
+    kvf_scheme *qvg = tu_scheme_text("return { base = 'qvg_int2', key = { centroids = 16 }, value = { centroids = 16 } }");
+    kvf_scheme *rtn = tu_scheme("rtn_int2");
+    kvf_eval_options opt = {.device = KVF_DEVICE_CPU, .threads = 2, .warm = 1};
+    static const struct { int chunks, rtn, spans, scored; const char *says; } cases[] = {
+        {1, 0, 0, 0, "--warm changed no score: 0 spans of 1 chunk were warm-started"},
+        {2, 0, 1, 0, "--warm changed no score: 1 span of 2 chunks was warm-started, none scored"},
+        {4, 0, 3, 2, NULL},
+        {4, 1, 0, 0, "--warm changed nothing: scheme rtn_int2_"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        synth_cfg c = small_cfg;
+        c.chunks = cases[i].chunks;
+        synth_dump *sd = synth_make(&c);
+        const char *path = tmp_file("warm1.safetensors");
+        synth_write(sd, path, NULL);
+        int rc;
+        kvf_eval_report r = run_path(cases[i].rtn ? rtn : qvg, path, &opt, &rc);
+        if (rc) fail_msg("%s", kvf_last_error());
+        assert_int_equal(r.warm_spans, cases[i].spans);
+        assert_int_equal(r.warm_spans_scored, cases[i].scored);
+        char *json = kvf_eval_report_json(&r);
+        json_error_t err;
+        json_t *root = json_loads(json, 0, &err);
+        assert_non_null(root);
+        json_t *pol = json_object_get(root, "policy"), *warn = json_object_get(root, "warnings");
+        assert_int_equal(json_integer_value(json_object_get(pol, "warm_spans_scored")), cases[i].scored);
+        if (cases[i].says) {
+            assert_int_equal(json_array_size(warn), 1);
+            const char *w = json_string_value(json_array_get(warn, 0));
+            if (!strstr(w, cases[i].says)) fail_msg("case %zu: \"%s\" not in \"%s\"", i, cases[i].says, w);
+        } else {
+            assert_int_equal(json_array_size(warn), 0);
+        }
+        json_decref(root);
+        free(json);
+        kvf_eval_report_free(&r);
+        synth_free(sd);
+    }
+    char bin[1200], cmd[4096], text[8192];
+    if (tu_built_program("kvforge", bin, sizeof bin)) {
+        synth_cfg c = small_cfg;
+        c.chunks = 1;
+        synth_dump *sd = synth_make(&c);
+        const char *path = tmp_file("warm_cli.safetensors");
+        synth_write(sd, path, NULL);
+        snprintf(cmd, sizeof cmd, "'%s' eval --scheme qvg_int2 --data '%s' --warm", bin, path);
+        assert_int_equal(run_cli(cmd, tmp_file("warm_out.txt"), tmp_file("warm_err.txt"), text, sizeof text), 0);
+        if (!strstr(text, "warning: --warm changed no score")) fail_msg("no warning on stderr: %s", text);
+        synth_free(sd);
+    }
+    kvf_scheme_free(qvg);
+    kvf_scheme_free(rtn);
+}
+
+/* A dump truncated or changed after it was opened: an error (KVF_EIO), not
+ * SIGBUS; a FIFO, a device and a directory are refused at once. */
+static void test_file_changes(void **state) {
+    (void)state;
+    synth_dump *sd = synth_make(&small_cfg);
+    char path[1024];
+    snprintf(path, sizeof path, "%s", tmp_file("trunc.safetensors"));
+    synth_write(sd, path, NULL);
+    kvf_scheme *s = tu_scheme("rtn_int2");
+    kvf_eval_options opt = {.device = KVF_DEVICE_CPU, .threads = 1};
+    kvf_eval_report r;
+    /* truncated between open and read */
+    kvf_dump *d;
+    assert_int_equal(kvf_dump_open(path, &d), KVF_OK);
+    FILE *f = fopen(path, "rb");
+    fseek(f, 0, SEEK_END);
+    const long len = ftell(f);
+    fclose(f);
+    assert_int_equal(truncate(path, len / 2), 0);
+    assert_error_has(kvf_eval_run(s, d, &opt, &r), KVF_EIO, "the file changed while read: tensor \"l0.c");
+    /* kvf_st_read itself: the bytes past the end zeroed */
+    const kvf_st_tensor *last = kvf_dump_tensor(d, 0, 2, KVF_DUMP_V);
+    uint16_t buf[8] = {1, 2, 3, 4, 5, 6, 7, 8}, zero[8] = {0};
+    assert_error_has(kvf_dump_bf16(last, 0, 8, buf), KVF_EIO, "now ends at byte");
+    assert_memory_equal(buf, zero, sizeof buf);
+    assert_error_has(kvf_st_read(last, last->n_bytes - 2, 4, buf), KVF_EINVAL, "outside");
+    kvf_dump_close(d);
+
+    /* changed in place (same size, new contents and time): caught after the layer */
+    synth_write(sd, path, NULL);
+    assert_int_equal(kvf_dump_open(path, &d), KVF_OK);
+    int fd = open(path, O_WRONLY);
+    assert_true(fd >= 0);
+    assert_int_equal(pwrite(fd, "\0\0", 2, len - 2), 2);
+    const struct timespec times[2] = {{0, UTIME_OMIT}, {12345, 0}};
+    assert_int_equal(futimens(fd, times), 0);
+    close(fd);
+    assert_error_has(kvf_eval_run(s, d, &opt, &r), KVF_EIO, "the file changed while read");
+    kvf_dump_close(d);
+
+    /* a file shorter than its header says: refused when opened */
+    synth_write(sd, path, NULL);
+    assert_int_equal(truncate(path, len - 1), 0);
+    assert_error_has(kvf_dump_open(path, &d), KVF_EFORMAT, "run past the end of the data");
+
+    /* not regular files: never waited on (a FIFO with no writer) */
+    const char *fifo = tmp_file("fifo");
+    assert_int_equal(mkfifo(fifo, 0600), 0);
+    alarm(20); /* a blocking open would hang here: the alarm fails the test */
+    assert_error_has(kvf_dump_open(fifo, &d), KVF_EIO, "is a FIFO (named pipe), not a regular file");
+    assert_error_has(kvf_dump_open("/dev/null", &d), KVF_EIO, "is a character device, not a regular file");
+    assert_error_has(kvf_dump_open(tmp_dir, &d), KVF_EIO, "is a directory, not a regular file");
+    kvf_recon *rec;
+    assert_error_has(kvf_recon_open(fifo, &rec), KVF_EIO, "is a FIFO");
+    alarm(0);
+    kvf_scheme_free(s);
+    synth_free(sd);
+}
+
+/* `kvforge eval`'s option parser (eval/cli_args.c), as the CLI and the fuzzer call it. */
+static int parse_line(const char *line, kvf_eval_args *a, char *err, size_t cap) {
+    static char buf[1024]; /* the parsed strings point into it after the return */
+    char *argv[32];
+    int argc = 0;
+    snprintf(buf, sizeof buf, "eval %s", line);
+    for (char *t = strtok(buf, " "); t && argc < 31; t = strtok(NULL, " ")) argv[argc++] = t;
+    argv[argc] = NULL;
+    FILE *f = fmemopen(err, cap, "w");
+    int rc = kvf_eval_parse_args(argc, argv, a, f);
+    fclose(f);
+    return rc;
+}
+
+static void test_eval_args(void **state) {
+    (void)state;
+    kvf_eval_args a;
+    char err[1024];
+    assert_int_equal(parse_line("--scheme rtn_int2 --data D --json --threads 3 --warm --strict -q", &a, err, sizeof err), 0);
+    assert_string_equal(a.scheme, "rtn_int2");
+    assert_string_equal(a.data, "D");
+    assert_true(a.json && a.threads == 3 && a.warm && a.strict && a.quiet && !a.gpu && !a.peer && !a.help);
+    assert_int_equal(parse_line("--data=D -p R", &a, err, sizeof err), 0);
+    assert_true(a.peer && !strcmp(a.peer, "R") && !strcmp(a.data, "D"));
+    assert_int_equal(parse_line("--bogus --help", &a, err, sizeof err), 2);
+    assert_int_equal(parse_line("--help --bogus", &a, err, sizeof err), 2);
+    assert_int_equal(parse_line("--help", &a, err, sizeof err), 0);
+    assert_true(a.help);
+    static const struct { const char *line, *msg; } bad[] = {
+        {"--scheme s --data D --bogus", "unknown option '--bogus'"},
+        {"--scheme s --data D -x", "unknown option '-x'"},
+        {"--scheme s --data", "option '--data' needs a value"},
+        {"--scheme s -d", "option '-d' needs a value"},
+        {"--scheme s --data D --json=yes", "option '--json' takes no value"},
+        {"--scheme s --data D --data E", "option '--data' given twice"},
+        {"--scheme s --data D --threads 0", "--threads '0': must be an integer in 1..256"},
+        {"--scheme s --data D --threads 2 --threads 2", "option '--threads' given twice"},
+        {"--scheme s --data D extra", "unexpected argument 'extra'"},
+        {"--scheme s", "--data and one of --scheme or --peer are required"},
+        {"--scheme= --data D", "option '--scheme' needs a value, not an empty one"},
+        {"--peer R --data D --write-recon X", "--peer takes no --write-recon"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        memset(err, 0, sizeof err);
+        int rc = parse_line(bad[i].line, &a, err, sizeof err);
+        if (rc != 2 || !strstr(err, bad[i].msg)) fail_msg("'%s': rc %d, \"%s\" not in: %s", bad[i].line, rc, bad[i].msg, err);
+    }
+}
+
 /* A dump whose texts are long, multi-byte UTF-8: the report's copies are cut
  * at a character boundary, so the JSON report builds. */
 static void test_report_utf8_cut(void **state) {
@@ -1243,6 +1564,10 @@ int main(void) {
         cmocka_unit_test(test_recon_lossless),
         cmocka_unit_test(test_recon_malformed),
         cmocka_unit_test(test_cli_peer),
+        cmocka_unit_test(test_nonfinite),
+        cmocka_unit_test(test_warm_unscored),
+        cmocka_unit_test(test_file_changes),
+        cmocka_unit_test(test_eval_args),
         cmocka_unit_test(test_report_utf8_cut),
         cmocka_unit_test(test_committed_dump),
     };

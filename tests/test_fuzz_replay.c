@@ -31,6 +31,9 @@ static char current[1024]; /* the input being replayed, for messages */
 #define LLVMFuzzerTestOneInput fuzz_dump_one
 #include "../fuzz/fuzz_dump.c"
 #undef LLVMFuzzerTestOneInput
+#define LLVMFuzzerTestOneInput fuzz_table_one
+#include "../fuzz/fuzz_table.c"
+#undef LLVMFuzzerTestOneInput
 
 typedef int (*target_fn)(const uint8_t *, size_t);
 
@@ -124,6 +127,15 @@ static void replay_roundtrip(void **state) {
     print_message("roundtrip: %d saved findings replayed\n", found);
 }
 
+/* The sensitivity-table seeds (one accepted, the others refused) and every
+ * saved finding. */
+static void replay_table(void **state) {
+    (void)state;
+    assert_true(replay_dir(fuzz_table_one, "fuzz/corpus/table", NULL) >= 4);
+    int found = replay_dir(fuzz_table_one, "fuzz/regress/table", NULL);
+    print_message("table: %d saved findings replayed\n", found);
+}
+
 /* The dump seeds are accepted dumps or recon files of the fixed dump (so the
  * evaluation runs on them), and every saved finding replays. */
 static int dump_seed(const uint8_t *data, size_t size) {
@@ -156,6 +168,7 @@ int main(void) {
         cmocka_unit_test(replay_packed),
         cmocka_unit_test(replay_roundtrip),
         cmocka_unit_test(replay_dump),
+        cmocka_unit_test(replay_table),
     };
     return cmocka_run_group_tests_name("fuzz replay", tests, NULL, NULL);
 }

@@ -1572,7 +1572,7 @@ static size_t pipe_plane_diffs(const kvf_section_layout *l, const uint8_t *a, co
  * two spans coded against it, the second carrying the first's error: packed
  * planes, the carried error and the decoded K/V of the GPU equal to the CPU
  * reference's, byte for byte. Over an RTN and a k-means base, each option
- * alone and all together (METHODS.md 8). */
+ * alone and all together (METHODS.md 11). */
 static void gpu_pipeline_matches_cpu(void **state) {
     (void)state;
     SKIP_WITHOUT_GPU();

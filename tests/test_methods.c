@@ -20,13 +20,47 @@ static uint16_t *bf16_alloc(size_t n) {
     return p;
 }
 
+/* Mixed precision's channel map as a calibration on this very data would give
+ * it: per section and head, the channels of largest energy, numbered in
+ * channel order (the test stands in for `kvforge calibrate`). */
+static void oracle_map(const kvf_scheme *s, const uint16_t *k, const uint16_t *v, int64_t n, int h, uint8_t *map) {
+    int d = s->head_dim;
+    for (int sec = 0; sec < 2; sec++) {
+        double f = s->pipe.mp_fraction[sec];
+        int m = f > 0 ? (int)(f * d / 8 + 0.5) * 8 : 0;
+        const uint16_t *x = sec ? v : k;
+        for (int hh = 0; hh < h; hh++) {
+            double e[512] = {0};
+            uint8_t pick[512] = {0};
+            for (int64_t t = 0; t < n; t++)
+                for (int c = 0; c < d; c++) {
+                    double a = kvf_bf16_to_f32(x[((size_t)t * h + hh) * d + c]);
+                    e[c] += a * a;
+                }
+            for (int j = 0; j < m; j++) {
+                int best = -1;
+                for (int c = 0; c < d; c++)
+                    if (!pick[c] && (best < 0 || e[c] > e[best])) best = c;
+                pick[best] = 1;
+            }
+            uint8_t *row = map + ((size_t)sec * h + hh) * d;
+            for (int c = 0, slot = 0; c < d; c++) row[c] = pick[c] ? (uint8_t)slot++ : 255;
+        }
+    }
+}
+
 static uint8_t *encode_with(const kvf_scheme *s, const uint16_t *k, const uint16_t *v, int64_t n, int h,
                             const void *qstats, size_t *bytes) {
     kvf_shape sh = {n, h, 0, 0};
     assert_int_equal(kvf_packed_size(s, n, h, bytes), KVF_OK);
-    uint8_t *p = malloc(*bytes);
+    uint8_t *p = malloc(*bytes), *map = malloc((size_t)2 * h * s->head_dim);
     assert_non_null(p);
-    if (kvf_ref_encode(s, k, v, &sh, qstats, p, *bytes)) fail_msg("%s: encode: %s", s->name, kvf_last_error());
+    assert_non_null(map);
+    oracle_map(s, k, v, n, h, map);
+    kvf_encode_args ea = {.qstats = qstats};
+    if (s->pipe.mp_fraction[0] > 0 || s->pipe.mp_fraction[1] > 0) ea.channel_map = map;
+    if (kvf_ref_encode_ex(s, k, v, &sh, &ea, p, *bytes)) fail_msg("%s: encode: %s", s->name, kvf_last_error());
+    free(map);
     return p;
 }
 
@@ -900,6 +934,11 @@ static void test_warm_start_args(void **state) {
 static void test_footprint_table(void **state) {
     (void)state;
     static const int64_t spans[2] = {4680, 37440};
+    FILE *md = fopen(tu_path("docs/METHODS.md"), "rb");
+    assert_non_null(md);
+    static char methods_md[1 << 18];
+    methods_md[fread(methods_md, 1, sizeof methods_md - 1, md)] = 0;
+    fclose(md);
     print_message("| scheme | bytes/token/head, 4680 | ratio, 4680 | bytes/token/head, 37440 | ratio, 37440 |\n");
     print_message("|---|---|---|---|---|\n");
     for (const char *const *name = kvf_builtin_schemes(); *name; name++) {
@@ -912,8 +951,12 @@ static void test_footprint_table(void **state) {
             assert_int_equal(f[i].packed_bytes, L.total_bytes);
             assert_int_equal(f[i].bf16_bytes, (size_t)spans[i] * 128 * 4);
         }
-        print_message("| %s | %.2f | %.2fx | %.2f | %.2fx |\n", *name, (double)f[0].packed_bytes / 4680,
-                      f[0].compression, (double)f[1].packed_bytes / 37440, f[1].compression);
+        char row[200];
+        snprintf(row, sizeof row, "| %s | %.2f | %.2fx | %.2f | %.2fx |", *name, (double)f[0].packed_bytes / 4680,
+                 f[0].compression, (double)f[1].packed_bytes / 37440, f[1].compression);
+        print_message("%s\n", row);
+        /* docs/METHODS.md section 10 states every shipped scheme's sizes: the same row. */
+        if (!strstr(methods_md, row)) fail_msg("docs/METHODS.md section 10 lacks the row \"%s\"", row);
         if (!strcmp(*name, "rtn_int2")) assert_int_equal(f[1].packed_bytes, 256 + 2 * 37440 * 40);
         kvf_scheme_free(s);
     }

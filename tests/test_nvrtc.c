@@ -522,7 +522,7 @@ static void compile_error_reports_log(void **state) {
  * stage), takes 14 warps on sm_90 (8 on sm_80, with more registers to
  * spare): the report's rules of every_scheme_compiles hold for it. */
 /* The pipeline's kernels (outliers, refined channels, anchors, error
- * feedback; METHODS.md 8) compile for sm_90 over an RTN and a k-means base,
+ * feedback; METHODS.md 11) compile for sm_90 over an RTN and a k-means base,
  * with each option alone and all together; with NVRTC 13 the row encodes
  * and the decode do not spill. */
 static void pipeline_shapes_compile(void **state) {

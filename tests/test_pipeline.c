@@ -1,9 +1,10 @@
 /* The practitioner's pipeline on the CPU reference (runtime/cpu/ref_pipeline.c,
- * ref_encode.c; docs/METHODS.md section 8): outliers kept exactly, the
+ * ref_encode.c; docs/METHODS.md section 11): outliers kept exactly, the
  * refinement of calibrated channels, anchors, error feedback, the chunk
  * policy's anchors, the sensitivity table and the plan's rules. */
 #include "testutil.h"
 #include "cpu/ref.h"
+#include "calibrate.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -371,6 +372,82 @@ static void table_picks_and_refuses(void **state) {
     assert_non_null(strstr(kvf_last_error(), "key[0][0][5]"));
 }
 
+/* ------------------------------------------------------------ calibration */
+
+/* The table of the committed world-model dump (1 layer, 2 KV heads, chunk 0)
+ * reads back through kvf_mixed_map, and one channel's scores are what the
+ * measure says, recomputed here. */
+static void calibration_table(void **state) {
+    (void)state;
+    kvf_dump *d;
+    assert_int_equal(kvf_dump_open(tu_path("eval/worldmodel/kv_small.safetensors"), &d), KVF_OK);
+    kvf_scheme *s = tu_scheme_text("return { base = 'rtn_int2', mixed_precision = { key_fraction = 0.2, value_fraction = 0.1 } }");
+    char path[600];
+    snprintf(path, sizeof path, "%s/sens.json", tu_tmpdir());
+    assert_int_equal(kvf_calibrate(s, d, 0, 1, path, NULL, NULL), KVF_OK);
+    uint8_t map[2 * 2 * 128];
+    assert_int_equal(kvf_mixed_map(s, path, 0, 2, map), KVF_OK);
+    int refined[2] = {0, 0};
+    for (int t = 0; t < 2; t++)
+        for (int i = 0; i < 2 * 128; i++) refined[t] += map[t * 256 + i] != 255;
+    assert_int_equal(refined[0], 2 * 24);
+    assert_int_equal(refined[1], 2 * 16);
+    /* Channel 5 of KV head 1: E[e^2] of the values, and E[q^2] E[e^2] of the keys. */
+    const int64_t N = d->tokens;
+    const size_t n = (size_t)2 * N * 128;
+    uint16_t *k = malloc(n * 2), *v = malloc(n * 2), *ko = malloc(n * 2), *vo = malloc(n * 2);
+    size_t bytes;
+    kvf_scheme *b = tu_scheme("rtn_int2");
+    kvf_packed_size(b, N, 2, &bytes);
+    uint8_t *p = malloc(bytes);
+    kvf_dump_bf16(kvf_dump_tensor(d, 0, 0, KVF_DUMP_K), 0, n, k);
+    kvf_dump_bf16(kvf_dump_tensor(d, 0, 0, KVF_DUMP_V), 0, n, v);
+    kvf_shape sh = {N, 2, 0, 0};
+    assert_int_equal(kvf_ref_encode(b, k, v, &sh, NULL, p, bytes), KVF_OK);
+    assert_int_equal(kvf_ref_decode(b, p, bytes, &sh, NULL, ko, vo), KVF_OK);
+    double ek = 0, ev = 0, q2 = 0, nq = 0;
+    for (int64_t t = 0; t < N; t++) {
+        const size_t i = ((size_t)N + (size_t)t) * 128 + 5;
+        ek += pow(kvf_bf16_to_f32(k[i]) - kvf_bf16_to_f32(ko[i]), 2);
+        ev += pow(kvf_bf16_to_f32(v[i]) - kvf_bf16_to_f32(vo[i]), 2);
+    }
+    const kvf_st_tensor *qt = kvf_dump_tensor(d, 0, 0, KVF_DUMP_Q);
+    const int64_t Nq = qt->shape[1];
+    const int group = d->q_heads / d->kv_heads;
+    float *q = malloc((size_t)d->q_heads * Nq * 128 * sizeof(float));
+    kvf_dump_f32(qt, 0, (size_t)d->q_heads * Nq * 128, q);
+    for (int hq = group; hq < 2 * group; hq++)
+        for (int64_t t = 0; t < Nq; t++) q2 += pow(q[((size_t)hq * Nq + (size_t)t) * 128 + 5], 2), nq += 1;
+    FILE *f = fopen(path, "rb");
+    char *text = calloc(1, 1 << 22);
+    size_t got = fread(text, 1, (1 << 22) - 1, f);
+    fclose(f);
+    assert_true(got > 100);
+    /* The scores of (layer 0, head 1, channel 5): the 6th number of head 1's row. */
+    const char *kv[2] = {"\"key\"", "\"value\""};
+    const double want[2] = {(q2 / nq) * ek / (double)N, ev / (double)N};
+    for (int t = 0; t < 2; t++) {
+        const char *at = strstr(text, kv[t]);
+        assert_non_null(at);
+        at = strchr(at, '[');          /* layers */
+        at = strchr(at + 1, '[');      /* layer 0 */
+        at = strchr(at + 1, '[');      /* head 0 */
+        at = strchr(at + 1, '[');      /* head 1 */
+        double x = 0;
+        for (int c = 0; c <= 5; c++) {
+            at++;
+            x = strtod(at, (char **)&at);
+        }
+        print_message("calibration: %s score of head 1 channel 5: %.6g (recomputed %.6g)\n", t ? "value" : "key", x,
+                      want[t]);
+        assert_true(fabs(x - want[t]) <= 1e-6 * fabs(want[t]) + 1e-12);
+    }
+    free(text), free(q), free(p), free(k), free(v), free(ko), free(vo);
+    kvf_scheme_free(b);
+    kvf_scheme_free(s);
+    kvf_dump_close(d);
+}
+
 /* ------------------------------------------------------------ rules */
 
 static void rules_refuse_what_does_not_combine(void **state) {
@@ -407,6 +484,7 @@ int main(void) {
         cmocka_unit_test(feedback_cancels_the_error_over_time),
         cmocka_unit_test(policy_marks_anchors),
         cmocka_unit_test(table_picks_and_refuses),
+        cmocka_unit_test(calibration_table),
         cmocka_unit_test(rules_refuse_what_does_not_combine),
     };
     return cmocka_run_group_tests(tests, NULL, teardown);

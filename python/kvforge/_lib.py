@@ -102,7 +102,17 @@ class KvfSchemeInfo(Structure):
         ("rope_layout", c_int),
         ("rope_sections", c_int * KVF_MAX_ROPE_SECTIONS),
         ("rope_theta", c_double),
+        ("outliers", c_int * 2),
+        ("mixed_channels", c_int * 2),
+        ("anchor_every", c_int), ("anchor_bits", c_int),
+        ("feedback_decay", c_double),
     ]
+
+
+class KvfChunkStep(Structure):
+    """``kvf_chunk_step`` of include/kvforge.h (kvf_chunk_policy)."""
+    _fields_ = [("pack_first", c_int64), ("pack_chunks", c_int32), ("sink", c_int32),
+                ("warm_first", c_int64), ("warm_chunks", c_int32), ("reserved", c_int32)]
 
 
 # ------------------------------------------------------------- prototypes
@@ -143,6 +153,7 @@ _PROTOTYPES = {
                            c_void_p, c_void_p]),
     "kvf_packed_check": (c_int, [_p_scheme, c_void_p, c_size_t, c_int64, c_int32]),
     "kvf_scheme_get_info": (c_int, [_p_scheme, POINTER(KvfSchemeInfo)]),
+    "kvf_chunk_policy": (c_int, [_p_scheme, c_int64, POINTER(KvfChunkStep)]),
     "kvf_cache_dir": (c_int, [c_char_p, c_size_t]),
     "kvf_cache_clear": (c_int, []),
     "kvf_qstats_size": (c_int, [_p_scheme, c_int32, POINTER(c_size_t)]),

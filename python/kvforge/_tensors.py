@@ -202,9 +202,6 @@ class NumpyBackend:
         """A new contiguous [H, N, d] copy of a resolved argument (held BF16 chunks)."""
         return self.np.array(arg.hnd_view(), order="C", copy=True)
 
-    def clone(self, a):
-        return a.copy()
-
     def cat_tokens(self, xs):
         return xs[0] if len(xs) == 1 else self.np.concatenate(xs, axis=1)
 
@@ -346,9 +343,6 @@ class TorchBackend:
     def hnd_copy(self, arg: Arg):
         """A new contiguous [H, N, d] copy of a resolved argument (held BF16 chunks)."""
         return arg.hnd_view().clone(memory_format=self.torch.contiguous_format)
-
-    def clone(self, a):
-        return a.clone()
 
     def cat_tokens(self, xs):
         return xs[0] if len(xs) == 1 else self.torch.cat(xs, dim=1)

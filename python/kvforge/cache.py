@@ -11,10 +11,10 @@ __all__ = ["QuantizedKVCache"]
 
 class _Entry:
     """A run of consecutive chunks of one layer: one packed span, or one BF16 chunk."""
-    __slots__ = ("kind", "first_chunk", "n_chunks", "n_tokens", "packed", "k", "v", "positions", "qstats")
+    __slots__ = ("kind", "first_chunk", "n_chunks", "n_tokens", "packed", "k", "v", "positions")
 
     def __init__(self, kind, first_chunk, n_chunks, n_tokens, packed=None, k=None, v=None,
-                 positions=None, qstats=None):
+                 positions=None):
         self.kind = kind  # "packed", "sink" (BF16 forever) or "bf16" (recent / waiting for a span)
         self.first_chunk = first_chunk
         self.n_chunks = n_chunks
@@ -23,7 +23,6 @@ class _Entry:
         self.k = k  # [H, N, d] contiguous BF16 (held chunks)
         self.v = v
         self.positions = positions  # int32 [N, A] ("pre" schemes)
-        self.qstats = qstats  # statistics as of this chunk's append (first chunk of a waiting span)
 
 
 class _Layer:
@@ -74,14 +73,17 @@ class QuantizedKVCache:
         sample of the span's own tokens. Whether it helps depends on how alike
         consecutive spans are (docs/METHODS.md section 3).
 
-    Chunk policy (the scheme's ``chunk`` section): chunk i of a layer is the i-th
-    :meth:`append`. Chunks ``i < sink`` stay BF16 for ever. The ``recent`` newest
-    other chunks stay BF16; a chunk older than that waits (BF16) until ``span``
-    such chunks are there, which are then packed together as one span. With the
-    defaults (span 1, recent 0, sink 0) every chunk is packed inside its append.
+    Chunk policy (the scheme's ``chunk`` section, as the library states it:
+    kvf_chunk_policy, :meth:`kvforge.Scheme.chunk_step`): chunk i of a layer is
+    the i-th :meth:`append`. Chunks ``i < sink`` stay BF16 for ever. The
+    ``recent`` newest other chunks stay BF16; a chunk older than that waits
+    (BF16) until ``span`` such chunks are there, which are then packed together
+    as one span. With the defaults (span 1, recent 0, sink 0) every chunk is
+    packed inside its append.
 
-    Query statistics are strictly causal: a span starting at chunk t is encoded
-    with the statistics of the queries of chunks < t, whenever it is packed.
+    Query statistics are causal: a span packed inside append(t) is encoded with
+    the layer's statistics as they are then, the queries of chunks < t (chunk
+    t's are added after the pack).
     """
 
     def __init__(self, scheme, num_layers: int, num_kv_heads: int, head_dim: int | None = None, *,
@@ -199,10 +201,9 @@ class QuantizedKVCache:
         layout="nhd"); torch.bfloat16 on the cache's device, or numpy uint16 BF16
         bits / float32. q (optional): the chunk's queries [Hq, Nq, d], Hq a
         multiple of Hkv (grouped-query attention); they update the layer's query
-        statistics *after* this append's encoding, so a chunk's keys are never
-        packed with statistics of its own queries (nor of later chunks': a chunk
-        that waits in BF16 before being packed is packed with the statistics as
-        of its own append, a copy of which waits with it). positions: int32 [N, axes],
+        statistics *after* whatever this append packs, so a span packed now is
+        encoded with the queries of chunks before this one (with the defaults, a
+        chunk's keys never see its own queries). positions: int32 [N, axes],
         required for rope.placement = "pre" schemes (k then holds keys before RoPE
         and q queries before RoPE) and refused otherwise; with a batch, one [N, axes]
         for every entry. strict: overrides the cache's ``strict`` for this call.
@@ -241,23 +242,20 @@ class QuantizedKVCache:
             pos = None
 
         idx, n = st.n_chunks, ka.n_tokens
-        span, recent, sink = info.chunk_span, info.chunk_recent, info.chunk_sink
-        if idx < sink:
-            entries = st.entries + [_Entry("sink", idx, 1, n, k=be.hnd_copy(ka), v=be.hnd_copy(va), positions=pos)]
-        elif span == 1 and recent == 0:
+        step = self.scheme.chunk_step(idx)
+        alone = step.pack_chunks == 1 and step.pack_first == idx
+        if step.sink:
+            entry = _Entry("sink", idx, 1, n, k=be.hnd_copy(ka), v=be.hnd_copy(va), positions=pos)
+        elif alone:
             # Packed at once, straight from the caller's tensors (no copy).
             packed = be.empty_u8(self.ctx.packed_size(n, self._heads))
-            self.ctx.encode_args(ka, va, st.qstats, packed, warm=self._warm(st.entries))
-            entries = st.entries + [_Entry("packed", idx, 1, n, packed=packed, positions=pos)]
+            self.ctx.encode_args(ka, va, st.qstats, packed, warm=self._warm(st.entries, step))
+            entry = _Entry("packed", idx, 1, n, packed=packed, positions=pos)
         else:
-            # Waits in BF16. The span it starts (if it does) is packed later with the
-            # statistics of now (chunks < idx): a copy is kept until then.
-            snap = None
-            if st.qstats is not None and (idx - sink) % span == 0:
-                snap = be.clone(st.qstats)
-            entries = st.entries + [_Entry("bf16", idx, 1, n, k=be.hnd_copy(ka), v=be.hnd_copy(va),
-                                           positions=pos, qstats=snap)]
-            entries = self._age(entries)
+            entry = _Entry("bf16", idx, 1, n, k=be.hnd_copy(ka), v=be.hnd_copy(va), positions=pos)
+        entries = st.entries + [entry]
+        if step.pack_chunks and not alone:
+            entries = self._pack(entries, step, st.qstats)
         # Everything that can fail has run: commit.
         st.entries = entries
         st.n_chunks += 1
@@ -266,34 +264,39 @@ class QuantizedKVCache:
             self.ctx.qstats_update_arg(st.qstats, qa)
             st.q_chunks += 1
 
-    def _warm(self, entries):
-        """The warm start of the next span: the newest packed span before it, or None."""
-        if not self.warm_start:
+    def _warm(self, entries, step):
+        """The warm start of the span the step packs: the packed span the policy
+        names (step.warm_first), or None."""
+        if not self.warm_start or not step.warm_chunks:
             return None
-        last = next((e for e in reversed(entries) if e.kind == "packed"), None)
-        return None if last is None else (last.packed, last.n_tokens)
+        prev = next((e for e in entries if e.kind == "packed" and e.first_chunk == step.warm_first), None)
+        if prev is None or prev.n_chunks != step.warm_chunks:
+            raise RuntimeError(f"kvf_chunk_policy names chunks {step.warm_first}.."
+                               f"{step.warm_first + step.warm_chunks - 1} as the previous packed span, "
+                               f"which this cache does not hold as one")
+        return prev.packed, prev.n_tokens
 
-    def _age(self, entries):
-        """Pack the oldest waiting chunks, span by span, once more than `recent` wait."""
-        info, be = self.info, self.be
-        while True:
-            first = next((i for i, e in enumerate(entries) if e.kind == "bf16"), None)
-            if first is None:
-                return entries
-            waiting = entries[first:]  # BF16 chunks are always the newest
-            if len(waiting) - info.chunk_recent < info.chunk_span:
-                return entries
-            group = waiting[:info.chunk_span]
-            k = be.cat_tokens([e.k for e in group])
-            v = be.cat_tokens([e.v for e in group])
-            pos = be.cat_rows([e.positions for e in group]) if group[0].positions is not None else None
-            ka = be.kv(k, "k", "hnd", self.head_dim)
-            va = be.kv(v, "v", "hnd", self.head_dim)
-            n = sum(e.n_tokens for e in group)
-            packed = be.empty_u8(self.ctx.packed_size(n, self._heads))
-            self.ctx.encode_args(ka, va, group[0].qstats, packed, warm=self._warm(entries[:first]))
-            packed_entry = _Entry("packed", group[0].first_chunk, len(group), n, packed=packed, positions=pos)
-            entries = entries[:first] + [packed_entry] + waiting[info.chunk_span:]
+    def _pack(self, entries, step, qstats):
+        """Entries with the step's span packed: its chunks, waiting in BF16, become one
+        packed span, encoded with the layer's statistics as they are now."""
+        be = self.be
+        lo, hi = step.pack_first, step.pack_first + step.pack_chunks
+        at = [i for i, e in enumerate(entries) if lo <= e.first_chunk < hi]
+        group = [entries[i] for i in at]
+        if len(group) != step.pack_chunks or any(e.kind != "bf16" for e in group) or \
+                at != list(range(at[0], at[0] + len(at))):
+            raise RuntimeError(f"kvf_chunk_policy packs chunks {lo}..{hi - 1}, which this cache "
+                               f"does not hold waiting in BF16")
+        k = be.cat_tokens([e.k for e in group])
+        v = be.cat_tokens([e.v for e in group])
+        pos = be.cat_rows([e.positions for e in group]) if group[0].positions is not None else None
+        ka = be.kv(k, "k", "hnd", self.head_dim)
+        va = be.kv(v, "v", "hnd", self.head_dim)
+        n = sum(e.n_tokens for e in group)
+        packed = be.empty_u8(self.ctx.packed_size(n, self._heads))
+        self.ctx.encode_args(ka, va, qstats, packed, warm=self._warm(entries, step))
+        span = _Entry("packed", lo, len(group), n, packed=packed, positions=pos)
+        return entries[:at[0]] + [span] + entries[at[-1] + 1:]
 
     # ------------------------------------------------------------ read back
     def keys_values(self, layer: int, *, layout: str | None = None, out=None, bits: bool = False):
@@ -385,7 +388,6 @@ class QuantizedKVCache:
                 else:
                     m["bf16"] += be.nbytes(e.k) + be.nbytes(e.v)
                 m["positions"] += be.nbytes(e.positions)
-                m["qstats"] += be.nbytes(e.qstats)
             if st.qstats is not None:
                 m["qstats"] += be.nbytes(st.qstats)
             m["tokens"] += st.n_tokens

@@ -8,9 +8,9 @@ from ctypes import byref, c_size_t, c_void_p
 from dataclasses import dataclass, field
 
 from . import _lib
-from ._lib import KvfFootprint, KvfSchemeInfo, check, cstr, lib
+from ._lib import KvfChunkStep, KvfFootprint, KvfSchemeInfo, check, cstr, lib
 
-__all__ = ["Scheme", "SchemeInfo", "load_scheme", "builtin_schemes"]
+__all__ = ["ChunkStep", "Scheme", "SchemeInfo", "load_scheme", "builtin_schemes"]
 
 ROPE_PLACEMENTS = ("none", "pre", "post")
 ROPE_LAYOUTS = ("half", "interleaved")
@@ -39,6 +39,23 @@ class SchemeInfo:
     def reads_qstats(self) -> bool:
         """Whether encode reads query statistics (QSAC or PSAC keys)."""
         return self.key_qsac_candidates > 1 or self.psac_rank > 0
+
+
+@dataclass(frozen=True)
+class ChunkStep:
+    """What the chunk policy does after chunk t of a layer (kvf_chunk_policy).
+
+    sink: chunk t stays BF16 for ever. pack_first, pack_chunks: the span of
+    chunks to pack now (pack_chunks 0: none), with the layer's query statistics
+    as they are now (before chunk t's queries are added). warm_first,
+    warm_chunks: the layer's previous packed span, which a warm-started encode
+    starts its k-means from (warm_chunks 0: none).
+    """
+    sink: bool
+    pack_first: int
+    pack_chunks: int
+    warm_first: int
+    warm_chunks: int
 
 
 def _info_from_c(ci: KvfSchemeInfo) -> SchemeInfo:
@@ -158,6 +175,13 @@ class Scheme:
             self._info = _info_from_c(ci.contents)
         return self._info
 
+    def chunk_step(self, t: int) -> ChunkStep:
+        """The chunk policy after chunk t (0-based) of a layer is appended (kvf_chunk_policy)."""
+        st = KvfChunkStep()
+        check(lib().kvf_chunk_policy(self._ptr, int(t), byref(st)), "kvf_chunk_policy")
+        return ChunkStep(sink=bool(st.sink), pack_first=st.pack_first, pack_chunks=st.pack_chunks,
+                         warm_first=st.warm_first, warm_chunks=st.warm_chunks)
+
     def packed_size(self, n_tokens: int, n_heads: int) -> int:
         """Bytes of the packed K and V of n_tokens x n_heads (kvf_packed_size)."""
         n = c_size_t()
@@ -185,11 +209,6 @@ class Scheme:
                                  if isinstance(header, (bytes, bytearray)) else header)
         check(lib().kvf_packed_check(self._ptr, h.ctypes.data, h.nbytes, int(n_tokens),
                                      int(n_heads)), "kvf_packed_check")
-
-    def context(self, device=None):
-        """The shared Context of this scheme on a device (see kvforge.Context)."""
-        from .context import Context
-        return Context(self, device)
 
     def __repr__(self) -> str:
         return f"Scheme({self.id!r}, source={self.source!r})"

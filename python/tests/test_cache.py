@@ -92,6 +92,20 @@ def test_chunk_policy_sink_recent_span(rng):
     assert np.array_equal(K2, K)
 
 
+def test_chunk_step_is_the_librarys():
+    s = kvforge.Scheme.from_string(POLICY, "=policy")  # span 2, recent 2, sink 1
+    steps = [s.chunk_step(t) for t in range(8)]
+    assert [st.sink for st in steps] == [True] + [False] * 7
+    # span (1, 2) leaves the recent window after chunk 4, (3, 4) after 6
+    assert [(st.pack_first, st.pack_chunks) for st in steps if st.pack_chunks] == [(1, 2), (3, 2)]
+    assert [t for t, st in enumerate(steps) if st.pack_chunks] == [4, 6]
+    assert (steps[4].warm_chunks, steps[6].warm_first, steps[6].warm_chunks) == (0, 1, 2)
+    d = kvforge.Scheme("rtn_int2").chunk_step(5)  # the defaults: each chunk packed in its append
+    assert (d.sink, d.pack_first, d.pack_chunks, d.warm_first, d.warm_chunks) == (False, 5, 1, 4, 1)
+    with pytest.raises(kvforge.KvforgeError, match="KVF_EINVAL"):
+        s.chunk_step(-1)
+
+
 def test_nhd_layout_and_out(rng):
     s = kvforge.Scheme.from_string(POLICY, "=policy")
     a = kvforge.QuantizedKVCache(s, 1, H, D)
@@ -208,10 +222,11 @@ def test_qstats_strictly_causal(rng, monkeypatch, policy):
         assert [e[0] for e in log] == ["encode", "update"] * 7
     else:
         # spans (1, 2) and (3, 4) are packed during appends 4 and 6, with the statistics
-        # as of the append of their first chunk: queries of chunks < 1 and < 3
-        assert encodes == [("encode", 32, 1), ("encode", 32, 3)]
-        # the snapshot of the waiting span start (chunk 5) is held and counted
-        assert cache.memory()["qstats"] == 2 * 256
+        # as they are then: queries of chunks < 4 and < 6 (kvf_chunk_policy's semantics)
+        assert encodes == [("encode", 32, 4), ("encode", 32, 6)]
+        assert [e[0] for e in log] == ["update"] * 4 + ["encode"] + ["update"] * 2 + ["encode", "update"]
+        # no copy of the statistics waits with a span: the layer's one buffer only
+        assert cache.memory()["qstats"] == 256
 
 
 def test_qstats_false_and_bad_values():

@@ -1,4 +1,4 @@
-/* Temporal anchors (docs/METHODS.md section 8): the scheme an anchor span is
+/* Temporal anchors (docs/METHODS.md section 11): the scheme an anchor span is
  * stored with, and the checks of the anchor a span is coded against. */
 #include "internal.h"
 

@@ -107,27 +107,16 @@ static void pick(const float *score, int d, int m, uint8_t *map) {
     for (int c = 0, slot = 0; c < d; c++) map[c] = chosen[c] ? (uint8_t)slot++ : 255;
 }
 
-int kvf_mixed_map(const kvf_scheme *s, const char *table_path, int32_t layer, int32_t n_kv_heads, uint8_t *map) {
-    if (!s || !map) return kvf_set_error(KVF_EINVAL, "kvf_mixed_map: NULL argument");
+int kvf_mixed_map_parse(const struct kvf_scheme *s, const char *text, size_t len, const char *path, int32_t layer,
+                        int32_t n_kv_heads, uint8_t *map) {
     const int m[2] = {s->plan.sec[0].mp_channels, s->plan.sec[1].mp_channels}, d = s->head_dim;
-    if (!m[0] && !m[1]) return kvf_set_error(KVF_EINVAL, "kvf_mixed_map: scheme %s has no mixed precision", s->name);
-    if (n_kv_heads < 1 || layer < 0)
-        return kvf_set_error(KVF_EINVAL, "kvf_mixed_map: layer %d, %d KV heads", (int)layer, (int)n_kv_heads);
-    const char *given = table_path ? table_path : s->pipe.mp_table;
-    if (!given[0]) return kvf_set_error(KVF_EINVAL, "kvf_mixed_map: scheme %s names no table", s->name);
-    char path[1024];
-    resolve(s, given, path, sizeof path);
-    char *text = NULL;
-    int rc = read_table(path, &text);
-    if (rc) return rc;
     json_error_t err;
-    json_t *root = json_loads(text, 0, &err);
-    free(text);
-    if (!root)
-        return kvf_set_error(KVF_EFORMAT, "sensitivity table %s:%d: %s", path, err.line, err.text);
+    json_t *root = json_loadb(text, len, JSON_REJECT_DUPLICATES, &err);
+    if (!root) return kvf_set_error(KVF_EFORMAT, "sensitivity table %s:%d: %s", path, err.line, err.text);
     long long version = 0, hd = 0, heads = 0, layers = 0;
     json_t *fmt = json_object_get(root, "format");
     float *score = malloc((size_t)n_kv_heads * (size_t)d * sizeof(float));
+    int rc = KVF_OK;
     if (!score) rc = kvf_set_error(KVF_ENOMEM, "out of memory reading %s", path);
     else if (!json_is_object(root) || !json_is_string(fmt) || strcmp(json_string_value(fmt), TABLE_FORMAT))
         rc = kvf_set_error(KVF_EFORMAT, "sensitivity table %s: \"format\" must be \"%s\"", path, TABLE_FORMAT);
@@ -144,7 +133,7 @@ int kvf_mixed_map(const kvf_scheme *s, const char *table_path, int32_t layer, in
     else if (heads != n_kv_heads)
         rc = kvf_set_error(KVF_EFORMAT, "sensitivity table %s: kv_heads %lld, the cache has %d", path, heads,
                            (int)n_kv_heads);
-    else if (layer >= layers)
+    else if (layers < 1 || layers > 65536 || layer >= layers)
         rc = kvf_set_error(KVF_EFORMAT, "sensitivity table %s: layers %lld, layer %d asked for", path, layers,
                            (int)layer);
     for (int t = 0; t < 2 && !rc; t++) {
@@ -158,5 +147,25 @@ int kvf_mixed_map(const kvf_scheme *s, const char *table_path, int32_t layer, in
     }
     free(score);
     json_decref(root);
+    return rc;
+}
+
+int kvf_mixed_map(const kvf_scheme *s, const char *table_path, int32_t layer, int32_t n_kv_heads, uint8_t *map) {
+    if (!s || !map) return kvf_set_error(KVF_EINVAL, "kvf_mixed_map: NULL argument");
+    if (!s->plan.sec[0].mp_channels && !s->plan.sec[1].mp_channels)
+        return kvf_set_error(KVF_EINVAL, "kvf_mixed_map: scheme %s has no mixed precision", s->name);
+    if (n_kv_heads < 1 || n_kv_heads > 65535 || layer < 0)
+        return kvf_set_error(KVF_EINVAL, "kvf_mixed_map: layer %d, %d KV heads", (int)layer, (int)n_kv_heads);
+    const char *given = table_path ? table_path : s->pipe.mp_table;
+    if (!given[0])
+        return kvf_set_error(KVF_EINVAL, "kvf_mixed_map: scheme %s names no sensitivity table "
+                                         "(mixed_precision.table): give one (kvforge calibrate writes it)", s->name);
+    char path[1024];
+    resolve(s, given, path, sizeof path);
+    char *text = NULL;
+    int rc = read_table(path, &text);
+    if (rc) return rc;
+    rc = kvf_mixed_map_parse(s, text, strlen(text), path, layer, n_kv_heads, map);
+    free(text);
     return rc;
 }

@@ -77,7 +77,7 @@ void kvf_ref_quant_encode(const kvf_section_layout *l, const kvf_stage_layout *s
 void kvf_ref_quant_decode(const kvf_section_layout *l, const kvf_stage_layout *st, int64_t n,
                           int32_t h, int d, const uint8_t *packed, float *rhat);
 
-/* ref_pipeline.c: the practitioner's pipeline (METHODS.md 8). */
+/* ref_pipeline.c: the practitioner's pipeline (METHODS.md 11). */
 /* The k channels of a row r of largest magnitude (a NaN above every number;
  * ties: the lower channel), largest first. */
 void kvf_ref_outliers_pick(const float *r, int d, int k, uint8_t *idx);

@@ -298,7 +298,7 @@ static int psac_head(const section_job *j, int32_t h, const void *qstats, head_b
     return KVF_OK;
 }
 
-/* The pipeline's inputs of one section (METHODS.md 8). */
+/* The pipeline's inputs of one section (METHODS.md 11). */
 typedef struct pipe_in {
     const struct kvf_scheme *anchor_s; /* the anchor scheme, with anchor */
     const uint8_t *anchor;             /* the anchor span, or NULL */
@@ -325,7 +325,7 @@ static float *anchor_rows(const section_job *j, const pipe_in *p, int32_t h, int
 
 /* What the pipeline adds to decode's sum y of token t of head h, in decode's
  * order: the refinement of the calibrated channels, the anchor's row, then
- * the outliers' exact values (METHODS.md 8). */
+ * the outliers' exact values (METHODS.md 11). */
 static void pipeline_finish(const section_job *j, const pipe_in *p, int32_t h, int64_t t, const uint8_t *packed,
                             const float *ref, const float *radd, float *y) {
     const kvf_section_layout *l = j->l;

@@ -1,5 +1,5 @@
 /*
- * The practitioner's pipeline on the CPU (docs/METHODS.md section 8): the
+ * The practitioner's pipeline on the CPU (docs/METHODS.md section 11): the
  * outliers a row keeps exactly, the refinement of the calibrated channels
  * (mixed precision), and the rows of the anchor a span is coded against.
  * ref_encode.c orders them around the quantizer; the GPU templates repeat

@@ -317,9 +317,12 @@ static void put_value(text *t, const kvf_sch_field *d, const void *p) {
 static void put_section(text *t, const struct kvf_scheme *s, int sec) {
     const kvf_sch_section *S = &kvf_sch_sections[sec];
     put(t, "  %s = {", S->name);
-    for (int i = 0; i < S->n; i++) {
-        put(t, "%s%s = ", i ? ", " : " ", S->f[i].name);
-        put_value(t, &S->f[i], kvf_sch_field_ptr(s, FID(sec, i)));
+    for (int i = 0, shown = 0; i < S->n; i++) {
+        const void *p = kvf_sch_field_ptr(s, FID(sec, i));
+        /* An unset path (no table) is absent from the text, as from the file. */
+        if (S->f[i].kind == F_PATH && !*(const char *)p) continue;
+        put(t, "%s%s = ", shown++ ? ", " : " ", S->f[i].name);
+        put_value(t, &S->f[i], p);
     }
     put(t, " },\n");
 }

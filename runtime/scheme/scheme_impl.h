@@ -47,7 +47,7 @@ enum { T_ASSIGN, T_AXIS, T_BITS, T_CENTROIDS, T_GROUP, T_ITERS, T_LABELS, T_MODE
        T_ROTATION, T_SCALE, T_SEED, T_STAGES, N_TENSOR };
 enum { R_LAYOUT, R_PLACEMENT, R_SECTIONS, R_THETA, N_ROPE };
 enum { C_RECENT, C_SINK, C_SPAN, C_TOKENS, N_CHUNK };
-/* The pipeline's sections (METHODS.md 8): optional, absent means off. */
+/* The pipeline's sections (METHODS.md 11): optional, absent means off. */
 enum { O_KEY, O_VALUE, N_OUTLIERS };
 enum { A_BITS, A_EVERY, N_ANCHORS };
 enum { E_DECAY, N_FEEDBACK };

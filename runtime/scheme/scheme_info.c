@@ -24,6 +24,14 @@ int kvf_scheme_get_info(const kvf_scheme *s, kvf_scheme_info *out) {
     out->key_centroids = s->key.centroids;
     out->key_qsac_candidates = s->key.qsac_candidates;
     out->rope_axes = kvf_rope_sections(s, out->rope_sections);
+    const kvf_plan *pl = &s->plan;
+    for (int sec = 0; sec < 2; sec++) {
+        out->outliers[sec] = pl->sec[sec].outliers;
+        out->mixed_channels[sec] = pl->sec[sec].mp_channels;
+    }
+    out->anchor_every = s->pipe.anchor_every;
+    out->anchor_bits = s->pipe.anchor_bits;
+    out->feedback_decay = s->pipe.feedback_decay;
     return KVF_OK;
 }
 
