@@ -9,7 +9,7 @@
  * Beside the ceilings it prints the INT2 decode probe (bench/kvf_probe.cuh):
  * an INT2 decode's bytes read and written with no arithmetic to speak of.
  * bench/sdpa.py measures the BF16 SDPA ceiling and decode + SDPA.
- *   out/bin/kvf_bench [--tokens N] [--heads H] [--reps R] [--no-probe] [--data FILE] [SCHEME ...]
+ *   out/bin/kvf_bench [--tokens N] [--heads H] [--reps R] [--no-probe] [--data FILE] [--assign A] [SCHEME ...]
  * --no-probe leaves the probe out (tools/gpu/h200_validate.sh's ncu profile of
  * the schemes' kernels, which the probe's launches would only lengthen).
  * --data FILE takes K and V from layer 0 of a world-model dump (eval/dump.h)
@@ -17,6 +17,9 @@
  * tile through the k-means filter's f64 path, the dump's values most of them
  * (tools/gpu/assign_candidates.py). The dump's heads and tokens are tiled over
  * the layer's (data_fill).
+ * --assign fast|exact|both sets the k-means sections' assign field (the
+ * schemes' own by default): both runs each scheme twice in this process, the
+ * fast assignment, then the exact one (the row "<scheme>/exact").
  */
 #include "gpu/cuda_api.h"
 #include "dump.h"
@@ -241,11 +244,13 @@ static double now_ms(void) {
 static int usage(const char *what, const char *arg) {
     fprintf(stderr,
             "kvf_bench: %s%s%s\nusage: kvf_bench [--tokens N] [--heads H] [--reps R] [--no-probe] [--data FILE] "
-            "[SCHEME ...]\n"
+            "[--assign A] [SCHEME ...]\n"
             "  N 1..1048576 tokens a head (29640), H 1..1024 heads (32), R 1..256 decode repetitions (20);\n"
             "  --no-probe: without the INT2 decode probe;\n"
             "  --data FILE: K and V from layer 0 of a world-model dump (eval/dump.h; head_dim 128), its heads\n"
             "  and its chunks' tokens repeated to fill H x N (synthetic data otherwise);\n"
+            "  --assign fast|exact|both: the k-means assignment (the scheme's by default); both: each scheme\n"
+            "  twice, fast then exact;\n"
             "  SCHEME: shipped schemes (all by default)\n",
             what, arg ? ": " : "", arg ? arg : "");
     return 2;
@@ -290,6 +295,7 @@ int main(int argc, char **argv) {
     const char *data = NULL; /* --data FILE */
     const char *only[32];
     int n_only = 0;
+    int assign = -1; /* --assign: KVF_ASSIGN_FAST, KVF_ASSIGN_EXACT, 2 both; -1 the scheme's */
     /* The arguments are checked before any GPU work (exit status 2). */
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -301,6 +307,11 @@ int main(int argc, char **argv) {
             if (a[2] == 't') tokens = v;
             else if (a[2] == 'h') heads = (int)v;
             else reps = (int)v;
+        } else if (!strcmp(a, "--assign")) {
+            const char *m = i + 1 < argc ? argv[++i] : "";
+            assign = !strcmp(m, "fast") ? KVF_ASSIGN_FAST : !strcmp(m, "exact") ? KVF_ASSIGN_EXACT
+                   : !strcmp(m, "both") ? 2 : -2;
+            if (assign == -2) return usage("needs fast, exact or both", a);
         } else if (!strcmp(a, "--no-probe")) {
             probe = 0;
         } else if (!strcmp(a, "--data")) {
@@ -436,12 +447,20 @@ int main(int argc, char **argv) {
            "dec GB/s", "of copy", "of write", "vs QVG", "JIT cold", "JIT hit");
     const char *const *names = kvf_builtin_schemes();
     const int reps5 = reps < 5 ? reps : 5; /* encode and statistics updates: the slower calls */
-    for (int i = 0; names[i]; i++) {
+    const int variants = assign == 2 ? 2 : 1;
+    for (int iv = 0; names[iv / variants]; iv++) {
+        const int i = iv / variants;
         int wanted = !n_only;
         for (int j = 0; j < n_only; j++) wanted |= !strcmp(only[j], names[i]);
         if (!wanted) continue;
         kvf_scheme *s;
         if (kvf_scheme_load_builtin(names[i], &s)) { fprintf(stderr, "%s\n", kvf_last_error()); return 1; }
+        char row[80]; /* the scheme's name, "/exact" where both variants run */
+        snprintf(row, sizeof row, "%s%s", names[i], assign == 2 && iv % 2 ? "/exact" : "");
+        if (assign >= 0) {
+            s->key.assign = s->value.assign = assign == 2 ? (iv % 2 ? KVF_ASSIGN_EXACT : KVF_ASSIGN_FAST) : assign;
+            if (kvf_scheme_finalize(s)) { fprintf(stderr, "%s\n", kvf_last_error()); return 1; }
+        }
         /* JIT: a cold compile (no cache), then a context from the disk cache. */
         setenv("KVFORGE_CACHE", "0", 1);
         double t0 = now_ms();
@@ -468,7 +487,7 @@ int main(int argc, char **argv) {
             }
             float upd = time_median(do_qstats, &c, reps5);
             fprintf(stderr, "  %s query statistics: one update of %lld queries x %d heads %.3f ms (median of %d)\n",
-                    names[i], (long long)c.qsh.n_tokens, heads, upd, reps5);
+                    row, (long long)c.qsh.n_tokens, heads, upd, reps5);
         }
         c.pos = s->rope.placement == KVF_ROPE_PRE ? dpos : 0;
         float enc = time_median(do_encode, &c, reps5);
@@ -482,7 +501,7 @@ int main(int argc, char **argv) {
                     const double tok = (double)a[KVF_AS_TOKENS];
                     if (a[KVF_AS_TOKENS])
                         fprintf(stderr, "  %s %s assign%s: %llu tokens, %.2f candidates/token, %.3f%% with f64 distances, "
-                                "%.3f%% full scans, %.3f%% filtered twice\n", names[i],
+                                "%.3f%% full scans, %.3f%% filtered twice\n", row,
                                 t ? "V" : !k && s->plan.sec[1].kmeans_owner == 0 ? "K+V" : "K", k ? " (QSAC)" : "",
                                 a[KVF_AS_TOKENS], a[KVF_AS_CANDIDATES] / tok, 100.0 * a[KVF_AS_EXACT] / tok,
                                 100.0 * a[KVF_AS_FULL] / tok, 100.0 * a[KVF_AS_AGAIN] / tok);
@@ -497,7 +516,7 @@ int main(int argc, char **argv) {
             snprintf(vs_enc, sizeof vs_enc, "%.2fx", 4.77 / enc);
             snprintf(vs_dec, sizeof vs_dec, "%.2fx", 0.44 / dec);
         }
-        printf("%-16s %7.2fx %7.3f ms %9s %7.3f ms %10.0f %6.1f%% %7.1f%% %9s %7.0f ms %6.1f ms\n", names[i],
+        printf("%-16s %7.2fx %7.3f ms %9s %7.3f ms %10.0f %6.1f%% %7.1f%% %9s %7.0f ms %6.1f ms\n", row,
                f.compression, enc, vs_enc, dec, bw, 100.0 * bw / copy_bw, 100.0 * fill_ms / dec, vs_dec, cold, hit);
         fflush(stdout);
         cu->cuMemFree(c.packed);

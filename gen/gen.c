@@ -122,9 +122,9 @@ static void pipe_args(const kvf_section_plan *c, int with_feedback, char *buf, s
 static void kmeans_args(const struct kvf_scheme *s, const kvf_section_plan *c, char *buf, size_t len) {
     char pipe[64];
     pipe_args(c, 1, pipe, sizeof pipe);
-    snprintf(buf, len, "%d, %d, %d, %d, %d, %s, %s, %d, %d, %s", s->head_dim, c->rotation == KVF_ROTATION_HADAMARD,
+    snprintf(buf, len, "%d, %d, %d, %d, %d, %s, %s, %d, %d, %s, %d", s->head_dim, c->rotation == KVF_ROTATION_HADAMARD,
              c->group, c->qsac, c->bits, mode_name(c->mode), sfmt_name(c->scale_format), c->centroids,
-             c->bf16_source, pipe);
+             c->bf16_source, pipe, c->exact);
 }
 
 /* One tensor section's encode instantiations. */
@@ -150,8 +150,8 @@ static void gen_encode_section(cuda_out *o, const struct kvf_scheme *s, int t) {
         if (emits(o, t ? KVF_UNIT_KMEANS_V : KVF_UNIT_KMEANS_K))
             kvf_buf_printf(b, "KVF_KMEANS_KERNELS(kvf_%s_%c, %s)\n", s->id, t ? 'v' : 'k', name);
         if (o->plan->has[KVF_R_K_ASSIGN_QSAC + t * KVF_R_SECTION_STRIDE] && emits(o, KVF_UNIT_QSAC))
-            kvf_buf_printf(b, "KVF_KMEANS_QSAC_KERNEL(kvf_%s_%c, %d, %d, %d, %d)\n", s->id, t ? 'v' : 'k',
-                           s->head_dim, c->group, c->qsac, c->bf16_source);
+            kvf_buf_printf(b, "KVF_KMEANS_QSAC_KERNEL(kvf_%s_%c, %d, %d, %d, %d, %d)\n", s->id, t ? 'v' : 'k',
+                           s->head_dim, c->group, c->qsac, c->bf16_source, c->exact);
         break;
     default:
         if (!emits(o, KVF_UNIT_REST)) break;

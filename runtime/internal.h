@@ -23,6 +23,10 @@ void kvf_warn_once(const char *key, const char *fmt, ...) __attribute__((format(
  * structs are templates/kvf_abi.h's, shared with the CUDA templates. */
 #include "kvf_abi.h"
 
+/* assign: the GPU's k-means assignment (the CPU reference is exact for both;
+ * the plan gives the kernels EXACT, docs/METHODS.md section 3). */
+enum { KVF_ASSIGN_FAST = 0, KVF_ASSIGN_EXACT = 1 };
+
 /* One of the two tensor sections (key, value) of a scheme. */
 typedef struct kvf_tensor_cfg {
     int bits;            /* 2, 4, 8, or 16 (= kept BF16) */
@@ -38,6 +42,7 @@ typedef struct kvf_tensor_cfg {
     int psac_rank;       /* PSAC r (0 = off; keys only) */
     int stages;          /* progressive residual stages (1 = QVG) */
     int rotation;        /* KVF_ROTATION_* (QuaRot-style Hadamard) */
+    int assign;          /* KVF_ASSIGN_*: the GPU's k-means assignment */
 } kvf_tensor_cfg;
 
 /* Whether a section stores the last Lloyd step's labels (no final
@@ -114,6 +119,7 @@ typedef struct kvf_section_plan {
     int qsac;         /* QSAC candidates of the k-means assignment (1: nearest centroid) */
     int bf16_source;  /* k-means stage 0 reads the BF16 input (no rotation, one stage) */
     int kmeans_owner; /* the section (0 key, 1 value) whose k-means kernels it runs */
+    int exact;        /* the k-means assignment agrees with the CPU bit for bit (the templates' EXACT) */
     int decode_tiles; /* token tiles a decode block loops over per pass */
     /* The pipeline (kvf_pipeline_cfg), as template arguments: */
     int outliers;     /* values a row keeps exactly (0: none) */

@@ -218,25 +218,38 @@ template <int M, int K> __host__ __device__ constexpr int assign_warp_bytes() {
     return (int)((sizeof(assign_warp<M, K>) + 15) / 16 * 16);
 }
 
+// The fast assignment's per-warp scratch (assign_fast): QSAC's only; the
+// nearest centroid settles each token in registers and needs none.
+template <int M> struct fast_warp {
+    float ls[TPW][4][M]; // each thread's M smallest score keys (fast_key)
+    double sv[TPW][M];   // sensitivity scores of the M nearest
+    int pk[TPW][M];      // the M nearest, ascending (score key)
+    int nc[TPW];         // how many of them (0: past the end)
+};
+template <int M, int K, bool EXACT> __host__ __device__ constexpr int warp_bytes() {
+    return EXACT ? assign_warp_bytes<M, K>() : M > 1 ? (int)((sizeof(fast_warp<M>) + 15) / 16 * 16) : 0;
+}
+
 // The assignment's block shared memory, byte offsets: MAX_C centroid rows
 // (permuted, pitch assign_pitch), N_j / 2 (f32 pairs of columns, twice: a
 // float4 per 2 columns), the weights, QSAC's group weight sums, the exact
-// norms (nearest centroid only), the bound's limits and the head being
-// assigned (cur[]: 32 bytes in all), then each warp's scratch. assign carves
-// its block up by these, and assign_smem_with sizes it.
-template <int D, int M> struct assign_layout {
+// norms (nearest centroid only, exact assignment only), the bound's limits
+// and the head being assigned (cur[]: 32 bytes in all), then each warp's
+// scratch. assign and assign_fast carve their block up by these, and
+// assign_smem_with sizes it.
+template <int D, int M, bool EXACT = true> struct assign_layout {
     static constexpr int CENT = 0;
     static constexpr int NH = CENT + MAX_C * assign_pitch<D>() * 2;
     static constexpr int WV = NH + MAX_C * 8;
     static constexpr int GW = WV + D * 4;
     static constexpr int NN = GW + 32 * 8;
-    static constexpr int LIM = NN + (M == 1 ? MAX_C * 8 : 0);
+    static constexpr int LIM = NN + (EXACT && M == 1 ? MAX_C * 8 : 0);
     static constexpr int WARPS = LIM + 32;
 };
 
 // The block's shared bytes with `warps` warps' scratch (K keys a list).
-template <int D, int M, int K> __host__ __device__ constexpr int assign_smem_with(int warps) {
-    return assign_layout<D, M>::WARPS + warps * assign_warp_bytes<M, K>();
+template <int D, int M, int K, bool EXACT = true> __host__ __device__ constexpr int assign_smem_with(int warps) {
+    return assign_layout<D, M, EXACT>::WARPS + warps * warp_bytes<M, K, EXACT>();
 }
 
 // Warps per block with K keys a list: 16 up to D = 128 (the registers stay
@@ -252,13 +265,16 @@ template <int D, int M, int K> __host__ __device__ constexpr int assign_smem_wit
 // sm_80 and 99 KiB archs; 0: none fits, refused below). test_nvrtc requires
 // the assignment kernels to compile without a spill (QSAC M = 8 over an f32
 // source included).
-template <int D, int M, int K> __host__ __device__ constexpr int assign_warps_with() {
+template <int D, int M, int K, bool EXACT = true> __host__ __device__ constexpr int assign_warps_with() {
     int w = D <= 128 ? 16 : 4;
-    while (w > 0 && assign_smem_with<D, M, K>(w) > smem_optin_bytes()) w--;
+    while (w > 0 && assign_smem_with<D, M, K, EXACT>(w) > smem_optin_bytes()) w--;
     return w;
 }
 
-template <int D, int M> struct assign_lists {
+// The keys a thread keeps per token: the exact assignment's below; the fast
+// one keeps the M smallest (QSAC) or the smallest score with its index (the
+// nearest centroid, K = 1: assign_fast).
+template <int D, int M, bool EXACT = true> struct assign_lists {
     static constexpr int MF = M <= 8 ? M : 1; // the filter runs for M <= 8; larger M scans fully
     // Per-thread best kept per token: one more than M shows a drop, which
     // sends the tile's filter around again. The nearest centroid keeps 3
@@ -270,13 +286,15 @@ template <int D, int M> struct assign_lists {
     // tokens filtered twice from 0.422% to 0.002% (bench layer) and 2.28% to
     // 0.10% (the world-model dump's K and V), and qvg_int2's encode from
     // 2.16-2.18 to 2.13-2.14 ms and 2.39-2.40 to 2.21-2.24 ms.
-    static constexpr int K = M == 1 && assign_warps_with<D, 1, 3>() == assign_warps_with<D, 1, 2>() ? 3 : MF + 1;
+    static constexpr int K = !EXACT ? MF
+                             : M == 1 && assign_warps_with<D, 1, 3>() == assign_warps_with<D, 1, 2>() ? 3
+                                                                                                   : MF + 1;
 };
-template <int D, int M> __host__ __device__ constexpr int assign_warps() {
-    return assign_warps_with<D, M, assign_lists<D, M>::K>();
+template <int D, int M, bool EXACT = true> __host__ __device__ constexpr int assign_warps() {
+    return assign_warps_with<D, M, assign_lists<D, M, EXACT>::K, EXACT>();
 }
-template <int D, int M> __host__ __device__ constexpr int assign_smem_bytes() {
-    return assign_smem_with<D, M, assign_lists<D, M>::K>(assign_warps<D, M>());
+template <int D, int M, bool EXACT = true> __host__ __device__ constexpr int assign_smem_bytes() {
+    return assign_smem_with<D, M, assign_lists<D, M, EXACT>::K, EXACT>(assign_warps<D, M, EXACT>());
 }
 
 // a = hi + lo + O(2^-18 |a|): both halves as packed BF16 pairs (x0 -> bits 0..15).
@@ -993,6 +1011,254 @@ __device__ __forceinline__ void assign(const void *__restrict__ src, i64 ts, i64
     } // heads
 }
 
+// ------------------------------------------------------------ fast assignment
+//
+// assign = "fast" (the scheme's default; METHODS.md 3, "fast assignment"):
+// the filter's tensor-core scores h_j (above) decide alone. No bound, no
+// candidate list, no second filter pass, no f64 distance and no full scan,
+// so nothing costs more where distances nearly tie. The nearest centroid is
+// the token's smallest f32 h_j, ties to the smaller j (the CPU's rule, on
+// these numbers); QSAC's M nearest are the token's M smallest score keys
+// (fast_key: h_j to 2^-15, ties to the smaller j) in that order, and of
+// them the first with the smallest sensitivity score (the CPU's rule and its
+// f64 scores, M x D/G terms a token). Each index comes from a fixed sequence
+// of operations on the token's row and its head's centroids: the same
+// index run after run on one GPU, in any launch order. Where scores are not
+// finite (NaN or Inf inputs, |a| max|mu| near 2^127) the index is some
+// centroid below c_eff, not necessarily the CPU's.
+
+// A score key with j in its low 8 mantissa bits such that equal truncated
+// scores order by j ascending for either sign (j at s >= 0, 255 - j below).
+__device__ __forceinline__ float fast_key(float s, int j) {
+    const u32 b = __float_as_uint(s);
+    return __uint_as_float((b & 0xffffff00u) | ((u32)j ^ ((u32)((int)b >> 31) & 0xffu)));
+}
+__device__ __forceinline__ int fast_key_index(float key) {
+    const u32 b = __float_as_uint(key);
+    return (int)((b ^ (u32)((int)b >> 31)) & 0xffu);
+}
+
+// The filter's tile loop (filter, above) calling f(j, s0, s1) for each of
+// the thread's columns j, in ascending order: s0, s1 are h_j of rows g, g+8.
+template <int D, int FNU, typename F>
+__device__ __forceinline__ void filter_scores(bool lo, const u32 (&ah)[D / 16][4], const u32 (&al)[D / 16][4],
+                                              const u16 *cs, const float4 *nh, int cp, int g, int q, F &&f) {
+    constexpr int DP = assign_pitch<D>();
+    for (int nt = 0; nt < cp / 8; nt += FNU) {
+        float acc[FNU][4];
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ks++)
+#pragma unroll
+            for (int u = 0; u < FNU; u++) {
+                const uint2 b = *(const uint2 *)(cs + ((nt + u) * 8 + g) * DP + ks * 16 + q * 4);
+                if (ks == 0) mma_bf16_from(acc[u], ah[0], b.x, b.y, nh[(nt + u) * 4 + q]);
+                else mma_bf16(acc[u], ah[ks], b.x, b.y);
+                if (lo) mma_bf16(acc[u], al[ks], b.x, b.y); // warp-uniform: some e is not BF16
+            }
+#pragma unroll
+        for (int u = 0; u < FNU; u++)
+#pragma unroll
+            for (int i = 0; i < 2; i++) f((nt + u) * 8 + q * 2 + i, acc[u][i], acc[u][2 + i]);
+    }
+}
+
+// The fast assignment: assign's blocks, head ranges, staging and filter, then
+// the picks above. stats (optional): tokens and their candidates (M each;
+// the full scans, second filters and f64 rows stay 0).
+template <int D, int G, int M, bool BF>
+__device__ __forceinline__ void assign_fast(const void *__restrict__ src, i64 ts, i64 hs, int n_tokens, int n_heads,
+                                            int c_eff, const u16 *__restrict__ cent, int c_alloc, int *idx_ws,
+                                            u8 *idx_plane, const float *__restrict__ weights,
+                                            unsigned long long *stats) {
+    static_assert(M >= 1 && M <= 8, "the fast assignment keeps at most 8 keys (plan.c takes the exact one past that)");
+    constexpr int W = assign_warps<D, M, false>(), DP = assign_pitch<D>(), KS = D / 16;
+    constexpr int WB = warp_bytes<M, M, false>(), SMEM = assign_smem_bytes<D, M, false>();
+    static_assert(W >= 1, KVF_NOT_ON_THIS_ARCH
+                  "assign: the centroid rows of this head_dim need more shared memory than this GPU arch has");
+    constexpr bool NO_LO = BF && M == 1; // as assign
+    extern __shared__ __align__(16) unsigned char smem[];
+    u32 have;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(have));
+    if (have < (u32)SMEM) __trap(); // the launch's size disagrees with this file
+    using L = assign_layout<D, M, false>;
+    u16 *cs = (u16 *)(smem + L::CENT);     // [MAX_C][DP], as assign
+    float4 *nh = (float4 *)(smem + L::NH); // as assign
+    float *wv = (float *)(smem + L::WV);   // [D]
+    double *gw = (double *)(smem + L::GW); // [32] QSAC: weight sum of each group
+    volatile int *cur = (volatile int *)(smem + L::LIM); // as assign's cur[]
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, q = lane & 3;
+    fast_warp<M> &wa = *(fast_warp<M> *)(smem + L::WARPS + warp * WB); // QSAC only
+    constexpr int FNU = filter_tiles<M, BF>(), CB = 8 * FNU;
+    const int tiles = (n_tokens + TPW - 1) / TPW, cp = (c_eff + CB - 1) & ~(CB - 1);
+    if (tiles == 0) return;
+    for (int h = (int)(range_at<0>(n_heads, tiles) / tiles);;) {
+        __syncthreads(); // no warp reads the previous head's rows, or cur[], any more
+        int tx;
+        asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tx));
+        const u16 *ch = cent + (i64)h * c_alloc * D;
+        for (int i = tx; i < cp * (D / 16); i += W * 32) { // one 16-channel k-block, permuted (kblock_channel)
+            const int j = i / (D / 16), c16 = (i % (D / 16)) * 16;
+            uint4 a = make_uint4(0u, 0u, 0u, 0u), b = a;
+            if (j < c_eff) { a = *(const uint4 *)(ch + (i64)j * D + c16); b = *(const uint4 *)(ch + (i64)j * D + c16 + 8); }
+            *(uint4 *)(cs + j * DP + c16) = make_uint4(a.x, b.x, a.y, b.y);
+            *(uint4 *)(cs + j * DP + c16 + 8) = make_uint4(a.z, b.z, a.w, b.w);
+        }
+        for (int c = tx; c < D; c += W * 32) wv[c] = (M > 1 && weights) ? weights[(i64)h * D + c] : 1.0f;
+        if (tx == 0) {
+            cur[0] = h;
+            cur[2] = tiles;
+            cur[1] = (int)min(range_at<1>(n_heads, tiles) - (i64)h * tiles, (i64)tiles);
+        }
+        __syncthreads();
+        if (M > 1 && tx < D / G) { // ref_kmeans.c sensitivity_score's wg: channel order from 0
+            double s = 0.0;
+            for (int c = tx * G; c < (tx + 1) * G; c++) s = __dadd_rn(s, (double)wv[c]);
+            gw[tx] = s;
+        }
+        // N_j / 2, as assign: 8 threads per centroid, f64 partial sums, one rounding to f32.
+        for (int i = tx; i < cp * 8; i += W * 32) {
+            const int j = i / 8, c0 = (i % 8) * (D / 8);
+            double nj = 0.0;
+            if (j < c_eff)
+                for (int c8 = c0; c8 < c0 + D / 8; c8 += 8) {
+                    u16 m8[8];
+                    kvf_load8(cs + j * DP + c8, m8);
+#pragma unroll
+                    for (int k = 0; k < 8; k++) {
+                        const double m = (double)kvf_bf16_to_f32(m8[k]);
+                        nj = M > 1 ? __fma_rn((double)wv[kblock_channel(c8 + k)], __dmul_rn(m, m), nj) : __fma_rn(m, m, nj);
+                    }
+                }
+#pragma unroll
+            for (int o = 1; o < 8; o <<= 1) nj = __dadd_rn(nj, __shfl_xor_sync(0xffffffffu, nj, o));
+            if (i % 8 == 0) {
+                float *np = (float *)&nh[j / 2] + (j & 1);
+                np[0] = np[2] = j < c_eff ? __fmul_rn((float)nj, 0.5f) : 0x1p126f;
+            }
+        }
+        __syncthreads();
+
+        for (int tile = (int)max(range_at<0>(n_heads, cur[2]) - (i64)cur[0] * cur[2], (i64)0) + warp; tile < cur[1];
+             tile += W) {
+            const int tw0 = tile * TPW;
+            u32 ah[KS][4], al[KS][4]; // A fragments of -a, as assign
+            bool any_lo = false;
+            {
+                const void *r0 = src_row<BF>(src, ts, hs, cur[0], min(tw0 + g, n_tokens - 1));
+                const void *r1 = src_row<BF>(src, ts, hs, cur[0], min(tw0 + g + 8, n_tokens - 1));
+#pragma unroll
+                for (int ks = 0; ks < KS; ks++)
+#pragma unroll
+                    for (int half = 0; half < 2; half++) {
+                        const int c = ks * 16 + half * 8 + q * 2;
+                        if (NO_LO) {
+                            ah[ks][half * 2] = *(const u32 *)((const u16 *)r0 + c);
+                            ah[ks][half * 2 + 1] = *(const u32 *)((const u16 *)r1 + c);
+                            continue;
+                        }
+                        float2 x0 = ld2<BF>(r0, c), x1 = ld2<BF>(r1, c);
+                        if (M > 1) {
+                            x0.x = __fmul_rn(x0.x, wv[c]); x0.y = __fmul_rn(x0.y, wv[c + 1]);
+                            x1.x = __fmul_rn(x1.x, wv[c]); x1.y = __fmul_rn(x1.y, wv[c + 1]);
+                        }
+                        split_pair(x0.x, x0.y, ah[ks][half * 2], al[ks][half * 2]);
+                        split_pair(x1.x, x1.y, ah[ks][half * 2 + 1], al[ks][half * 2 + 1]);
+                        any_lo |= (al[ks][half * 2] | al[ks][half * 2 + 1]) != 0u;
+                    }
+            }
+            const bool lo = NO_LO ? false : __any_sync(0xffffffffu, any_lo);
+#pragma unroll
+            for (int ks = 0; ks < KS; ks++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    ah[ks][i] ^= 0x80008000u;
+                    if (!NO_LO) al[ks][i] ^= 0x80008000u;
+                }
+            if constexpr (M == 1) {
+                // Each row's smallest (h_j, j) over the thread's columns, then over its quad.
+                float b0 = __int_as_float(0x7f800000), b1 = b0;
+                int j0 = 0, j1 = 0;
+                filter_scores<D, FNU>(lo, ah, al, cs, nh, cp, g, q, [&](int j, float s0, float s1) {
+                    if (s0 < b0) { b0 = s0; j0 = j; } // ascending j: the first of equal scores stays
+                    if (s1 < b1) { b1 = s1; j1 = j; }
+                });
+#pragma unroll
+                for (int o = 1; o < 4; o <<= 1) {
+                    const float c0 = __shfl_xor_sync(0xffffffffu, b0, o), c1 = __shfl_xor_sync(0xffffffffu, b1, o);
+                    const int k0 = __shfl_xor_sync(0xffffffffu, j0, o), k1 = __shfl_xor_sync(0xffffffffu, j1, o);
+                    if (c0 < b0 || (c0 == b0 && k0 < j0)) { b0 = c0; j0 = k0; }
+                    if (c1 < b1 || (c1 == b1 && k1 < j1)) { b1 = c1; j1 = k1; }
+                }
+                // Token `lane` (< TPW) of the tile: its row's pick, from the row's quad.
+                const int r0 = __shfl_sync(0xffffffffu, j0, 4 * (lane & 7)), r1 = __shfl_sync(0xffffffffu, j1, 4 * (lane & 7));
+                if (lane < TPW && tw0 + lane < n_tokens) {
+                    const i64 o = (i64)cur[0] * n_tokens + tw0 + lane;
+                    int j = lane < 8 ? r0 : r1;
+                    j = j < c_eff ? j : 0; // a past-the-end column wins only over scores that are not finite
+                    if (idx_ws) idx_ws[o] = j;
+                    if (idx_plane) idx_plane[o] = (u8)j;
+                    if (stats) {
+                        atomicAdd(&stats[0], 1ull);
+                        atomicAdd(&stats[1], 1ull);
+                    }
+                }
+            } else {
+                float bs0[M], bs1[M]; // each row's M smallest keys over the thread's columns
+#pragma unroll
+                for (int i = 0; i < M; i++) bs0[i] = bs1[i] = __int_as_float(0x7f800000);
+                filter_scores<D, FNU>(lo, ah, al, cs, nh, cp, g, q, [&](int j, float s0, float s1) {
+                    keep_k<M>(bs0, fast_key(s0, j));
+                    keep_k<M>(bs1, fast_key(s1, j));
+                });
+#pragma unroll
+                for (int i = 0; i < M; i++) {
+                    wa.ls[g][q][i] = bs0[i];
+                    wa.ls[g + 8][q][i] = bs1[i];
+                }
+                __syncwarp();
+                if (lane < TPW) { // the token's M nearest over its quad's lists, ascending
+                    float top[M];
+#pragma unroll
+                    for (int i = 0; i < M; i++) top[i] = __int_as_float(0x7f800000);
+                    for (int qq = 0; qq < 4; qq++)
+                        for (int i = 0; i < M; i++) keep_k<M>(top, wa.ls[lane][qq][i]);
+                    const int m = min(M, c_eff); // ref_kmeans.c kvf_ref_qsac: min(M, centroids)
+                    int n = 0;
+                    for (int i = 0; i < M; i++) {
+                        const int j = fast_key_index(top[i]);
+                        if (j < c_eff && n < m) wa.pk[lane][n++] = j;
+                    }
+                    if (n == 0) wa.pk[lane][n++] = 0; // scores that are not finite only
+                    wa.nc[lane] = tw0 + lane < n_tokens ? n : 0;
+                }
+                __syncwarp();
+                for (int i = lane; i < TPW * M; i += 32) {
+                    const int tl = i / M, k = i % M;
+                    if (k >= wa.nc[tl]) continue;
+                    const void *x = src_row<BF>(src, ts, hs, cur[0], tw0 + tl);
+                    wa.sv[tl][k] = sensitivity<D, G, BF>(x, cs + wa.pk[tl][k] * DP, gw);
+                }
+                __syncwarp();
+                if (lane < TPW && wa.nc[lane] > 0) { // the first smallest score, in the keys' order
+                    int b = 0;
+                    for (int k = 1; k < wa.nc[lane]; k++)
+                        if (wa.sv[lane][k] < wa.sv[lane][b]) b = k;
+                    const i64 o = (i64)cur[0] * n_tokens + tw0 + lane;
+                    if (idx_ws) idx_ws[o] = wa.pk[lane][b];
+                    if (idx_plane) idx_plane[o] = (u8)wa.pk[lane][b];
+                    if (stats) {
+                        atomicAdd(&stats[0], 1ull);
+                        atomicAdd(&stats[1], (unsigned long long)wa.nc[lane]);
+                    }
+                }
+                __syncwarp(); // the warp's scratch is reused by its next tile
+            }
+        } // tiles
+        h = cur[0] + 1; // read before the next head's barrier, above, lets thread 0 write it
+        if ((i64)h * cur[2] >= range_at<1>(n_heads, cur[2])) break;
+    } // heads
+}
+
 // Lloyd update, step 1: each cluster's fixed-point sums and count. One block
 // of SUM_THREADS per (part of the tokens, head) owns its part's sums (the
 // finalize step adds the parts). The block sorts its tokens by cluster,
@@ -1333,7 +1599,9 @@ __device__ __forceinline__ void residual(const void *src, i64 ts, i64 hs, float 
 
 // BF: stage 0 reads the BF16 input directly (runtime/gpu/context.c reads it from
 // assign_cfg); the generator sets it for unrotated single-stage sections.
-#define KVF_KMEANS_KERNELS(PREFIX, D, ROT, G, QSAC, BITS, MODE, SFMT, NCENT, BF, PK, PM, PB, AB, FB)                            \
+// EXACT: the assignments agree with the CPU bit for bit (assign), else the
+// fast assignment (assign_fast); the section's assign field (plan.c).
+#define KVF_KMEANS_KERNELS(PREFIX, D, ROT, G, QSAC, BITS, MODE, SFMT, NCENT, BF, PK, PM, PB, AB, FB, EXACT)              \
     extern "C" __global__ void __launch_bounds__(kvf_kmeans::BLOCK)                                            \
     PREFIX##_prep(const kvf_kmeans_prep_params p) {                                                            \
         kvf_kmeans::prep<D, ROT, AB, G, FB>(p.in.x, p.in.ts, p.in.hs, p.n, p.nh, p.e, p.pipe);                 \
@@ -1348,19 +1616,24 @@ __device__ __forceinline__ void residual(const void *src, i64 ts, i64 hs, float 
     /* stage 0 reads the BF16 input, the residual's rows per thread, the sums' */                           \
     /* block size.                                                             */                            \
     extern "C" __device__ const int PREFIX##_assign_cfg[KVF_AC_COUNT] = {                                     \
-        kvf_kmeans::assign_smem_bytes<D, 1>(), kvf_kmeans::assign_smem_bytes<D, QSAC>(),               \
-        kvf_kmeans::assign_warps<D, 1>() * 32, kvf_kmeans::assign_warps<D, QSAC>() * 32,        \
-        kvf_kmeans::assign_warps<D, 1>() * kvf_kmeans::TPW,                                           \
-        kvf_kmeans::assign_warps<D, QSAC>() * kvf_kmeans::TPW, BF, kvf_kmeans::RES_RPT,              \
+        kvf_kmeans::assign_smem_bytes<D, 1, EXACT>(), kvf_kmeans::assign_smem_bytes<D, QSAC, EXACT>(),         \
+        kvf_kmeans::assign_warps<D, 1, EXACT>() * 32, kvf_kmeans::assign_warps<D, QSAC, EXACT>() * 32,          \
+        kvf_kmeans::assign_warps<D, 1, EXACT>() * kvf_kmeans::TPW,                                             \
+        kvf_kmeans::assign_warps<D, QSAC, EXACT>() * kvf_kmeans::TPW, BF, kvf_kmeans::RES_RPT,                 \
         kvf_kmeans::SUM_THREADS};                                                                              \
     /* Filter statistics, counted while [0] != 0 (bench/bench.c sets it):       */                      \
     /* kvf_abi.h's KVF_AS_* (assign's stats). QSAC's are its own.                */                      \
     extern "C" __device__ unsigned long long PREFIX##_assign_stats[1 + KVF_AS_N] = {};                       \
-    extern "C" __global__ void __launch_bounds__(kvf_kmeans::assign_warps<D, 1>() * 32, 1)              \
+    extern "C" __global__ void __launch_bounds__(kvf_kmeans::assign_warps<D, 1, EXACT>() * 32, 1)              \
     PREFIX##_assign(const kvf_kmeans_assign_params p) {                                                        \
-        kvf_kmeans::assign<D, G, 1, BF>(p.src.p, p.src.ts, p.src.hs, p.n, p.nh, p.c_eff, p.cent, p.c_alloc,    \
-                                        p.idx_ws, p.idx_plane, 0,                                              \
-                                        PREFIX##_assign_stats[0] ? PREFIX##_assign_stats + 1 : 0);            \
+        if constexpr (EXACT)                                                                                   \
+            kvf_kmeans::assign<D, G, 1, BF>(p.src.p, p.src.ts, p.src.hs, p.n, p.nh, p.c_eff, p.cent, p.c_alloc, \
+                                            p.idx_ws, p.idx_plane, 0,                                          \
+                                            PREFIX##_assign_stats[0] ? PREFIX##_assign_stats + 1 : 0);        \
+        else                                                                                                   \
+            kvf_kmeans::assign_fast<D, G, 1, BF>(p.src.p, p.src.ts, p.src.hs, p.n, p.nh, p.c_eff, p.cent,      \
+                                                 p.c_alloc, p.idx_ws, p.idx_plane, 0,                          \
+                                                 PREFIX##_assign_stats[0] ? PREFIX##_assign_stats + 1 : 0);   \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(kvf_kmeans::SUM_THREADS, 1)                                   \
     PREFIX##_accumulate(const kvf_kmeans_accumulate_params p) {                                                \
@@ -1389,11 +1662,17 @@ __device__ __forceinline__ void residual(const void *src, i64 ts, i64 hs, float 
 // KVF_KMEANS_KERNELS of the same PREFIX (runtime/gpu/context.c reads its launch
 // shape from that one's assign_cfg), so the JIT compiles it as a program of
 // its own (gen/gen.c); its filter statistics are its own global, as above.
-#define KVF_KMEANS_QSAC_KERNEL(PREFIX, D, G, QSAC, BF)                                                        \
+#define KVF_KMEANS_QSAC_KERNEL(PREFIX, D, G, QSAC, BF, EXACT)                                                 \
     extern "C" __device__ unsigned long long PREFIX##_assign_qsac_stats[1 + KVF_AS_N] = {};                  \
-    extern "C" __global__ void __launch_bounds__(kvf_kmeans::assign_warps<D, QSAC>() * 32, 1)           \
+    extern "C" __global__ void __launch_bounds__(kvf_kmeans::assign_warps<D, QSAC, EXACT>() * 32, 1)           \
     PREFIX##_assign_qsac(const kvf_kmeans_assign_params p) {                                                   \
-        kvf_kmeans::assign<D, G, QSAC, BF>(p.src.p, p.src.ts, p.src.hs, p.n, p.nh, p.c_eff, p.cent, p.c_alloc, 0, \
-                                           p.idx_plane, p.weights,                                             \
-                                           PREFIX##_assign_qsac_stats[0] ? PREFIX##_assign_qsac_stats + 1 : 0); \
+        if constexpr (EXACT)                                                                                   \
+            kvf_kmeans::assign<D, G, QSAC, BF>(p.src.p, p.src.ts, p.src.hs, p.n, p.nh, p.c_eff, p.cent,        \
+                                               p.c_alloc, 0, p.idx_plane, p.weights,                           \
+                                               PREFIX##_assign_qsac_stats[0] ? PREFIX##_assign_qsac_stats + 1 : 0); \
+        else                                                                                                   \
+            kvf_kmeans::assign_fast<D, G, QSAC, BF>(p.src.p, p.src.ts, p.src.hs, p.n, p.nh, p.c_eff, p.cent,   \
+                                                    p.c_alloc, 0, p.idx_plane, p.weights,                      \
+                                                    PREFIX##_assign_qsac_stats[0] ? PREFIX##_assign_qsac_stats + 1 \
+                                                                                  : 0);                        \
     }

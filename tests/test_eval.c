@@ -799,7 +799,7 @@ static void test_mismatch_errors(void **state) {
 }
 
 /* The GPU gives the CPU's numbers (RTN decode is bit-identical; so are
- * QVG's encode and decode, also warm-started). */
+ * QVG's encode and decode, also warm-started, with assign = "exact"). */
 static void test_gpu_matches_cpu(void **state) {
     (void)state;
     int n = 0;
@@ -817,7 +817,8 @@ static void test_gpu_matches_cpu(void **state) {
     kvf_eval_report_free(&c);
     kvf_eval_report_free(&g);
     kvf_scheme_free(s);
-    s = tu_scheme_text("return { base = 'qvg_int2', key = { centroids = 16 }, value = { centroids = 16 } }");
+    s = tu_scheme_text("return { base = 'qvg_int2', key = { centroids = 16, assign = 'exact' }, "
+                       "value = { centroids = 16, assign = 'exact' } }");
     c = run_eval_opt(s, path, KVF_DEVICE_CPU, 1);
     g = run_eval_opt(s, path, 0, 1);
     assert_memory_equal(&c.overall, &g.overall, sizeof c.overall);

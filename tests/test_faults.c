@@ -744,6 +744,8 @@ static void test_bench_arguments(void **state) {
         {"--data", "needs a file: --data"},
         {"--data --no-probe qvg_int2", "needs a file: --data"},
         {"--data /nonexistent qvg_int2", "cannot use --data: /nonexistent: cannot open"},
+        {"--assign approx qvg_int2", "needs fast, exact or both: --assign"},
+        {"qvg_int2 --assign", "needs fast, exact or both: --assign"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) bench_expect(bin, cases[i].args, log, 2, cases[i].want);
 

@@ -131,6 +131,7 @@ static void kmeans_kernels_shared_when_identical(void **state) {
         {"return { base = 'qvg_int2', name = 'q' }", 1},
         {"return { base = 'quantwm_int2', name = 'w' }", 1},
         {"return { base = 'qvg_int2', name = 'v4', value = { bits = 4 } }", 0},
+        {"return { base = 'qvg_int2', name = 'kx', key = { assign = 'exact' } }", 0},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         kvf_scheme *s = tu_scheme_text(cases[i].text);
@@ -156,6 +157,50 @@ static void kmeans_kernels_shared_when_identical(void **state) {
         kvf_gen_output_free(&g);
         kvf_scheme_free(s);
     }
+}
+
+/* A section's assign field reaches its k-means kernels as the last template
+ * argument (EXACT): 0 for "fast", the default; 1 for "exact", and for QSAC
+ * over more than 8 candidates, which the fast assignment does not keep. */
+static void assign_field_sets_exact(void **state) {
+    (void)state;
+    const struct { const char *text; int k, v; } cases[] = {
+        {"return { base = 'quantwm_int2', name = 'w' }", 0, 0},
+        {"return { base = 'quantwm_int2', name = 'wx', key = { assign = 'exact' }, value = { assign = 'exact' } }", 1, 1},
+        {"return { base = 'quantwm_int2', name = 'w16', key = { qsac_candidates = 16 } }", 1, 0},
+        {"return { base = 'qvg_int2', name = 'vx', value = { assign = 'exact' } }", 0, 1},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        kvf_scheme *s = tu_scheme_text(cases[i].text);
+        assert_int_equal(s->plan.sec[0].exact, cases[i].k);
+        assert_int_equal(s->plan.sec[1].exact, cases[i].v);
+        kvf_gen_output g;
+        assert_int_equal(kvf_gen(s, &g), KVF_OK);
+        for (int t = 0; t < 2; t++) {
+            char want[200];
+            snprintf(want, sizeof want, "KVF_KMEANS_KERNELS(kvf_%s_%c,", kvf_scheme_id(s), t ? 'v' : 'k');
+            const char *line = strstr(g.cu, want);
+            if (t == 1 && s->plan.sec[1].kmeans_owner == 0) {
+                assert_null(line);
+                continue;
+            }
+            assert_non_null(line);
+            const char *end = strchr(line, '\n');
+            assert_true(end - line > 3 && end[-1] == ')' && end[-2] == (t ? cases[i].v : cases[i].k) + '0' &&
+                        end[-3] == ' ');
+        }
+        const char *q = strstr(g.cu, "KVF_KMEANS_QSAC_KERNEL(");
+        assert_true((q != NULL) == s->plan.has[KVF_R_K_ASSIGN_QSAC]);
+        const char *end = q ? strchr(q, '\n') : NULL;
+        if (q) assert_true(end[-1] == ')' && end[-2] == cases[i].k + '0');
+        kvf_gen_output_free(&g);
+        kvf_scheme_free(s);
+    }
+    /* bits 16 keeps rows: no k-means, no assignment to choose. */
+    kvf_scheme *s = tu_scheme_text("return { base = 'qvg_int2', name = 'k16', key = { bits = 16, centroids = 0, "
+                                   "assign = 'exact' } }");
+    assert_int_equal(s->plan.sec[0].exact, 0);
+    kvf_scheme_free(s);
 }
 
 /* How many times `line` is a whole line of text. */
@@ -242,6 +287,7 @@ int main(void) {
         cmocka_unit_test(unimplemented_method_refused),
         cmocka_unit_test(value_qsac_refused),
         cmocka_unit_test(kmeans_kernels_shared_when_identical),
+        cmocka_unit_test(assign_field_sets_exact),
         cmocka_unit_test(programs_split_the_whole_source),
     };
     return cmocka_run_group_tests_name("generator", tests, NULL, NULL);

@@ -1,6 +1,8 @@
-/* GPU against the CPU reference: packed bytes identical, decode bit-identical,
- * runs repeatable, strided tensors, precompiled images, query statistics with
- * NaN/Inf rows. Skipped (and says so) where there is no GPU.
+/* GPU against the CPU reference: packed bytes identical, decode bit-identical
+ * (k-means with assign = "exact": exact()), runs repeatable, strided tensors,
+ * precompiled images, query statistics with NaN/Inf rows; the fast k-means
+ * assignment (the default) within its contract (gpu_fast_assign). Skipped
+ * (and says so) where there is no GPU.
  *
  * KVF_TEST_SMALL=1: the same tests on a few dozen tokens and 2 heads (every
  * kernel still runs, shared-memory loops included), sized for compute-sanitizer
@@ -9,6 +11,7 @@
 #include "testutil.h"
 #include "gpu/cuda_api.h"
 #include "gpu/jit.h"
+#include "dump.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -287,16 +290,10 @@ static void report_planes(const uint8_t *pg, const uint8_t *pc, const kvf_stage_
     }
 }
 
-/* Encode and decode one case on both backends and compare. */
-static void compare_case(kvf_context *gpu, kvf_context *cpu, const run_case *c, int data, int verbose) {
-    const kvf_scheme *s = kvf_context_scheme(gpu);
-    int d = kvf_scheme_head_dim(s);
-    kvf_shape sh;
-    size_t n = tensor_elems(c, d, &sh), packed_bytes;
-    assert_int_equal(kvf_packed_size(s, c->tokens, c->heads, &packed_bytes), KVF_OK);
-    uint16_t *k = malloc(n * 2), *v = malloc(n * 2);
-    uint16_t *kc = malloc(n * 2), *vc = malloc(n * 2), *kg = malloc(n * 2), *vg = malloc(n * 2);
-    uint8_t *pc = malloc(packed_bytes), *pg = malloc(packed_bytes), *pg2 = malloc(packed_bytes);
+/* The n elements of K and V of a case in its layout (tensor_elems's sh and
+ * n): data 0 synthetic, 1 random, 2 with NaN/Inf/huge values, 3 near the
+ * filter's 2^125 guard, 4 16 distinct rows a head (each described below). */
+static void fill_inputs(const run_case *c, int d, int data, kvf_shape sh, size_t n, uint16_t *k, uint16_t *v) {
     if (data == 1) { random_bf16(k, n, 11 + c->tokens); random_bf16(v, n, 12 + c->tokens); }
     else {
         /* Synthetic data is head-major contiguous: spread it into the layout. */
@@ -349,6 +346,19 @@ static void compare_case(kvf_context *gpu, kvf_context *cpu, const run_case *c, 
                 memcpy(v + dst, v + src, (size_t)d * 2);
             }
     }
+}
+
+/* Encode and decode one case on both backends and compare. */
+static void compare_case(kvf_context *gpu, kvf_context *cpu, const run_case *c, int data, int verbose) {
+    const kvf_scheme *s = kvf_context_scheme(gpu);
+    int d = kvf_scheme_head_dim(s);
+    kvf_shape sh;
+    size_t n = tensor_elems(c, d, &sh), packed_bytes;
+    assert_int_equal(kvf_packed_size(s, c->tokens, c->heads, &packed_bytes), KVF_OK);
+    uint16_t *k = malloc(n * 2), *v = malloc(n * 2);
+    uint16_t *kc = malloc(n * 2), *vc = malloc(n * 2), *kg = malloc(n * 2), *vg = malloc(n * 2);
+    uint8_t *pc = malloc(packed_bytes), *pg = malloc(packed_bytes), *pg2 = malloc(packed_bytes);
+    fill_inputs(c, d, data, sh, n, k, v);
     qstats_pair q = {0};
     if (kvf_scheme_reads_qstats(s)) qstats_prepare(gpu, cpu, c->heads, &q);
     /* Positions for keys cached before RoPE: 3 axes (frame, row, column). */
@@ -501,6 +511,16 @@ static const run_case tiny_cases[] = {
     {1, 1, 1, 16},
 };
 
+/* s with assign = "exact" in both sections (kvf_scheme_finalize: its plan,
+ * canonical text and id again): the assignment the byte-for-byte comparisons
+ * with the CPU reference need. The default, "fast", has its own contract
+ * (gpu_fast_assign). */
+static kvf_scheme *exact(kvf_scheme *s) {
+    s->key.assign = s->value.assign = KVF_ASSIGN_EXACT;
+    if (kvf_scheme_finalize(s)) fail_msg("%s: %s", s->name, kvf_last_error());
+    return s;
+}
+
 /* cs: 4 cases, or NULL for the default set of the scheme's kind. */
 static void run_scheme_cases(kvf_scheme *s, const run_case *cs) {
     kvf_context *gpu, *cpu;
@@ -538,7 +558,7 @@ static void gpu_matches_cpu(void **state) {
     SKIP_WITHOUT_GPU();
     for (const char *const *name = kvf_builtin_schemes(); *name; name++) {
         if (!selected(*name)) continue;
-        kvf_scheme *s = tu_scheme(*name);
+        kvf_scheme *s = exact(tu_scheme(*name));
         run_scheme(s);
         kvf_scheme_free(s);
     }
@@ -552,7 +572,7 @@ static void gpu_rope_pre(void **state) {
         "return { base = 'quantwm_int2', name = 'wm_rope', rope = { placement = 'pre', layout = 'half', sections = {16, 24, 24} } }",
         "return { base = 'rtn_int4', name = 'rtn_rope', rope = { placement = 'pre', layout = 'interleaved' } }"};
     for (int i = 0; i < 2; i++) {
-        kvf_scheme *s = tu_scheme_text(texts[i]);
+        kvf_scheme *s = exact(tu_scheme_text(texts[i]));
         run_scheme(s);
         kvf_scheme_free(s);
     }
@@ -581,7 +601,7 @@ static void gpu_psac_shapes(void **state) {
         NULL};
     if (!selected("psac_shapes")) return;
     for (int i = 0; texts[i]; i++) {
-        kvf_scheme *s = tu_scheme_text(texts[i]);
+        kvf_scheme *s = exact(tu_scheme_text(texts[i]));
         run_scheme_cases(s, small ? tiny_cases : psac_cases);
         kvf_scheme_free(s);
     }
@@ -593,7 +613,7 @@ typedef struct { const char *text; run_case c; } text_case;
  * same bytes (compare_case on synthetic data). */
 static void text_cases_agree(const text_case *cs, size_t n) {
     for (size_t i = 0; i < n; i++) {
-        kvf_scheme *s = tu_scheme_text(cs[i].text);
+        kvf_scheme *s = exact(tu_scheme_text(cs[i].text));
         kvf_context *gpu, *cpu;
         if (kvf_context_create(s, 0, &gpu)) fail_msg("%s: %s", kvf_scheme_id(s), kvf_last_error());
         assert_int_equal(kvf_context_create(s, KVF_DEVICE_CPU, &cpu), KVF_OK);
@@ -696,7 +716,7 @@ static void gpu_sm80_geometry(void **state) {
          {300, sms + 8, 1, 0}},
     };
     for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
-        kvf_scheme *s = tu_scheme_text(shapes[i].text);
+        kvf_scheme *s = exact(tu_scheme_text(shapes[i].text));
         void *image = NULL;
         size_t size = 0;
         const char *origin;
@@ -1180,7 +1200,7 @@ static void gpu_warm_start(void **state) {
     const int64_t n = small ? 40 : 900, prev_ns[2] = {small ? 20 : 200, small ? 40 : 1000};
     for (int i = 0; i < 3; i++) {
         if (!selected(names[i]) && !selected("warm_start")) continue;
-        kvf_scheme *s = tu_scheme(names[i]);
+        kvf_scheme *s = exact(tu_scheme(names[i]));
         kvf_context *gpu, *cpu;
         if (kvf_context_create(s, 0, &gpu)) fail_msg("%s: %s", names[i], kvf_last_error());
         assert_int_equal(kvf_context_create(s, KVF_DEVICE_CPU, &cpu), KVF_OK);
@@ -1259,6 +1279,258 @@ static void gpu_warm_start(void **state) {
     }
 }
 
+/* ------------------------------------------------------- fast assignment */
+
+/* The contract of the fast assignment (assign = "fast", the default;
+ * docs/METHODS.md 3, "fast assignment") against the CPU reference, over all
+ * the cases of a scheme together: of the index planes' entries (every
+ * k-means stage of K and V), at most FAST_INDEX differ from the CPU's; each
+ * tensor's reconstruction MSE (both packed buffers decoded on the CPU, against
+ * the input's finite values) within FAST_MSE of the CPU's, relatively. */
+#define FAST_INDEX 0.005
+#define FAST_MSE 0.005
+
+typedef struct fast_tally {
+    uint64_t entries, differ; /* index plane entries, and those whose index differs */
+    double sse_g[2], sse_c[2]; /* K, V: squared errors of the GPU's and the CPU's bytes, decoded */
+} fast_tally;
+
+/* Squared error of y against x over the rows of sh (d channels each) where
+ * x is finite. */
+static double row_sq_err(const uint16_t *x, const uint16_t *y, const kvf_shape *sh, int d) {
+    double e = 0;
+    for (int h = 0; h < sh->n_heads; h++)
+        for (int64_t t = 0; t < sh->n_tokens; t++)
+            for (int c = 0; c < d; c++) {
+                const size_t i = (size_t)(t * sh->token_stride + h * sh->head_stride + c);
+                const double a = kvf_bf16_to_f32(x[i]), b = kvf_bf16_to_f32(y[i]);
+                if (isfinite(a)) e += (b - a) * (b - a);
+            }
+    return e;
+}
+
+/* Adds one case to the tally: its input k, v (n elements in sh's layout,
+ * explicit strides), and the packed buffers of the GPU (pg) and the CPU (pc),
+ * decoded on the CPU (pos: keys cached before RoPE, else NULL). Returns the
+ * case's share of differing indices. */
+static double fast_tally_add(kvf_context *cpu, const uint16_t *k, const uint16_t *v, const kvf_shape *sh, size_t n,
+                             const int32_t *pos, const uint8_t *pg, const uint8_t *pc, size_t bytes, fast_tally *ft) {
+    const kvf_scheme *s = kvf_context_scheme(cpu);
+    const int d = kvf_scheme_head_dim(s);
+    kvf_layout l;
+    assert_int_equal(kvf_layout_compute(s, sh->n_tokens, sh->n_heads, &l), KVF_OK);
+    const kvf_section_layout *secs[2] = {&l.key, &l.value};
+    uint64_t entries = 0, differ = 0;
+    for (int t = 0; t < 2; t++)
+        for (int st = 0; st < secs[t]->stages && secs[t]->centroids > 0; st++) {
+            const kvf_stage_layout *g = &secs[t]->stage[st];
+            entries += g->index_bytes;
+            differ += diff_bytes(pg, pc, g->index_off, g->index_bytes);
+        }
+    ft->entries += entries;
+    ft->differ += differ;
+    const uint16_t *in[2] = {k, v};
+    uint16_t *out[2][2]; /* [GPU, CPU][K, V] */
+    for (int b = 0; b < 2; b++)
+        for (int t = 0; t < 2; t++) {
+            out[b][t] = malloc(n * 2);
+            memcpy(out[b][t], in[t], n * 2); /* rows the decode does not write: the input's */
+        }
+    assert_int_equal(kvf_decode(cpu, pg, bytes, sh, pos, out[0][0], out[0][1], NULL), KVF_OK);
+    assert_int_equal(kvf_decode(cpu, pc, bytes, sh, pos, out[1][0], out[1][1], NULL), KVF_OK);
+    for (int t = 0; t < 2; t++) {
+        ft->sse_g[t] += row_sq_err(in[t], out[0][t], sh, d);
+        ft->sse_c[t] += row_sq_err(in[t], out[1][t], sh, d);
+    }
+    for (int b = 0; b < 2; b++)
+        for (int t = 0; t < 2; t++) free(out[b][t]);
+    return entries ? (double)differ / (double)entries : 0.0;
+}
+
+/* The tally against the contract's bounds (label: what it gathered). */
+static void fast_tally_check(const char *label, const fast_tally *ft) {
+    const double share = ft->entries ? (double)ft->differ / (double)ft->entries : 0.0;
+    double rel[2];
+    for (int t = 0; t < 2; t++) rel[t] = ft->sse_c[t] > 0 ? (ft->sse_g[t] - ft->sse_c[t]) / ft->sse_c[t] : 0.0;
+    printf("  %s: %llu of %llu indices differ from the CPU's (%.4f%%, bound %.1f%%); MSE change K %+.4f%%, "
+           "V %+.4f%% (bound %.1f%%)\n",
+           label, (unsigned long long)ft->differ, (unsigned long long)ft->entries, 100.0 * share, 100.0 * FAST_INDEX,
+           100.0 * rel[0], 100.0 * rel[1], 100.0 * FAST_MSE);
+    assert_true(ft->entries > 0);
+    assert_true(share <= FAST_INDEX);
+    for (int t = 0; t < 2; t++) assert_true(fabs(rel[t]) <= FAST_MSE);
+}
+
+/* One input (host k, v: n elements in sh's layout, explicit strides) encoded
+ * by the fast assignment on the GPU, twice: the same bytes (the second into a
+ * buffer filled otherwise), with no full scan, second filter or f64 distance
+ * in its statistics. With ft, also encoded on the CPU and tallied (the CPU's
+ * query statistics on both sides: PSAC then differs only where the
+ * assignment does). Returns the case's share of differing indices (0 without
+ * ft). */
+static double fast_case(kvf_context *gpu, kvf_context *cpu, const uint16_t *k, const uint16_t *v, const kvf_shape *sh,
+                        size_t n, fast_tally *ft) {
+    const kvf_scheme *s = kvf_context_scheme(gpu);
+    assert_int_equal(s->plan.sec[0].exact | s->plan.sec[1].exact, 0);
+    const int64_t tokens = sh->n_tokens;
+    const int heads = sh->n_heads;
+    size_t bytes;
+    assert_int_equal(kvf_packed_size(s, tokens, heads, &bytes), KVF_OK);
+    kvf_layout l;
+    assert_int_equal(kvf_layout_compute(s, tokens, heads, &l), KVF_OK);
+    qstats_pair q = {0};
+    if (kvf_scheme_reads_qstats(s)) {
+        qstats_prepare(gpu, cpu, heads, &q);
+        CK(cuMemcpyHtoD(q.dev, q.host, q.bytes));
+    }
+    uint8_t *pg = malloc(bytes), *pg2 = malloc(bytes), *pc = malloc(bytes);
+    CUdeviceptr dk = dalloc(n * 2, 0), dv = dalloc(n * 2, 0), dp = dalloc(bytes, 0);
+    CK(cuMemcpyHtoD(dk, k, n * 2));
+    CK(cuMemcpyHtoD(dv, v, n * 2));
+    unsigned long long st[2][2 * KVF_AS_N];
+    assert_int_equal(kvf_context_assign_stats(gpu, 1, st), KVF_OK);
+    gpu_encode(gpu, dk, dv, sh, q.dev, dp, bytes, 0xa5, pg);
+    assert_int_equal(kvf_context_assign_stats(gpu, 0, st), KVF_OK);
+    unsigned long long assigned = 0;
+    for (int t = 0; t < 2; t++)
+        for (int m = 0; m < 2; m++) {
+            const unsigned long long *a = st[t] + KVF_AS_N * m;
+            assert_true(a[KVF_AS_FULL] == 0 && a[KVF_AS_AGAIN] == 0 && a[KVF_AS_EXACT] == 0);
+            assert_true(a[KVF_AS_CANDIDATES] >= a[KVF_AS_TOKENS]);
+            assigned += a[KVF_AS_TOKENS];
+        }
+    assert_true(assigned > 0);
+    gpu_encode(gpu, dk, dv, sh, q.dev, dp, bytes, 0x5a, pg2);
+    assert_same_stages(pg2, pg, &l);
+    if (l.key.psac_rank > 0) assert_same_psac(pg2, pg, &l.key);
+    double share = 0;
+    if (ft) {
+        const int axes = kvf_rope_sections(s, NULL);
+        int32_t *pos = malloc(sizeof(int32_t) * (size_t)tokens * axes);
+        for (int64_t t = 0; t < tokens; t++)
+            for (int a = 0; a < axes; a++) pos[t * axes + a] = (int32_t)((t / (a + 1) * 7 + a * 3) % 977);
+        assert_int_equal(kvf_encode(cpu, k, v, sh, q.host, pc, bytes, NULL), KVF_OK);
+        share = fast_tally_add(cpu, k, v, sh, n, s->rope.placement == KVF_ROPE_PRE ? pos : NULL, pg, pc, bytes, ft);
+        free(pos);
+    }
+    cu->cuMemFree(dk); cu->cuMemFree(dv); cu->cuMemFree(dp);
+    if (q.dev) cu->cuMemFree(q.dev);
+    free(q.host);
+    free(pg); free(pg2); free(pc);
+    return share;
+}
+
+/* The k-means schemes with the fast assignment (their default) against the
+ * CPU reference on the data sets of compare_case: synthetic and random on
+ * four shapes, 16 distinct rows a head (many equal centroids: ties, which
+ * both sides give to the smaller index) on the first, all under the
+ * contract's bounds; NaN/Inf/huge inputs and rows near the filter's 2^125
+ * guard (where the contract does not hold) give the same bytes run after run
+ * as every case does. "qvg_pro2" is qvg_pro_int2 with two stages and two
+ * Lloyd steps a stage (its CPU reference in a fraction of the time): its
+ * second stages assign over the f32 workspace (the mma's low halves). */
+static void gpu_fast_assign(void **state) {
+    (void)state;
+    SKIP_WITHOUT_GPU();
+    static const struct { const char *name, *text; } schemes[] = {
+        {"qvg_int2", NULL},
+        {"qvg_int4", NULL},
+        {"quantwm_int2", NULL},
+        {"quantwm_int4", NULL},
+        {"qvg_pro_int2", "return { base = 'qvg_pro_int2', name = 'qvg_pro2', key = { stages = 2, kmeans_iters = 2 }, "
+                         "value = { stages = 2, kmeans_iters = 2 } }"},
+    };
+    static const run_case fast_cases[] = {{1560, 2, 0, 0}, {300, 3, 1, 0}, {37, 3, 0, 8}, {1, 1, 1, 16}};
+    for (size_t i = 0; i < sizeof schemes / sizeof schemes[0]; i++) {
+        if (!selected(schemes[i].name)) continue;
+        kvf_scheme *s = schemes[i].text ? tu_scheme_text(schemes[i].text) : tu_scheme(schemes[i].name);
+        kvf_context *gpu, *cpu;
+        if (kvf_context_create(s, 0, &gpu)) fail_msg("%s: %s", kvf_scheme_id(s), kvf_last_error());
+        assert_int_equal(kvf_context_create(s, KVF_DEVICE_CPU, &cpu), KVF_OK);
+        printf("%s (fast assignment) on %s:\n", kvf_scheme_id(s), kvf_context_backend(gpu));
+        const int d = kvf_scheme_head_dim(s);
+        const run_case *cs = small ? tiny_cases : fast_cases;
+        fast_tally ft = {0};
+        for (int c = 0; c < 4; c++) {
+            static const int sets[] = {0, 1, 4, 2, 3};
+            for (int di = 0; di < 5; di++) {
+                const int data = sets[di];
+                if ((data == 4 || data == 2) && c != 0) continue; /* as run_scheme_cases */
+                if (data == 3 && c != 2) continue;
+                kvf_shape sh;
+                const size_t n = tensor_elems(&cs[c], d, &sh);
+                uint16_t *k = malloc(n * 2), *v = malloc(n * 2);
+                fill_inputs(&cs[c], d, data, sh, n, k, v);
+                const int contract = data == 0 || data == 1 || data == 4;
+                const double share = fast_case(gpu, cpu, k, v, &sh, n, contract ? &ft : NULL);
+                if (contract)
+                    printf("  %lld tokens x %d heads, data %d: %.4f%% of indices differ\n", (long long)cs[c].tokens,
+                           cs[c].heads, data, 100.0 * share);
+                free(k);
+                free(v);
+            }
+        }
+        fast_tally_check(kvf_scheme_id(s), &ft);
+        kvf_context_destroy(gpu);
+        kvf_context_destroy(cpu);
+        kvf_scheme_free(s);
+    }
+}
+
+/* K and V of layer 0, chunk c of a dump ([kv_heads][N][d] in the file):
+ * each head's first `tokens` rows, head-major ([kv_heads][tokens][d]). */
+static void dump_chunk(const kvf_dump *dump, int c, int64_t tokens, uint16_t *k, uint16_t *v) {
+    const kvf_st_tensor *tk = kvf_dump_tensor(dump, 0, c, KVF_DUMP_K), *tv = kvf_dump_tensor(dump, 0, c, KVF_DUMP_V);
+    assert_non_null(tk);
+    assert_non_null(tv);
+    assert_true(tokens <= dump->tokens);
+    const size_t d = (size_t)dump->head_dim;
+    for (int h = 0; h < dump->kv_heads; h++) {
+        kvf_dump_bf16(tk, (size_t)h * dump->tokens * d, (size_t)tokens * d, k + (size_t)h * tokens * d);
+        kvf_dump_bf16(tv, (size_t)h * dump->tokens * d, (size_t)tokens * d, v + (size_t)h * tokens * d);
+    }
+}
+
+/* The same contract on the committed world-model dump
+ * (eval/worldmodel/kv_small.safetensors: real keys and values, whose
+ * assignment the exact path settles with f64 distances far more often than
+ * synthetic data's): each chunk of layer 0 a span, qvg_int2 and quantwm_int2. */
+static void gpu_fast_assign_dump(void **state) {
+    (void)state;
+    SKIP_WITHOUT_GPU();
+    const char *path = tu_path("eval/worldmodel/kv_small.safetensors");
+    kvf_dump *dump;
+    if (kvf_dump_open(path, &dump)) fail_msg("%s: %s", path, kvf_last_error());
+    const char *const names[] = {"qvg_int2", "quantwm_int2"};
+    for (int i = 0; i < 2; i++) {
+        if (!selected(names[i])) continue;
+        kvf_scheme *s = tu_scheme(names[i]);
+        assert_int_equal(dump->head_dim, kvf_scheme_head_dim(s));
+        kvf_context *gpu, *cpu;
+        if (kvf_context_create(s, 0, &gpu)) fail_msg("%s: %s", kvf_scheme_id(s), kvf_last_error());
+        assert_int_equal(kvf_context_create(s, KVF_DEVICE_CPU, &cpu), KVF_OK);
+        const int d = dump->head_dim, heads = dump->kv_heads;
+        const int64_t tokens = small ? 48 : dump->tokens;
+        const kvf_shape sh = {tokens, heads, d, tokens * d}; /* dump_chunk's layout */
+        const size_t n = (size_t)tokens * heads * d;
+        fast_tally ft = {0};
+        for (int c = 0; c < dump->chunks; c++) {
+            uint16_t *k = malloc(n * 2), *v = malloc(n * 2);
+            dump_chunk(dump, c, tokens, k, v);
+            const double share = fast_case(gpu, cpu, k, v, &sh, n, &ft);
+            printf("  %s chunk %d (%lld tokens x %d heads): %.4f%% of indices differ\n", path, c, (long long)tokens,
+                   heads, 100.0 * share);
+            free(k);
+            free(v);
+        }
+        fast_tally_check(kvf_scheme_id(s), &ft);
+        kvf_context_destroy(gpu);
+        kvf_context_destroy(cpu);
+        kvf_scheme_free(s);
+    }
+    kvf_dump_close(dump);
+}
+
 static void bad_arguments_refused(void **state) {
     (void)state;
     SKIP_WITHOUT_GPU();
@@ -1331,6 +1603,7 @@ static void gpu_pipeline_matches_cpu(void **state) {
             struct kvf_scheme s, as;
             tu_hand_scheme(&s, D, 2, 2, 64, KVF_MODE_AFFINE);
             if (base) s.key.centroids = s.value.centroids = 32;
+            s.key.assign = s.value.assign = KVF_ASSIGN_EXACT; /* byte for byte (exact()) */
             if (opt == 0 || opt == 4) s.pipe.outliers[0] = s.pipe.outliers[1] = 2;
             if (opt == 1 || opt == 4) s.pipe.mp_fraction[0] = 0.2, s.pipe.mp_fraction[1] = 0.125, s.pipe.mp_refine_bits = 2;
             s.pipe.anchor_every = 4, s.pipe.anchor_bits = opt == 4 ? 4 : 8; /* every case has an anchor */
@@ -1417,6 +1690,8 @@ int main(void) {
         cmocka_unit_test(gpu_warm_start),
         cmocka_unit_test(bad_arguments_refused),
         cmocka_unit_test(gpu_pipeline_matches_cpu),
+        cmocka_unit_test(gpu_fast_assign),
+        cmocka_unit_test(gpu_fast_assign_dump),
     };
     const char *only = getenv("KVF_TEST_ONLY"); /* one test by name, e.g. on a short device run */
     if (only && *only) cmocka_set_test_filter(only);

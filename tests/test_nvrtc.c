@@ -587,6 +587,47 @@ static void kmeans_fits_arch_shared_memory(void **state) {
     kvf_scheme_free(wm8);
 }
 
+/* The shipped schemes take the fast assignment (every_scheme_compiles); the
+ * exact one (assign = "exact", what the GPU tests compare with the CPU byte
+ * for byte) compiles as well and under the same rules: the plain assignment
+ * over a BF16 source and over the f32 workspace (qvg_pro_int2), QSAC
+ * (quantwm_int2), QSAC over M = 8 on an f32 source (the most registers),
+ * for sm_90; and it still fits sm_86's shared memory. */
+static void exact_assignment_compiles(void **state) {
+    (void)state;
+    const kvf_nvrtc_api *nv;
+    assert_int_equal(kvf_nvrtc_load(&nv), KVF_OK);
+    setenv("KVFORGE_CACHE", "0", 1);
+    const struct { const char *text, *arch; int assigns; } cases[] = {
+        {"return { base = 'qvg_int2', name = 'qx', key = { assign = 'exact' }, value = { assign = 'exact' } }",
+         "sm_90", 1},
+        {"return { base = 'qvg_pro_int2', name = 'px', key = { assign = 'exact' }, value = { assign = 'exact' } }",
+         "sm_90", 1},
+        {"return { base = 'quantwm_int2', name = 'wx', key = { assign = 'exact' }, value = { assign = 'exact' } }",
+         "sm_90", 2},
+        {"return { base = 'quantwm_int2', name = 'wx8', key = { qsac_candidates = 8, stages = 2, assign = 'exact' }, "
+         "value = { assign = 'exact' } }", "sm_90", 3},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        kvf_scheme *s = tu_scheme_text(cases[i].text);
+        assert_true(s->plan.sec[0].exact && s->plan.sec[1].exact);
+        kvf_kernel_usage *u;
+        int k = 0, decode, assign;
+        if (kvf_jit_usage(s, cases[i].arch, &u, &k, NULL)) fail_msg("%s: %s", cases[i].text, kvf_last_error());
+        check_usage(s->name, cases[i].arch, u, k, nv->major == 13, 0, &decode, &assign);
+        assert_int_equal(assign, cases[i].assigns);
+        free(u);
+        kvf_scheme_free(s);
+    }
+    kvf_scheme *s = tu_scheme_text(cases[2].text);
+    void *image = NULL;
+    size_t size = 0;
+    const char *origin;
+    if (kvf_jit_image(s, "compute_86", 1, &image, &size, &origin)) fail_msg("wx for compute_86: %s", kvf_last_error());
+    free(image);
+    kvf_scheme_free(s);
+}
+
 int main(void) {
     const kvf_nvrtc_api *api;
     if (kvf_nvrtc_load(&api)) {
@@ -606,6 +647,7 @@ int main(void) {
         cmocka_unit_test_setup(jit_race, fresh_env),
         cmocka_unit_test_setup(compile_error_reports_log, fresh_env),
         cmocka_unit_test_setup(kmeans_fits_arch_shared_memory, fresh_env),
+        cmocka_unit_test_setup(exact_assignment_compiles, fresh_env),
         cmocka_unit_test_setup(pipeline_shapes_compile, fresh_env),
     };
     return cmocka_run_group_tests_name("nvrtc", tests, setup, teardown);

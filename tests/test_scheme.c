@@ -65,10 +65,10 @@ static const char rtn_int2_canonical[] =
     "return {\n"
     "  name = \"rtn_int2\",\n"
     "  head_dim = 128,\n"
-    "  key = { axis = \"channel\", bits = 2, centroids = 0, group_size = 64, kmeans_iters = 2, "
+    "  key = { assign = \"fast\", axis = \"channel\", bits = 2, centroids = 0, group_size = 64, kmeans_iters = 2, "
     "kmeans_labels = \"final\", mode = \"affine\", psac_rank = 0, qsac_candidates = 1, rotation = \"none\", "
     "scale_format = \"fp16\", seed = 0, stages = 1 },\n"
-    "  value = { axis = \"channel\", bits = 2, centroids = 0, group_size = 64, kmeans_iters = 2, "
+    "  value = { assign = \"fast\", axis = \"channel\", bits = 2, centroids = 0, group_size = 64, kmeans_iters = 2, "
     "kmeans_labels = \"final\", mode = \"affine\", psac_rank = 0, qsac_candidates = 1, rotation = \"none\", "
     "scale_format = \"fp16\", seed = 0, stages = 1 },\n"
     "  rope = { layout = \"half\", placement = \"none\", sections = { 64 }, theta = 10000.0 },\n"
@@ -192,6 +192,7 @@ static void test_defaults(void **state) {
         assert_int_equal(t[i]->kmeans_labels, KVF_LABELS_FINAL);
         assert_true(t[i]->seed == 0);
         assert_int_equal(t[i]->rotation, KVF_ROTATION_NONE);
+        assert_int_equal(t[i]->assign, KVF_ASSIGN_FAST);
     }
     assert_int_equal(s->head_dim, 128);
     assert_int_equal(s->rope.placement, KVF_ROPE_NONE);
@@ -416,6 +417,8 @@ static const char *const variants[] = {
     "return { name = 'v', key = { centroids = 256, kmeans_labels = 'last_step' } }",
     "return { name = 'v', key = { seed = 1 } }",
     "return { name = 'v', key = { centroids = 256, qsac_candidates = 4 } }",
+    "return { name = 'v', key = { centroids = 256, assign = 'exact' } }",
+    "return { name = 'v', value = { centroids = 256, assign = 'exact' } }",
     "return { name = 'v', key = { psac_rank = 8 } }",
     "return { name = 'v', key = { centroids = 256, stages = 2 } }",
     "return { name = 'v', value = { centroids = 256, kmeans_iters = 5, seed = 7 } }",
@@ -540,6 +543,7 @@ static const bad_case bad_cases[] = {
     {"rope_sections_hole.lua", 4,
      "rope.sections: must be an array of 1..4 integers in 1..128 (got table)", NULL},
     {"rope_sections_float.lua", 3, "rope.sections: must be an array of 1..4 integers", NULL},
+    {"bad_assign.lua", 5, "key.assign: must be one of \"fast\", \"exact\" (got \"approx\")", NULL},
     {"bad_rotation.lua", 5,
      "key.rotation: must be one of \"none\", \"hadamard\" (got \"random\")", NULL},
     {"psac_in_value.lua", 5, "value.psac_rank: must be 0 in value: values get no PSAC (got 8)",

@@ -235,6 +235,6 @@ def test_batch_cuda_matches_entries(scheme):
     Kc, Vc = cpu.keys_values(0)
     if not kmeans:
         assert torch.equal(K.cpu(), Kc) and torch.equal(V.cpu(), Vc)
-    else:  # GPU and CPU k-means agree but for exact ties of distances (docs/METHODS.md 3)
+    else:  # the GPU's fast k-means assignment is held to a bound, not bit for bit (docs/METHODS.md 3)
         assert (K.cpu() != Kc).float().mean() < 1e-3 and (V.cpu() != Vc).float().mean() < 1e-3
 

@@ -235,6 +235,9 @@ static void section_of(const struct kvf_scheme *s, const kvf_tensor_cfg *t, int 
     /* Values choose the nearest centroid (QSAC for values is the CPU's alone: check_gpu). */
     o->qsac = is_key && q ? t->qsac_candidates : 1;
     o->bf16_source = o->rotation != KVF_ROTATION_HADAMARD && o->stages == 1;
+    /* The fast assignment keeps at most 8 keys a list: QSAC over more
+     * candidates takes the exact one (docs/METHODS.md 3, fast assignment). */
+    o->exact = q && (t->assign == KVF_ASSIGN_EXACT || o->qsac > 8);
     o->kmeans_owner = is_key ? 0 : 1;
     /* A decode block loads its next tile's centroid indices while it decodes
      * this one, and its head's PSAC basis once: more tiles a block help
@@ -262,7 +265,7 @@ static int same_kmeans(const kvf_section_plan *k, const kvf_section_plan *v) {
            k->group == v->group && k->bits == v->bits && k->mode == v->mode && k->scale_format == v->scale_format &&
            k->centroids == v->centroids && k->bf16_source == v->bf16_source && k->outliers == v->outliers &&
            k->mp_channels == v->mp_channels && k->mp_bits == v->mp_bits && k->anchor_bits == v->anchor_bits &&
-           k->feedback == v->feedback;
+           k->feedback == v->feedback && k->exact == v->exact;
 }
 
 static void kernels_of(kvf_plan *p) {

@@ -24,6 +24,7 @@ static const char *const placement_names[] = {"none", "pre", "post", NULL};
 static const char *const layout_names[] = {"half", "interleaved", NULL};
 static const char *const rotation_names[] = {"none", "hadamard", NULL};
 static const char *const labels_names[] = {"final", "last_step", NULL};
+static const char *const assign_names[] = {"fast", "exact", NULL};
 
 #define SO(m) offsetof(struct kvf_scheme, m)
 #define TO(m) offsetof(kvf_tensor_cfg, m)
@@ -44,6 +45,7 @@ static const kvf_sch_field top_fields[N_TOP] = {
 };
 /* Nested sections: sorted by name (the canonical text relies on it). */
 static const kvf_sch_field tensor_fields[N_TENSOR] = {
+    {"assign", F_ENUM, TO(assign), 0, 0, NULL, assign_names},
     {"axis", F_ENUM, TO(axis), 0, 0, NULL, axis_names},
     {"bits", F_INT, TO(bits), 2, 16, bits_set, NULL},
     {"centroids", F_INT, TO(centroids), 0, 256, NULL, NULL},
@@ -227,7 +229,8 @@ void kvf_scheme_defaults(struct kvf_scheme *s) {
     static const kvf_tensor_cfg tensor = {
         .bits = 2, .group_size = 64, .axis = KVF_AXIS_CHANNEL, .mode = KVF_MODE_AFFINE,
         .scale_format = KVF_SCALE_FP16, .centroids = 0, .kmeans_iters = 2, .kmeans_labels = KVF_LABELS_FINAL, .seed = 0,
-        .qsac_candidates = 1, .psac_rank = 0, .stages = 1, .rotation = KVF_ROTATION_NONE};
+        .qsac_candidates = 1, .psac_rank = 0, .stages = 1, .rotation = KVF_ROTATION_NONE,
+        .assign = KVF_ASSIGN_FAST};
     memset(s, 0, sizeof *s);
     s->head_dim = 128;
     s->key = tensor;

@@ -1,0 +1,7 @@
+-- an unknown assignment
+return {
+  key = {
+    centroids = 16,
+    assign = "approx",
+  },
+}
