@@ -220,14 +220,19 @@ def compare_plot(entries: list, png: str, title: str | None = None) -> dict:
     return drawn
 
 
-def run(kvforge: str, data: str, schemes: list, peers: list, gpu: bool = False, threads: int | None = None) -> list:
-    """`kvforge eval --json` for every scheme and peer recon file; the combined list."""
+def run(kvforge: str, data: str, schemes: list, peers: list, gpu: bool = False, threads: int | None = None,
+        table_dir: str | None = None) -> list:
+    """`kvforge eval --json` for every scheme and peer recon file; the combined list.
+    table_dir: where a mixed-precision scheme's sensitivity table is, NAME.json."""
     entries = []
     extra = ["--threads", str(threads)] if threads else []
     for kind, items in (("scheme", schemes), ("peer", peers)):
         for item in items:
+            stem = os.path.basename(item)[:-4] if item.endswith(".lua") else item
+            table = os.path.join(table_dir, stem + ".json") if table_dir and kind == "scheme" else None
             cmd = [kvforge, "eval", "--scheme" if kind == "scheme" else "--peer", item, "--data", data, "--json",
-                   *extra, *(["--gpu"] if gpu and kind == "scheme" else [])]
+                   *extra, *(["--gpu"] if gpu and kind == "scheme" else []),
+                   *(["--table", table] if table and os.path.exists(table) else [])]
             p = subprocess.run(cmd, capture_output=True, text=True)
             if p.returncode != 0:
                 raise RuntimeError(f"{' '.join(cmd)}: exit {p.returncode}: {p.stderr.strip()}")
@@ -252,6 +257,7 @@ def main(argv=None) -> int:
     r.add_argument("--peers", nargs="*", default=[], help="recon files (eval/peer/qvg_peer.py)")
     r.add_argument("--gpu", action="store_true", help="kvforge's schemes on GPU 0")
     r.add_argument("--threads", type=int)
+    r.add_argument("--table-dir", help="sensitivity tables of mixed-precision schemes: NAME.json (kvforge calibrate)")
     r.add_argument("--out", required=True)
     p = sub.add_parser("plot", help="plot a combined JSON")
     p.add_argument("combined")
@@ -264,7 +270,7 @@ def main(argv=None) -> int:
     c.add_argument("--title")
     a = ap.parse_args(argv)
     if a.cmd == "run":
-        entries = run(a.kvforge, a.data, a.schemes, a.peers, a.gpu, a.threads)
+        entries = run(a.kvforge, a.data, a.schemes, a.peers, a.gpu, a.threads, a.table_dir)
         with open(a.out, "w") as f:
             json.dump(entries, f, indent=1)
         for e in entries:

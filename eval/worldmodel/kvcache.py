@@ -186,10 +186,11 @@ class KvforgeCache:
     keys_values call decodes into a new buffer that the model drops after the layer's
     attention, so no full-history BF16 copy outlives one attention call."""
 
-    def __init__(self, scheme, n_layers: int, n_kv_heads: int, head_dim: int, device="cuda", n_q_heads=None):
+    def __init__(self, scheme, n_layers: int, n_kv_heads: int, head_dim: int, device="cuda", n_q_heads=None,
+                 table=None):
         import kvforge
         self.cache = kvforge.QuantizedKVCache(scheme, n_layers, n_kv_heads, head_dim, device=device,
-                                              num_q_heads=n_q_heads)
+                                              num_q_heads=n_q_heads, table=table)
         info = getattr(self.cache, "info", None)
         self.pre = getattr(info, "rope_placement", "post") == "pre"
 

@@ -12,6 +12,8 @@ paths of .lua files, comma-separated (and may be repeated); --cache-factory
 [LABEL=]MODULE:FUNCTION (or [LABEL=]path/to/file.py:FUNCTION; repeatable) adds a
 cache built by FUNCTION(cfg, device), any object with kvcache.py's interface
 (keys_values/append/nbytes/compression_ratio; see kvcache.py's docstring).
+A scheme with mixed precision reads its sensitivity table (`kvforge calibrate` on a
+dump of this model) from --table-dir: LABEL.json there, LABEL the scheme's label.
 
 Per scheme and start (JSON), per generated frame:
   psnr_vs_bf16[t]      pixels in [0, 255] after unpatchify (capped at 100 dB where the
@@ -329,13 +331,15 @@ def scheme_entries(a):
     return out
 
 
-def make_cache(entry, cfg, device):
+def make_cache(entry, cfg, device, table_dir=None):
     label, kind, target = entry
     if kind == "bf16":
         return BF16Cache(cfg.layers)
     if kind == "factory":
         return check_cache(target(cfg, device), f"cache factory {label}")
-    return KvforgeCache(target, cfg.layers, cfg.kv_heads, cfg.head_dim, device=device, n_q_heads=cfg.heads)
+    table = os.path.join(table_dir, label + ".json") if table_dir else None
+    return KvforgeCache(target, cfg.layers, cfg.kv_heads, cfg.head_dim, device=device, n_q_heads=cfg.heads,
+                        table=table if table and os.path.exists(table) else None)
 
 
 def parse_args(argv=None):
@@ -350,6 +354,8 @@ def parse_args(argv=None):
     ap.add_argument("--cache-factory", action="append", default=None,
                     help="[LABEL=]MODULE:FUNCTION or [LABEL=]FILE.py:FUNCTION: FUNCTION(cfg, device) returns a "
                          "cache with kvcache.py's interface (repeatable)")
+    ap.add_argument("--table-dir", default=None,
+                    help="sensitivity tables of mixed-precision schemes: LABEL.json (kvforge calibrate)")
     ap.add_argument("--scheme-dir", default=os.path.join(REPO, "schemes"),
                     help="NAME.lua here is used when it exists, else NAME is a shipped scheme")
     ap.add_argument("--kvforge-python", default=os.path.join(REPO, "python"),
@@ -445,7 +451,7 @@ def run(a):
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats(device)
                     base_mem = torch.cuda.memory_allocated(device)
-                inner = make_cache(entry, cfg, device)
+                inner = make_cache(entry, cfg, device, a.table_dir)
                 cache = ProbeCache(inner, cfg.layers, a.attn_stride, cfg) if (name != "bf16" and a.attn_stride) else inner
                 ts = time.time()
                 with ac:

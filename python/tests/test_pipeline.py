@@ -134,3 +134,35 @@ def test_batch_reads_each_heads_map(rng, tmp_path):
     Ka, Va = alone.keys_values(0, bits=True)
     for b in range(2):
         assert np.array_equal(Kb[b], Ka) and np.array_equal(Vb[b], Va)
+
+
+def _torch_device():
+    """The device of the torch check: cuda where there is one, else the CPU reference
+    through torch (KVFORGE_TEST_TORCH_DEVICE overrides)."""
+    import os
+    torch = pytest.importorskip("torch")
+    dev = os.environ.get("KVFORGE_TEST_TORCH_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
+    return torch, dev
+
+
+def test_torch_cache_matches_numpy(rng, tmp_path):
+    """The same stream through torch tensors (on a GPU: the pipeline's kernels) gives
+    the CPU reference's bytes: anchors, the carried error and the channel map."""
+    torch, dev = _torch_device()
+    s = kvforge.Scheme.from_string(PIPE, "=pipe")
+    path = write_table(tmp_path / "t.json", layers=2)
+    data = chunks(rng, 7, 64)
+    ref = kvforge.QuantizedKVCache(s, num_layers=2, num_kv_heads=H, head_dim=D, table=path)
+    tc = kvforge.QuantizedKVCache(s, num_layers=2, num_kv_heads=H, head_dim=D, table=path, device=dev)
+    for k, v in data:
+        for layer in (0, 1):
+            ref.append(layer, k, v)
+            tc.append(layer, torch.from_numpy(k.view(np.int16)).view(torch.bfloat16).to(dev),
+                      torch.from_numpy(v.view(np.int16)).view(torch.bfloat16).to(dev))
+    for layer in (0, 1):
+        K, V = ref.keys_values(layer, bits=True)
+        Kt, Vt = tc.keys_values(layer)
+        kt = Kt.cpu().view(torch.int16).numpy().view(np.uint16)
+        vt = Vt.cpu().view(torch.int16).numpy().view(np.uint16)
+        assert np.array_equal(kt, K) and np.array_equal(vt, V), (dev, layer, int((kt != K).sum()), int((vt != V).sum()))
+    assert tc.memory() == ref.memory()

@@ -13,7 +13,9 @@
 # Files under $OUT: peer.log, harness.json, frontier.json, frontier.png, peer_bench.json.
 # Expected: about 4 minutes on one H200 (Triton's autotuning included); every step is cut
 # to what is left of KVF_PEER_BUDGET (560 s) so the whole stays within one 600 s command.
-# KVF_PEER_SCHEMES: kvforge's schemes to score (default below); KVF_PEER_GPU=0: score and
+# KVF_PEER_SCHEMES: kvforge's schemes to score (default below); KVF_PEER_TABLES: the
+# sensitivity tables of mixed-precision schemes (NAME.json, `kvforge calibrate` on a dump
+# of the same model); KVF_PEER_CHUNKS: chunks of the dump (default 5); KVF_PEER_GPU=0: score and
 # bench on the CPU (to try the script where there is no GPU: the peer then skips).
 set -u
 O=${OUT:-/tmp/out}; mkdir -p "$O"
@@ -42,7 +44,7 @@ if [ -f out/data/vtest.avi ]; then
   dev=cuda; [ "$gpu" = 0 ] && dev=cpu
   timeout $(tl 60) $PY eval/worldmodel/frames.py out/data/vtest.avi /tmp/f.npz && \
   timeout $(tl 90) $PY eval/worldmodel/dump_kv.py --weights eval/worldmodel/weights.safetensors --frames /tmp/f.npz \
-    --layers all --chunks 5 --q-stride 16 --device $dev --out /tmp/kv_full.safetensors 2>&1 | tail -2 && \
+    --layers all --chunks ${KVF_PEER_CHUNKS:-5} --q-stride 16 --device $dev --out /tmp/kv_full.safetensors 2>&1 | tail -2 && \
   [ -f /tmp/kv_full.safetensors ] && dump=/tmp/kv_full.safetensors
 fi
 echo "dump: $dump"
@@ -68,7 +70,7 @@ PY
 stamp "kvforge eval: schemes and peers (eval/frontier.py)"
 gflag=--gpu; [ "$gpu" = 0 ] && gflag=
 timeout $(tl 150) $PY eval/frontier.py run --kvforge out/bin/kvforge --data "$dump" --schemes $schemes \
-  --peers $recons $gflag --threads 16 --out "$O/frontier.json" && \
+  --peers $recons $gflag --threads 16 ${KVF_PEER_TABLES:+--table-dir "$KVF_PEER_TABLES"} --out "$O/frontier.json" && \
   $PY eval/frontier.py plot "$O/frontier.json" --png "$O/frontier.png" --title "kvforge and QVG on $(basename $dump)"
 
 stamp "bench (bench/peer_bench.py)"

@@ -30,7 +30,8 @@
 # (generated chunks, default 31), WM_STARTS (first frames, comma-separated, default 636;
 # 636,699 gives two streams that both end inside the held-out frames; dump: the first),
 # WM_FACTORY (rollout: one --cache-factory spec, e.g.
-# qvg_peer=eval/peer/qvg_cache.py:make_cache), WM_ATTN_STRIDE
+# qvg_peer=eval/peer/qvg_cache.py:make_cache), WM_TABLE_DIR (rollout: the sensitivity tables
+# of mixed-precision schemes, LABEL.json, from `kvforge calibrate` on this model), WM_ATTN_STRIDE
 # (rollout's attention probe, default 0: the peak memory is then the scheme's alone),
 # WM_DUMP_LAYERS (default spread3), WM_DUMP_QSTRIDE (256), WM_DUMP_CACHE (a scheme whose
 # compressed cache generates the dumped stream; default: the BF16 rollout), WM_PEAKED_CHUNKS
@@ -102,6 +103,7 @@ rollout)
   W=$(model_weights) || exit 2
   fac=()
   [ -n "${WM_FACTORY:-}" ] && fac=(--cache-factory "$WM_FACTORY")
+  [ -n "${WM_TABLE_DIR:-}" ] && fac+=(--table-dir "$WM_TABLE_DIR")
   timeout "$(left)" $PY $WM/rollout.py --weights "$W" --frames "$FR" --starts "${WM_STARTS:-636}" \
       --prompt-chunks 1 --chunks "${WM_CHUNKS:-31}" --attn-stride "${WM_ATTN_STRIDE:-0}" \
       --schemes "bf16,$(scheme_list "$@")" ${fac[@]+"${fac[@]}"} --strip-schemes bf16,qvg_int2,quantwm_int2 \
