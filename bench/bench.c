@@ -111,10 +111,19 @@ typedef struct codec_arg {
     CUdeviceptr k, v, packed, k2, v2, qs, pos;
     size_t packed_bytes, qs_bytes;
     kvf_shape sh, qsh; /* qsh: one chunk of queries (the first 4680 rows of K) */
+    /* the pipeline (NULL: none): a span coded against an anchor span, carrying
+     * the error of the one before, with a channel map */
+    const kvf_encode_args *ea;
+    const kvf_decode_args *da;
 } codec_arg;
 
 static int do_encode(void *p) {
     codec_arg *c = p;
+    if (c->ea) {
+        kvf_encode_args a = *c->ea;
+        a.qstats = c->qs ? (void *)c->qs : NULL;
+        return kvf_encode_ex(c->ctx, (void *)c->k, (void *)c->v, &c->sh, &a, (void *)c->packed, c->packed_bytes, NULL);
+    }
     return kvf_encode(c->ctx, (void *)c->k, (void *)c->v, &c->sh, c->qs ? (void *)c->qs : NULL, (void *)c->packed,
                       c->packed_bytes, NULL);
 }
@@ -127,6 +136,11 @@ static int do_qstats(void *p) {
 
 static int do_decode(void *p) {
     codec_arg *c = p;
+    if (c->da) {
+        kvf_decode_args a = *c->da;
+        a.positions = c->pos ? (int32_t *)c->pos : NULL;
+        return kvf_decode_ex(c->ctx, (void *)c->packed, c->packed_bytes, &c->sh, &a, (void *)c->k2, (void *)c->v2, NULL);
+    }
     return kvf_decode(c->ctx, (void *)c->packed, c->packed_bytes, &c->sh, c->pos ? (int32_t *)c->pos : NULL,
                       (void *)c->k2, (void *)c->v2, NULL);
 }
@@ -490,6 +504,50 @@ int main(int argc, char **argv) {
                     row, (long long)c.qsh.n_tokens, heads, upd, reps5);
         }
         c.pos = s->rope.placement == KVF_ROPE_PRE ? dpos : 0;
+        /* The pipeline in its steady state: an anchor span of the same tokens
+         * (its scheme's encode, not timed), the carried error read and written,
+         * each head refining its first channels. Decode reads the anchor too. */
+        kvf_encode_args ea = {0};
+        kvf_decode_args da = {0};
+        CUdeviceptr d_anchor = 0, d_fb = 0, d_map = 0;
+        kvf_scheme *as = NULL;
+        kvf_context *actx = NULL;
+        size_t anchor_bytes = 0;
+        c.ea = NULL, c.da = NULL;
+        if (s->pipe.anchor_every || s->pipe.feedback_decay > 0 || s->plan.sec[0].mp_channels ||
+            s->plan.sec[1].mp_channels) {
+            const size_t mb = (size_t)2 * heads * s->head_dim;
+            uint8_t *map = malloc(mb);
+            for (size_t i = 0; i < mb; i++) {
+                const int sec = (int)(i / ((size_t)heads * s->head_dim)), ch = (int)(i % (size_t)s->head_dim);
+                map[i] = ch < s->plan.sec[sec].mp_channels ? (uint8_t)ch : 255;
+            }
+            CK(cuMemAlloc(&d_map, mb));
+            CK(cuMemcpyHtoD(d_map, map, mb));
+            free(map);
+            ea.channel_map = (uint8_t *)d_map;
+            if (s->pipe.feedback_decay > 0) {
+                CK(cuMemAlloc(&d_fb, 2 * n * sizeof(float)));
+                CK(cuMemsetD8(d_fb, 0, 2 * n * sizeof(float)));
+                ea.feedback = (float *)d_fb, ea.feedback_in = 1;
+            }
+            if (s->pipe.anchor_every) {
+                if (kvf_scheme_anchor(s, &as) || kvf_context_create(as, 0, &actx)) {
+                    fprintf(stderr, "%s\n", kvf_last_error());
+                    return 1;
+                }
+                kvf_packed_size(as, tokens, heads, &anchor_bytes);
+                CK(cuMemAlloc(&d_anchor, anchor_bytes));
+                if (kvf_encode(actx, (void *)c.k, (void *)c.v, &c.sh, NULL, (void *)d_anchor, anchor_bytes, NULL)) {
+                    fprintf(stderr, "%s\n", kvf_last_error());
+                    return 1;
+                }
+                ea.anchor = da.anchor = (void *)d_anchor;
+                ea.anchor_bytes = da.anchor_bytes = anchor_bytes;
+                ea.anchor_n_tokens = da.anchor_n_tokens = tokens;
+            }
+            c.ea = &ea, c.da = &da;
+        }
         float enc = time_median(do_encode, &c, reps5);
         unsigned long long st[2][2 * KVF_AS_N];
         const int kmeans = s->plan.sec[0].path == KVF_PATH_KMEANS || s->plan.sec[1].path == KVF_PATH_KMEANS;
@@ -507,7 +565,7 @@ int main(int argc, char **argv) {
                                 100.0 * a[KVF_AS_FULL] / tok, 100.0 * a[KVF_AS_AGAIN] / tok);
                 }
         float dec = time_median(do_decode, &c, reps);
-        double moved = (double)c.packed_bytes + 2.0 * n * 2;
+        double moved = (double)c.packed_bytes + (double)anchor_bytes + 2.0 * n * 2;
         double bw = moved / (dec * 1e-3) / 1e9;
         kvf_footprint f;
         kvf_footprint_of(s, tokens, heads, &f);
@@ -521,11 +579,18 @@ int main(int argc, char **argv) {
         fflush(stdout);
         cu->cuMemFree(c.packed);
         if (c.qs) cu->cuMemFree(c.qs);
+        if (d_anchor) cu->cuMemFree(d_anchor);
+        if (d_fb) cu->cuMemFree(d_fb);
+        if (d_map) cu->cuMemFree(d_map);
+        kvf_context_destroy(actx);
+        kvf_scheme_free(as);
         kvf_context_destroy(c.ctx);
         kvf_scheme_free(s);
     }
     printf("\nencode: K+V of the layer (median of 5); decode: K+V to BF16 (median of %d); dec GB/s counts packed\n"
-           "bytes read + BF16 bytes written; 'of copy' = dec GB/s / copy ceiling; 'of write' = the memset of the\n"
+           "bytes read (and an anchor span's, for a scheme with anchors) + BF16 bytes written; a pipeline scheme\n"
+           "runs in its steady state (coded against an anchor, carrying the error, refining each head's first\n"
+           "channels); 'of copy' = dec GB/s / copy ceiling; 'of write' = the memset of the\n"
            "same output bytes' time / decode time (1.0 = decode as fast as writing its output alone);\n"
            "'vs QVG' = QVG's time / ours (docs/BACKGROUND.md section 5: 4.77 ms, 0.44 ms; of 32 heads x 29640\n"
            "tokens: '-' at other shapes and with --data);\n"
