@@ -65,6 +65,11 @@ static struct kvf_stage_planes stage_planes(const kvf_stage_layout *s) {
     return a;
 }
 
+static struct kvf_pipe_planes pipe_planes(const kvf_section_layout *l) {
+    struct kvf_pipe_planes a = {l->oidx_off, l->oval_off, l->mmap_off, l->mcode_off, l->mscale_off};
+    return a;
+}
+
 static struct kvf_section_planes section_planes(const kvf_section_layout *l) {
     struct kvf_section_planes a;
     memset(&a, 0, sizeof a);
@@ -73,11 +78,7 @@ static struct kvf_section_planes section_planes(const kvf_section_layout *l) {
     a.coef = l->coef_off;
     a.cscale = l->cscale_off;
     a.bscale = l->bscale_off;
-    return a;
-}
-
-static struct kvf_pipe_planes pipe_planes(const kvf_section_layout *l) {
-    struct kvf_pipe_planes a = {l->oidx_off, l->oval_off, l->mmap_off, l->mcode_off, l->mscale_off};
+    a.pipe = pipe_planes(l); /* decode reads the outliers, the map and the refinements there */
     return a;
 }
 

@@ -13,6 +13,7 @@
 # Files under $OUT: peer.log, harness.json, frontier.json, frontier.png, peer_bench.json.
 # Expected: about 4 minutes on one H200 (Triton's autotuning included); every step is cut
 # to what is left of KVF_PEER_BUDGET (560 s) so the whole stays within one 600 s command.
+# KVF_PEER_CONFIGS: the QVG configurations (default: the three); KVF_PEER_BENCH=0: no step 5;
 # KVF_PEER_SCHEMES: kvforge's schemes to score (default below); KVF_PEER_TABLES: the
 # sensitivity tables of mixed-precision schemes (NAME.json, `kvforge calibrate` on a dump
 # of the same model); KVF_PEER_CHUNKS: chunks of the dump (default 5); KVF_PEER_GPU=0: score and
@@ -25,7 +26,7 @@ export PYTHONUNBUFFERED=1 LD_LIBRARY_PATH=$PWD/out/lib KVF_SRC=$PWD KVFORGE_CACH
 export KVFORGE_LIB=$PWD/out/lib/libkvforge.so PYTHONPATH=/tmp/site:$PWD/python:$PWD/eval/peer
 schemes=${KVF_PEER_SCHEMES:-rtn_int2 qvg_int2 quantwm_int2 qvg_pro_int2}
 gpu=${KVF_PEER_GPU:-1}
-configs="qvg-peer_int2_g64 qvg-peer_int2_g64_asym qvg-peer_pro_int2_g16"
+configs=${KVF_PEER_CONFIGS:-qvg-peer_int2_g64 qvg-peer_int2_g64_asym qvg-peer_pro_int2_g16}
 t0=$(date +%s)
 stamp() { echo "== [$(( $(date +%s) - t0 )) s] $*"; }
 # Seconds a step may take: its cap, or what is left of the whole run's budget (one
@@ -73,6 +74,7 @@ timeout $(tl 150) $PY eval/frontier.py run --kvforge out/bin/kvforge --data "$du
   --peers $recons $gflag --threads 16 ${KVF_PEER_TABLES:+--table-dir "$KVF_PEER_TABLES"} --out "$O/frontier.json" && \
   $PY eval/frontier.py plot "$O/frontier.json" --png "$O/frontier.png" --title "kvforge and QVG on $(basename $dump)"
 
+if [ "${KVF_PEER_BENCH:-1}" = 0 ]; then stamp "done (no bench: KVF_PEER_BENCH=0)"; exit 0; fi
 stamp "bench (bench/peer_bench.py)"
 if [ "$gpu" = 0 ]; then bargs="--device cpu --tokens 512 --heads 2 --reps 2 --warmup 1 --peers none"; else bargs=""; fi
 timeout $(tl 200) $PY bench/peer_bench.py $bargs --json "$O/peer_bench.json"
