@@ -116,18 +116,34 @@ def test_two_ranks_equal_one_process_gqa(tmp_path, monkeypatch):
 
 @need_lib
 @dist_ok
-def test_two_ranks_mha_and_local_seeds(tmp_path):
-    """The small preset's heads (one KV and one query head a rank) and --head-seeds local:
-    RTN is still the single-process rollout (no seed), qvg_int2 no longer is (rank 1's head
-    is seeded as head 0), which is what the seed offset is for."""
+def test_two_ranks_mha_pre_pipeline_and_local_seeds(tmp_path):
+    """The small preset's heads (one KV and one query head a rank), a scheme caching keys
+    before RoPE (q and k before RoPE travel too, RoPE is applied by the cache), stable_int2
+    (anchors, error feedback, outliers, mixed precision from a sensitivity table cut per rank),
+    and --head-seeds local: those without k-means are the single-process rollout; qvg_int2
+    no longer is (rank 1's head is seeded as head 0), which is what the seed offset is for."""
     w = _weights(tmp_path / "mha.safetensors", MHA, 4)
+    pre = tmp_path / "rtn_pre.lua"
+    pre.write_text("return { base = 'rtn_int4', name = 'rtn_pre', rope = { placement = 'pre', "
+                   "sections = { 16, 24, 24 } } }\n")
+    tables = tmp_path / "tables"
+    tables.mkdir()
+    rng = np.random.default_rng(5)
+    (tables / "stable_int2.json").write_text(json.dumps({
+        "format": "kvforge-sensitivity", "version": 1, "head_dim": 128, "kv_heads": 2, "layers": 2,
+        "key": rng.random((2, 2, 128)).tolist(), "value": rng.random((2, 2, 128)).tolist()}))
     j = tmp_path / "sp.json"
-    _torchrun(["--weights", w, "--schemes", "rtn_int2,qvg_int2", "--check", "--head-seeds", "local",
-               "--json", str(j)], tmp_path, chunks=2)
+    _torchrun(["--weights", w, "--schemes", f"rtn_int2,qvg_int2,stable_int2,{pre}", "--table-dir", str(tables),
+               "--check", "--head-seeds", "local", "--json", str(j)], tmp_path, chunks=2)
     rep = json.loads(j.read_text())
     assert (rep["kv_heads_per_rank"], rep["q_heads_per_rank"]) == (1, 1)
     s = rep["schemes"]
-    assert s["bf16"]["check"]["identical"] and s["rtn_int2"]["check"]["identical"]
+    for name in ("bf16", "rtn_int2", "stable_int2", "rtn_pre"):
+        assert s[name]["status"] == "ok" and s[name]["check"]["identical"], (name, s[name])
+    assert max(s["rtn_pre"]["psnr_vs_bf16_per_chunk"][1:]) < 100.0
+    m = s["stable_int2"]["per_rank"][1]["cache_memory"]
+    assert m["channel_map"] > 0 and m["feedback"] > 0
+    assert s["rtn_pre"]["per_rank"][0]["cache_memory"]["positions"] > 0
     assert s["qvg_int2"]["head_seeds"] == ["local", "local"]
     assert not s["qvg_int2"]["check"]["identical"] and s["qvg_int2"]["check"]["differing_values"] > 0
 
