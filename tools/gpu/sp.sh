@@ -3,7 +3,8 @@
 # rank (eval/worldmodel/sp_rollout.py). Needs a machine with 2 GPUs (nvidia-h200-x2). Run
 # from the repository root with out/lib carried (libkvforge.so and what `make carry` puts
 # beside it) and, for the real footage, out/data/vtest.avi (`make data`; without it the
-# frames are synthetic). One device command, about 3 to 5 minutes, under its own time guard
+# frames are synthetic). One device command, about 1 to 3 minutes (an estimate from the
+# rollout timings in eval/worldmodel/TESTBED.md), under its own time guard
 # (SP_DEADLINE seconds, default 570). Writes to $OUT:
 #
 #   sp_check.json   2 ranks against 1 process: the large model, 1 real chunk then

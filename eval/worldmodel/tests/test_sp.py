@@ -193,3 +193,12 @@ def test_rank_table_cuts_heads(tmp_path):
     assert out["key"] == [[[2] * 4, [3] * 4], [[12] * 4, [13] * 4]] and out["value"][1] == [[-2] * 4, [-3] * 4]
     with pytest.raises(ValueError):
         rank_table(str(p), 3, 2, str(tmp_path))
+
+
+def test_sp_script_keeps_multicast_off():
+    sh = os.path.join(REPO, "tools", "gpu", "sp.sh")
+    assert subprocess.run(["bash", "-n", sh]).returncode == 0
+    text = open(sh).read()
+    export = next(line for line in text.splitlines() if line.startswith("export NCCL_NVLS_ENABLE"))
+    for var in ("NCCL_NVLS_ENABLE=0", "TORCH_SYMM_MEM_DISABLE_MULTICAST=1", "NVSHMEM_DISABLE_NVLS=1"):
+        assert var in export.split()
