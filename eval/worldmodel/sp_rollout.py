@@ -66,6 +66,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -390,7 +391,7 @@ def barrier(sp: Ulysses, device):
 def run(a):
     if a.kvforge_python and os.path.isdir(a.kvforge_python):
         sys.path.insert(0, a.kvforge_python)
-    import rollout  # noqa: F401  (scheme parsing and metrics; after the kvforge path is set)
+    import rollout  # scheme parsing and metrics (after the kvforge path is set)
     sp, device = init_distributed(torch.device(a.device).type)
     if device.type == "cpu":
         torch.set_num_threads(a.threads)
@@ -405,9 +406,7 @@ def run(a):
     length = fpc * (P + N)
     s = meta["heldout_start"] if a.first_frame is None else a.first_frame
     if s + length > len(frames):
-        s = max(0, len(frames) - length)
-    if s + length > len(frames):
-        raise SystemExit(f"{length} frames needed, the video has {len(frames)}")
+        raise SystemExit(f"first frame {s}: frames up to {s + length - 1} needed, the video has {len(frames)}")
     clip = torch.from_numpy(np.ascontiguousarray(frames[s:s + length])).to(device)
     prompt = frames_to_patches(clip, cfg)[None][:, :P * nc]
     real = clip[P * fpc:].float()
@@ -446,7 +445,6 @@ def run(a):
                 bf16_frames = gen_f
             gen_calls = calls[P - 1:][1:] or calls[P - 1:]   # generated chunks after the first
             r.update({
-                "seconds": None,
                 "per_rank": ranks,
                 "scheme_id_per_rank": [x["scheme_id"] for x in ranks],
                 "head_seeds": [x["seeds"] for x in ranks],
@@ -511,6 +509,7 @@ def run(a):
         if a.save:
             np.savez(a.save, **saved)
         print(f"wrote {a.json}", flush=True)
+    shutil.rmtree(tmpdir, ignore_errors=True)
     barrier(sp, device)
     if dist.is_initialized():
         dist.destroy_process_group()
