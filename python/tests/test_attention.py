@@ -6,9 +6,10 @@ order with float32 matmuls for the kernel; the CUDA tests skip without a GPU
 (tools/gpu/attention.sh runs them on one).
 
 Tolerances (stated, and shown to catch a block left out or a wrong merge):
-- float32 path: |o - ref| <= 2e-5 * max|V| and |lse - ref| <= 1e-4.
+- float32 path: |o - ref| <= 1e-5 * max|V| (measured: 2-3e-7) and |lse - ref| <= 1e-4.
 - torch outputs (BF16): each partial output is rounded to BF16 (the SDPA
-  kernels return BF16) and the result once more: |o - ref| <= 2**-7 * max|V|.
+  kernels return BF16) and the result once more: |o - ref| <= 2**-7 * max|V|
+  (measured: 1.4-1.7e-3 on the CPU).
 """
 import json
 import os
@@ -23,7 +24,7 @@ from kvforge import attention as A
 from conftest import video_like
 
 D = 128
-TOL32 = 2e-5
+TOL32 = 1e-5
 TOL16 = 2.0 ** -7
 POLICY = ('return { base = "rtn_int2", name = "policy", key = { bits = 4 },'
           ' chunk = { tokens = 16, span = 2, recent = 2, sink = 1 } }')
@@ -226,7 +227,7 @@ def test_merge_is_exact(rng):
     many, lm = cache.attention(0, q, block_tokens=7, return_lse=True)
     assert len(A.block_plan(cache, 0, 7)) == 25
     vmax = reference(cache, q)[2]
-    assert float(np.abs(one - many).max()) <= 2e-6 * vmax
+    assert float(np.abs(one - many).max()) <= 4e-6 * vmax  # measured 1e-6
     assert float(np.abs(l1 - lm).max()) <= 2e-6 * max(1.0, float(np.abs(l1).max()))
     assert_close(many, lm, reference(cache, q), TOL32)
 
