@@ -540,19 +540,35 @@ def _merge_torch(torch, a, la, b, lb, dst, dst_lse):
     dst_lse.copy_(new)
 
 
-def _use_triton(torch, merge, device, d):
-    """Whether the merge is the Triton kernel: "auto" on CUDA where Triton imports,
+def _use_triton(torch, merge, device, d, streams=None):
+    """Whether the merge is the Triton kernel: "auto" on CUDA where Triton imports
+    and its kernel, at first use on the device, agrees with the torch merge;
     "triton" wherever asked (on the CPU only under TRITON_INTERPRET=1)."""
     if merge == "torch" or (merge == "auto" and torch.device(device).type != "cuda"):
         return False
-    ok = _triton_ok.get(d)
+    key = (str(device), d)
+    ok = _triton_ok.get(key)
     if ok is None:
+        if streams is not None and streams.capturing():
+            raise RuntimeError("kvforge attention: call it once outside the CUDA graph capture first "
+                               "(it checks its merge kernel at first use)")
         try:
-            from . import _attention_triton  # noqa: F401
+            from ._attention_triton import merge as tmerge
             ok = d & (d - 1) == 0  # tl.arange over the head dimension
-        except ImportError:
+            if ok:
+                g = torch.Generator(device="cpu").manual_seed(3)
+                a, b = (torch.randn(1, 2, 40, d, generator=g).to(device, torch.bfloat16) for _ in range(2))
+                la, lb = (torch.randn(1, 2, 40, generator=g).to(device) * 3 for _ in range(2))
+                x, lx = torch.empty(1, 2, 40, d, device=device), torch.empty(1, 2, 40, device=device)
+                y, ly = torch.empty_like(x), torch.empty_like(lx)
+                tmerge(a, la, b, lb, x, lx)
+                _merge_torch(torch, a, la, b, lb, y, ly)
+                ok = bool((x - y).abs().max() < 1e-4) and bool((lx - ly).abs().max() < 1e-4)
+        except Exception:  # noqa: BLE001 - no Triton, or no compiler for its launcher: the torch merge
+            if merge == "triton":
+                raise
             ok = False
-        _triton_ok[d] = ok
+        _triton_ok[key] = ok
     if merge == "triton" and not ok:
         raise RuntimeError("kvforge attention: merge='triton' needs triton and a power-of-two head_dim")
     return ok
@@ -575,7 +591,7 @@ def _streamed(cache, blocks, q4, B, Hq, L, scale, kernel, merge, out, streams):
         if not blocks:
             o = torch.zeros(B, Hq, L, d, dtype=torch.bfloat16, device=dev) if out is None else out.zero_()
             return o.reshape(B, Hq, L, d), torch.full((B, Hq, L), -math.inf, device=dev)
-        if _use_triton(torch, merge, dev, d):
+        if _use_triton(torch, merge, dev, d, streams):
             from ._attention_triton import merge as merge_fn
         else:
             def merge_fn(a, la, b, lb, dst, dst_lse):
