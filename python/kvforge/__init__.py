@@ -3,11 +3,13 @@
 A ctypes binding of libkvforge (no compiler step): schemes, contexts (CPU
 reference or CUDA with JIT-compiled kernels), encode/decode of numpy arrays and
 torch tensors, and :class:`QuantizedKVCache` for chunked autoregressive
-generation. See python/README.md. With torch: ``kvforge.ops`` (custom ops for
+generation, and attention over a cached layer a block at a time
+(:func:`cache_attention`, ``QuantizedKVCache.attention``). See python/README.md. With torch: ``kvforge.ops`` (custom ops for
 torch.compile and CUDA graphs), ``kvforge.dump`` (Q/K/V dumps for `kvforge
 eval`), ``kvforge.diffusers`` (the cache in a diffusers transformer).
 """
 from ._lib import KvforgeError, LibraryNotFoundError, library_path, status_codes
+from .attention import cache_attention, merge_attention
 from .cache import QuantizedKVCache
 from .context import Context, device_count
 from .scheme import Scheme, SchemeInfo, builtin_schemes, load_scheme
@@ -16,6 +18,7 @@ __version__ = "0.2.0"
 
 __all__ = [
     "KvforgeError", "LibraryNotFoundError", "library_path", "status_codes", "version", "QuantizedKVCache",
+    "cache_attention", "merge_attention",
     "Context", "device_count", "Scheme", "SchemeInfo", "builtin_schemes", "load_scheme",
     "cache_dir", "cache_clear", "float32_to_bf16_bits", "bf16_bits_to_float32",
 ]

@@ -414,6 +414,27 @@ class QuantizedKVCache:
             return bf16_bits_to_float32(K), bf16_bits_to_float32(V)
         return K, V
 
+    def attention(self, layer: int, q, *, block_tokens: int | None = None, scale: float | None = None,
+                  out=None, return_lse: bool = False):
+        """``softmax(q K^T * scale) V`` over every cached token of a layer, with the
+        history decoded a block at a time (:func:`kvforge.cache_attention`; its
+        module's text says how): no BF16 copy of the whole layer is made.
+
+        q: [Hq, L, d] ([L, Hq, d] with layout "nhd"; [B, ...] with a batch), Hq a
+        multiple of the KV heads; torch.bfloat16 on the cache's device, or numpy
+        float32 / uint16 BF16 bits. Returns q's shape: torch.bfloat16 (CUDA: the
+        attention kernel SDPA picks, the next block decoded on a second stream) or
+        numpy float32 (float32 arithmetic: the reference); with return_lse=True also
+        the float32 log-sum-exp of each query's scores (q's shape without d).
+        block_tokens: None, a block per entry (packed span or BF16 chunk); N,
+        consecutive entries grouped into blocks of at most N tokens (BF16 chunks
+        cut to fit; a packed span is decoded whole). scale: default 1/sqrt(d).
+        q attends to every cached token: causality across chunks is the caller's.
+        """
+        from .attention import cache_attention
+        return cache_attention(self, layer, q, block_tokens=block_tokens, scale=scale, out=out,
+                               return_lse=return_lse)
+
     def _put(self, dst, src_hnd, t0, n, layout):
         if layout == "hnd":
             dst[:, t0:t0 + n] = src_hnd

@@ -7,6 +7,9 @@
 * ``torch.ops.kvforge.decode_into(packed, positions, scheme, layout, k_out, v_out) -> ()``
   (writes preallocated outputs: the form for static buffers in CUDA graphs)
 * ``torch.ops.kvforge.qstats_update(qstats, q, scheme, layout) -> ()`` (updates in place)
+* ``torch.ops.kvforge.cache_attention(q, cache, layer, block_tokens, scale) -> (out, lse)``
+  (attention over a QuantizedKVCache layer, a block at a time; ``cache`` is the
+  cache's int handle: use the wrapper :func:`cache_attention`)
 
 ``scheme`` is the scheme's id (``Scheme.id``, e.g. ``"rtn_int2_1a2b3c4d"``): any
 scheme loaded in the process, or a shipped one. Each op has a fake (meta)
@@ -29,7 +32,7 @@ import torch
 from .context import Context
 from .scheme import Scheme, scheme_by_id
 
-__all__ = ["encode", "decode", "decode_into", "qstats_update", "packed_size"]
+__all__ = ["encode", "decode", "decode_into", "qstats_update", "cache_attention", "packed_size"]
 
 if not hasattr(torch.library, "custom_op"):  # pragma: no cover - depends on the installed torch
     raise ImportError(f"kvforge.ops needs torch >= 2.4 (torch.library.custom_op); this is torch {torch.__version__}")
@@ -107,6 +110,21 @@ def _(qstats, q, scheme, layout):
     return None
 
 
+# --------------------------------------------------- attention over a cache
+
+@torch.library.custom_op("kvforge::cache_attention", mutates_args=())
+def _cache_attention(q: torch.Tensor, cache: int, layer: int, block_tokens: Optional[int],
+                     scale: Optional[float]) -> Tuple[torch.Tensor, torch.Tensor]:
+    from .attention import cache_attention as attend, cache_by_handle
+    return attend(cache_by_handle(cache), layer, q, block_tokens=block_tokens, scale=scale, return_lse=True)
+
+
+@_cache_attention.register_fake
+def _(q, cache, layer, block_tokens, scale):
+    # The output has q's shape in every layout and batch form, the log-sum-exp q's without d.
+    return q.new_empty(q.shape, dtype=torch.bfloat16), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
 # ---------------------------------------------------------------- wrappers
 
 def _sid(scheme) -> str:
@@ -135,6 +153,24 @@ def decode_into(packed, scheme, k_out, v_out, *, positions=None, layout: str = "
 def qstats_update(qstats, q, scheme, *, layout: str = "hnd"):
     """``torch.ops.kvforge.qstats_update``: add a chunk's queries to a statistics buffer."""
     torch.ops.kvforge.qstats_update(qstats, q, _sid(scheme), layout)
+
+
+@torch.compiler.assume_constant_result
+def _handle(cache) -> int:
+    # A constant of the traced graph: a cache keeps its handle for life.
+    from .attention import handle
+    return handle(cache)
+
+
+def cache_attention(cache, layer: int, q, *, block_tokens: Optional[int] = None, scale: Optional[float] = None,
+                    return_lse: bool = False):
+    """``torch.ops.kvforge.cache_attention``: :meth:`QuantizedKVCache.attention` as an opaque
+    node for torch.compile and CUDA graphs. The cache is named by an int handle
+    (given at the cache's first attention call, or here), so a compiled graph reads
+    the layer's entries as they are at each run, and a captured CUDA graph the
+    buffers of the entries it was captured with."""
+    o, lse = torch.ops.kvforge.cache_attention(q, _handle(cache), layer, block_tokens, scale)
+    return (o, lse) if return_lse else o
 
 
 def packed_size(scheme, n_tokens: int, n_heads: int) -> int:
