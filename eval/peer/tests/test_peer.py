@@ -150,7 +150,7 @@ def test_kvforge_recon_is_readable_here(tmp_path):
     kvforge("eval", "--scheme", "rtn_int2", "--data", SMALL, "--threads", "2", "--write-recon", recon)
     f = stio.SafetensorsFile(recon)
     d = stio.SafetensorsFile(SMALL)
-    assert f.metadata["stored_bytes_parts"] == "packed,bf16,qstats"
+    assert f.metadata["stored_bytes_parts"] == "packed,bf16,qstats,feedback"
     k = f.get("l0.s1.k")
     assert k.shape == (2, 4680, 128) and f.dtype("l0.s1.k") == "BF16"
     assert list(f.get("l0.s1.packed")) == [1]
