@@ -476,6 +476,21 @@ static int update_qstats(layer_run *r, int layer, int c) {
 
 /* ------------------------------------------------------------ one layer */
 
+/* After step c of a scheme: what its cache holds (the spans packed so far,
+ * the chunks up to c it keeps in BF16, the query statistics, the carried
+ * error) and the BF16 history, added to the sums over the steps. A peer's
+ * recon has its bytes at the end only: it leaves both at 0. */
+static void add_held(const layer_run *r, int c, kvf_eval_sums *bytes) {
+    const kvf_dump *d = r->d;
+    const double chunk_bf16 = 4.0 * (double)d->kv_heads * d->tokens * d->head_dim;
+    double held = bytes->stored_bytes + (double)kvf_eval_backend_state_bytes(r->be) +
+                  (r->rep->uses_qstats ? (double)r->rep->qstats_bytes : 0);
+    for (int i = 0; i <= c; i++)
+        if (!r->packed_chunk[i]) held += chunk_bf16;
+    bytes->stored_held += held;
+    bytes->bf16_held += chunk_bf16 * (c + 1);
+}
+
 /* Adds the layer's sums to *overall. */
 static int run_layer(layer_run *r, int layer, kvf_eval_sums *overall) {
     kvf_eval_report *rep = r->rep;
@@ -498,6 +513,7 @@ static int run_layer(layer_run *r, int layer, kvf_eval_sums *overall) {
         if (c > 0 && !rc && r->rout) rc = snapshot_step(r, layer, c);
         if (c > 0 && !rc) rc = score_step(r, layer, c, &steps[c]);
         if (!rc && !r->recon) rc = pack_ready(r, layer, c, &bytes);
+        if (!rc && !r->recon) add_held(r, c, &bytes);
         if (!rc && rep->uses_qstats) rc = update_qstats(r, layer, c);
         if (!rc && r->opt && r->opt->progress) r->opt->progress(r->opt->progress_user, layer, d->layers, c, d->chunks);
     }

@@ -172,6 +172,8 @@ void kvf_eval_sums_add(kvf_eval_sums *acc, const kvf_eval_sums *x) {
     acc->qk_err += x->qk_err;
     acc->bf16_bytes += x->bf16_bytes;
     acc->stored_bytes += x->stored_bytes;
+    acc->bf16_held += x->bf16_held;
+    acc->stored_held += x->stored_held;
 }
 
 static double ratio(double num, double den) { return den > 0 ? num / den : NAN; }
@@ -184,6 +186,7 @@ void kvf_eval_finish(const kvf_eval_sums *s, kvf_eval_metrics *m) {
     m->value_mse = ratio(s->value_sq_err, s->kv_values);
     m->qk_err = ratio(s->qk_err, s->key_tokens);
     m->compression = ratio(s->bf16_bytes, s->stored_bytes);
+    m->compression_held = ratio(s->bf16_held, s->stored_held);
     m->queries = s->queries;
     m->kv_values = s->kv_values;
     m->key_tokens = s->key_tokens;

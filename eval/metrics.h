@@ -59,12 +59,18 @@ typedef struct kvf_eval_sums {
     double kv_values, key_sq_err, value_sq_err; /* per packed value (token x head x channel) */
     double key_tokens, qk_err;                  /* per packed key token x KV head: e^T M e */
     double bf16_bytes, stored_bytes;            /* the cache at the end of the stream */
+    /* What the cache holds after each step (its packed spans, the chunks it
+     * keeps in BF16, query statistics, the carried error) and the BF16 history
+     * at that step, each summed over the steps: a span policy holds its open
+     * span in BF16, which the end of the stream does not show. */
+    double bf16_held, stored_held;
 } kvf_eval_sums;
 
 typedef struct kvf_eval_metrics {
     double top1_shift, top5_overlap, attn_out_rel_err; /* NaN when no queries */
     double key_mse, value_mse, qk_err;                 /* NaN when nothing was packed */
     double compression;                                /* NaN when no bytes */
+    double compression_held;                           /* bf16_held / stored_held; NaN when not known (a peer) */
     double queries, kv_values, key_tokens;             /* the weights */
     double bf16_bytes, stored_bytes;
 } kvf_eval_metrics;

@@ -124,7 +124,12 @@ void kvf_eval_print_table(const kvf_eval_report *r, FILE *out) {
     fprintf(out, "stored:  ");
     for (int i = 0; i < r->n_parts; i++)
         fprintf(out, "%s%s %.0f B", i ? ", " : "", r->part_name[i], r->part_bytes[i]);
-    fprintf(out, "%s\n\n", r->n_parts ? " (all layers, end of stream)" : "-");
+    fprintf(out, "%s\n", r->n_parts ? " (all layers, end of stream)" : "-");
+    if (!isnan(r->overall.compression_held))
+        fprintf(out, "held:    %.3fx of BF16 on average over the steps (BF16 bytes over the bytes the cache holds, "
+                     "each summed over the steps)\n",
+                r->overall.compression_held);
+    fputc('\n', out);
     fprintf(out, "%-8s %12s %12s %16s %12s %12s %12s %12s\n", "layer", "top1_shift", "top5_overlap", "attn_out_rel_err",
             "key_mse", "value_mse", "qk_err", "compression");
     char label[16];
@@ -149,6 +154,7 @@ static json_t *metrics_json(const kvf_eval_metrics *m, int with_bytes) {
                           "packed_key_tokens", (json_int_t)m->key_tokens);
     if (o && with_bytes &&
         (json_object_set_new(o, "compression", num(m->compression)) ||
+         json_object_set_new(o, "compression_held", num(m->compression_held)) ||
          json_object_set_new(o, "bf16_bytes", json_integer((json_int_t)m->bf16_bytes)) ||
          json_object_set_new(o, "stored_bytes", json_integer((json_int_t)m->stored_bytes)))) {
         json_decref(o);

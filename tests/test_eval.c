@@ -663,6 +663,9 @@ static void test_chunk_policy(void **state) {
         assert_true(isnan(r.step[l * 4 + 1].key_mse) && r.step[l * 4 + 1].attn_out_rel_err == 0);
     }
     assert_float_equal(r.overall.compression, r.layer[0].compression, 1e-12);
+    /* held after steps 0..3: B, 2B, 2B + P (chunk 1 packed), 2B + 2P */
+    const double P1 = packed_bytes(s, 64, 2);
+    assert_float_equal(r.overall.compression_held, 10 * B / (7 * B + 3 * P1), 1e-12);
     assert_true(r.overall.queries == 2 * 3 * 4 * 32);
     kvf_eval_report_free(&r);
     kvf_scheme_free(s);
@@ -671,6 +674,10 @@ static void test_chunk_policy(void **state) {
     s = tu_scheme_text("return { base = 'rtn_int2', chunk = { span = 2 } }");
     r = run_eval(s, path, KVF_DEVICE_CPU);
     assert_float_equal(r.layer[0].compression, 4 * B / (2 * packed_bytes(s, 128, 2)), 1e-12);
+    /* the open span is BF16: held after steps 0..3: B, P2, P2 + B, 2 P2 */
+    const double P2 = packed_bytes(s, 128, 2);
+    assert_float_equal(r.layer[0].compression_held, 10 * B / (2 * B + 4 * P2), 1e-12);
+    assert_true(r.layer[0].compression_held < r.layer[0].compression);
     assert_true(r.step[1].key_tokens == 0 && r.step[2].key_tokens == 128 * 2 && r.step[3].key_tokens == 128 * 2);
     kvf_eval_report_free(&r);
     kvf_scheme_free(s);
@@ -867,12 +874,23 @@ static void test_cli_json(void **state) {
 
 /* ============================================================ recon files (peers) */
 
+/* The metrics of a and b equal bit for bit (NaN included), but for the held
+ * ratio when b is a peer's (its recon has the bytes at the end only: NaN). */
+static void assert_same_metrics(const kvf_eval_metrics *a, const kvf_eval_metrics *b, int peer) {
+    kvf_eval_metrics x = *a;
+    if (peer) {
+        assert_true(isnan(b->compression_held));
+        x.compression_held = b->compression_held;
+    }
+    assert_memory_equal(&x, b, sizeof x);
+}
+
 /* Every metric of two reports equal bit for bit (NaN included): overall, per layer, per step. */
 static void assert_same_report(const kvf_eval_report *a, const kvf_eval_report *b) {
     assert_int_equal(a->layers, b->layers);
     assert_int_equal(a->chunks, b->chunks);
-    assert_memory_equal(&a->overall, &b->overall, sizeof a->overall);
-    assert_memory_equal(a->layer, b->layer, (size_t)a->layers * sizeof *a->layer);
+    assert_same_metrics(&a->overall, &b->overall, b->peer && !a->peer);
+    for (int l = 0; l < a->layers; l++) assert_same_metrics(&a->layer[l], &b->layer[l], b->peer && !a->peer);
     assert_memory_equal(a->step, b->step, (size_t)a->layers * a->chunks * sizeof *a->step);
 }
 
@@ -1161,8 +1179,18 @@ static void test_cli_peer(void **state) {
     assert_non_null(jb);
     assert_string_equal(json_string_value(json_object_get(ja, "kind")), "scheme");
     assert_string_equal(json_string_value(json_object_get(jb, "kind")), "peer");
+    /* the peer's held ratio is unknown (null); the scheme's is a number */
+    assert_true(json_is_real(json_object_get(json_object_get(ja, "overall"), "compression_held")));
+    assert_true(json_is_null(json_object_get(json_object_get(jb, "overall"), "compression_held")));
+    json_object_del(json_object_get(ja, "overall"), "compression_held");
+    json_object_del(json_object_get(jb, "overall"), "compression_held");
+    json_t *la = json_object_get(ja, "layers"), *lb = json_object_get(jb, "layers");
+    for (size_t i = 0; i < json_array_size(la) && i < json_array_size(lb); i++) {
+        json_object_del(json_array_get(la, i), "compression_held");
+        json_object_del(json_array_get(lb, i), "compression_held");
+    }
     assert_true(json_equal(json_object_get(ja, "overall"), json_object_get(jb, "overall")));
-    assert_true(json_equal(json_object_get(ja, "layers"), json_object_get(jb, "layers")));
+    assert_true(json_equal(la, lb));
     assert_true(json_equal(json_object_get(ja, "stored_bytes_parts"), json_object_get(jb, "stored_bytes_parts")));
     json_decref(ja);
     json_decref(jb);
