@@ -19,7 +19,7 @@ four metrics per layer, grouped bars with one colour per entry.
 
     python3 eval/frontier.py run --data DUMP --schemes rtn_int2 qvg_int2 ... --peers R1.safetensors ... \\
         --out combined.json [--kvforge out/bin/kvforge] [--gpu] [--threads N]
-    python3 eval/frontier.py plot combined.json --png frontier.png [--title TEXT]
+    python3 eval/frontier.py plot combined.json --png frontier.png [--title TEXT] [--bytes end|held]
     python3 eval/frontier.py compare combined.json --png compare.png --md compare.md [--title TEXT]
 """
 from __future__ import annotations
@@ -78,17 +78,23 @@ def _title(entries: list, what: str, title: str | None) -> str:
     return title or f"{what} on {os.path.basename(data)}"
 
 
-def bits_per_value(report: dict) -> float:
-    c = report["overall"].get("compression")
+# x of the plot: the stored bytes at the stream's end, or those held on average over its
+# steps (a span policy holds its open span in BF16; a peer's recon has no held figure)
+BYTES = {"end": ("compression", "bits per cached value at the stream's end (16 / compression)"),
+         "held": ("compression_held", "bits per value held, averaged over the steps (16 / compression_held)")}
+
+
+def bits_per_value(report: dict, bytes_: str = "end") -> float:
+    c = report["overall"].get(BYTES[bytes_][0])
     return 16.0 / c if c else math.nan
 
 
-def points(entries: list, metric: str) -> list:
+def points(entries: list, metric: str, bytes_: str = "end") -> list:
     """(name, kind, x, y) of every entry with both numbers."""
     out = []
     for e in entries:
         check_kind(e)
-        x, y = bits_per_value(e["report"]), e["report"]["overall"].get(metric)
+        x, y = bits_per_value(e["report"], bytes_), e["report"]["overall"].get(metric)
         if y is not None and math.isfinite(x) and math.isfinite(y):
             out.append((e["name"], e["kind"], x, y))
     return out
@@ -107,13 +113,13 @@ def pareto_front(pts: list) -> list:
     return sorted(front, key=lambda p: (p[2], p[3]))
 
 
-def plot(entries: list, png: str, title: str | None = None) -> dict:
+def plot(entries: list, png: str, title: str | None = None, bytes_: str = "end") -> dict:
     """Draw both panels into png; returns {metric: [names on kvforge's front]}."""
     plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
     fronts = {}
     for ax, (metric, label) in zip(axes, METRICS):
-        pts = points(entries, metric)
+        pts = points(entries, metric, bytes_)
         ours = [p for p in pts if p[1] == "scheme"]
         peers = [p for p in pts if p[1] == "peer"]
         front = pareto_front(ours)
@@ -127,7 +133,7 @@ def plot(entries: list, png: str, title: str | None = None) -> dict:
                    label="peers", zorder=3)
         for name, _, x, y in pts:
             ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
-        ax.set_xlabel("bits per cached value (16 / compression)")
+        ax.set_xlabel(BYTES[bytes_][1])
         ax.set_ylabel(label)
         _maybe_log(ax, [p[3] for p in pts])
         ax.grid(True, alpha=0.3)
@@ -263,6 +269,8 @@ def main(argv=None) -> int:
     p.add_argument("combined")
     p.add_argument("--png", required=True)
     p.add_argument("--title")
+    p.add_argument("--bytes", choices=sorted(BYTES), default="end",
+                   help="x: the bytes stored at the stream's end (default) or held on average over its steps")
     c = sub.add_parser("compare", help="a combined JSON per layer: a markdown table and a PNG of bars")
     c.add_argument("combined")
     c.add_argument("--png", required=True)
@@ -286,7 +294,7 @@ def main(argv=None) -> int:
         compare_plot(entries, a.png, a.title)
         print(f"wrote {a.md} ({len(layer_rows(entries))} rows) and {a.png}")
         return 0
-    fronts = plot(entries, a.png, a.title)
+    fronts = plot(entries, a.png, a.title, a.bytes)
     for metric, names in fronts.items():
         print(f"kvforge front ({metric}): {' -> '.join(names)}")
     return 0

@@ -40,6 +40,15 @@ def test_bits_and_points():
         frontier.points([entry("x", "other", 1.0, 0.1, 0.1)], "top1_shift")
 
 
+def test_held_bytes():
+    """--bytes held: x from compression_held; an entry without it (a peer) has no point."""
+    held = [entry("s", "scheme", 8.0, 0.4, 0.1), entry("p", "peer", 8.0, 0.3, 0.1)]
+    held[0]["report"]["overall"]["compression_held"] = 2.0
+    assert frontier.bits_per_value(held[0]["report"], "held") == 8.0
+    assert [(p[0], p[2]) for p in frontier.points(held, "top1_shift", "held")] == [("s", 8.0)]
+    assert [(p[0], p[2]) for p in frontier.points(held, "top1_shift")] == [("s", 2.0), ("p", 2.0)]
+
+
 def test_pareto_front():
     ours = lambda m: [p for p in frontier.points(HAND, m) if p[1] == "scheme"]  # noqa: E731
     top1 = frontier.pareto_front(ours("top1_shift"))

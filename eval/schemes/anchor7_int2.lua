@@ -1,0 +1,1 @@
+return { base = "rtn_int2", name = "anchor7_int2", key = { scale_format = "fp8", group_size = 128, mode = "symmetric" }, value = { scale_format = "fp8", group_size = 128, mode = "symmetric" }, anchors = { every = 12, bits = 4 } }

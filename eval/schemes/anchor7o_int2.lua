@@ -1,0 +1,1 @@
+return { base = "rtn_int2", name = "anchor7o_int2", key = { scale_format = "fp8", group_size = 128, mode = "symmetric" }, value = { scale_format = "fp8", group_size = 128, mode = "symmetric" }, outliers = { key = 1, value = 1 }, anchors = { every = 12, bits = 4 } }
