@@ -62,9 +62,12 @@ $(O)/obj/embedded.o $(O)/obj/bench_probe.o: $(O)/obj/%.o: $(O)/gen/%.c runtime/i
 	@mkdir -p $(dir $@)
 	$(CC) $(ALL_CFLAGS) -c -o $@ $<
 
+# -MMD -MP: the compiler lists every header an object includes (the .d files
+# included at the end), so a changed header rebuilds whatever includes it, the
+# test that includes the fuzz targets included.
 $(O)/obj/%.o: %.c $(wildcard include/*.h runtime/*.h runtime/*/*.h gen/*.h templates/*.h)
 	@mkdir -p $(dir $@)
-	$(CC) $(ALL_CFLAGS) -c -o $@ $<
+	$(CC) $(ALL_CFLAGS) -MMD -MP -c -o $@ $<
 
 $(O)/lib/libkvforge.a: $(LIB_OBJ)
 	@mkdir -p $(dir $@)
@@ -148,3 +151,5 @@ bench: $(O)/bin/kvf_bench
 
 include python/python.mk
 include fuzz/fuzz.mk
+
+-include $(wildcard $(O)/obj/*.d $(O)/obj/*/*.d $(O)/obj/*/*/*.d)
