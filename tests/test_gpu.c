@@ -1616,7 +1616,7 @@ static void gpu_pipeline_matches_cpu(void **state) {
             if (opt == 3 || opt == 4) s.pipe.feedback_decay = 0.75;
             tu_finalize(&s);
             assert_int_equal(kvf_anchor_scheme_of(&s, &as), KVF_OK);
-            kvf_context *cg, *ag;
+            kvf_context *cg = NULL, *ag = NULL;
             if (kvf_context_create(&s, 0, &cg) || kvf_context_create(&as, 0, &ag))
                 fail_msg("base %d option %d: %s", base, opt, kvf_last_error());
             size_t ab, pb;
