@@ -3,7 +3,8 @@
 # CPU reference) of the shipped schemes named below and of every scheme file in
 # this folder, one combined JSON, the Pareto plot and the per-layer comparison
 # (eval/frontier.py). Mixed-precision schemes read the sensitivity table TABLE
-# (default: the small world model's, eval/worldmodel/tables/stable_int2.small.json).
+# (default: the small world model's, eval/worldmodel/tables/stable_int2.small.json, or
+# the scheme's own in eval/schemes/tables/).
 #
 #   bash eval/schemes/run.sh DUMP OUTDIR [TABLE]
 #
@@ -22,9 +23,12 @@ shipped=${KVF_FRONTIER_SHIPPED:-"rtn_int2 kivi_int2 quarot_int2 qvg_int2 quantwm
 files=${KVF_FRONTIER_FILES:-$(ls "$here"/*.lua)}
 mkdir -p "$out/tables"
 # frontier.py gives a mixed-precision scheme NAME the table NAME.json: one copy a name.
+# A scheme with its own table of the small model (eval/schemes/tables/NAME.json) takes it
+# when TABLE is the default.
 for s in $shipped $files; do
   n=$(basename "$s" .lua)
-  cp "$table" "$out/tables/$n.json"
+  own=$here/tables/$n.json
+  if [ $# -lt 3 ] && [ -f "$own" ]; then cp "$own" "$out/tables/$n.json"; else cp "$table" "$out/tables/$n.json"; fi
 done
 # shellcheck disable=SC2086
 "$py" "$repo/eval/frontier.py" run --kvforge "$repo/out/bin/kvforge" --data "$dump" \
