@@ -3,8 +3,8 @@
 # CPU reference) of the shipped schemes named below and of every scheme file in
 # this folder, one combined JSON, the Pareto plot and the per-layer comparison
 # (eval/frontier.py). Mixed-precision schemes read the sensitivity table TABLE
-# (default: the small world model's, eval/worldmodel/tables/stable_int2.small.json, or
-# the scheme's own in eval/schemes/tables/).
+# (default: the scheme's own small-model table in eval/worldmodel/tables/, else
+# stable_int2's there).
 #
 #   bash eval/schemes/run.sh DUMP OUTDIR [TABLE]
 #
@@ -19,15 +19,15 @@ repo=$(cd "$here/../.." && pwd)
 dump=$1 out=$2 table=${3:-$repo/eval/worldmodel/tables/stable_int2.small.json}
 py=${PYTHON:-$repo/.venv/bin/python}
 [ -x "$py" ] || py=python3
-shipped=${KVF_FRONTIER_SHIPPED:-"rtn_int2 kivi_int2 quarot_int2 qvg_int2 quantwm_int2 qvg7_int2 quantwm7_int2 stable_int2 rtn_int4 qvg_int4"}
+shipped=${KVF_FRONTIER_SHIPPED:-"rtn_int2 kivi_int2 quarot_int2 qvg_int2 quantwm_int2 qvg7_int2 quantwm7_int2 stable_int2 stable_noef_int2 stable_qvg_int2 rtn_int4 qvg_int4"}
 files=${KVF_FRONTIER_FILES:-$(ls "$here"/*.lua)}
 mkdir -p "$out/tables"
 # frontier.py gives a mixed-precision scheme NAME the table NAME.json: one copy a name.
-# A scheme with its own table of the small model (eval/schemes/tables/NAME.json) takes it
-# when TABLE is the default.
+# A shipped scheme with its own table of the small model (eval/worldmodel/tables/NAME.small.json)
+# takes it unless TABLE is named.
 for s in $shipped $files; do
   n=$(basename "$s" .lua)
-  own=$here/tables/$n.json
+  own=$repo/eval/worldmodel/tables/$n.small.json
   if [ $# -lt 3 ] && [ -f "$own" ]; then cp "$own" "$out/tables/$n.json"; else cp "$table" "$out/tables/$n.json"; fi
 done
 # shellcheck disable=SC2086
