@@ -62,6 +62,13 @@ int kvf_cli_twice(const char *prog, const char *name, FILE *err) {
     return KVF_CLI_USAGE;
 }
 
+/* Every input is an option: a positional argument is a usage error. */
+static int unexpected_argument(const char *prog, const char *arg, FILE *err) {
+    fprintf(err, "%s: unexpected argument '%.200s' (every input is given by an option)\nTry '%s --help'.\n", prog, arg,
+            prog);
+    return KVF_CLI_USAGE;
+}
+
 /* ------------------------------------------------------------------ eval */
 
 void kvf_eval_usage(FILE *out) {
@@ -142,11 +149,7 @@ int kvf_eval_parse_args(int argc, char **argv, kvf_eval_args *a, FILE *err) {
         }
     }
     if (a->help) return 0;
-    if (optind < argc) {
-        fprintf(err, "%s: unexpected argument '%.200s' (every input is given by an option)\nTry '%s --help'.\n", prog,
-                argv[optind], prog);
-        return KVF_CLI_USAGE;
-    }
+    if (optind < argc) return unexpected_argument(prog, argv[optind], err);
     if (!a->scheme == !a->peer || !a->data) {
         fprintf(err, "%s: %s\nTry '%s --help'.\n", prog,
                 a->scheme && a->peer ? "--scheme and --peer exclude each other: give one of --scheme or --peer"
@@ -232,11 +235,7 @@ int kvf_calibrate_parse_args(int argc, char **argv, kvf_calibrate_args *a, FILE 
         }
     }
     if (a->help) return 0;
-    if (optind < argc) {
-        fprintf(err, "%s: unexpected argument '%.200s' (every input is given by an option)\nTry '%s --help'.\n", prog,
-                argv[optind], prog);
-        return KVF_CLI_USAGE;
-    }
+    if (optind < argc) return unexpected_argument(prog, argv[optind], err);
     if (!a->scheme || !a->data || !a->output) {
         fprintf(err, "%s: --%s is required\nTry '%s --help'.\n", prog,
                 !a->scheme ? "scheme" : !a->data ? "data" : "output", prog);

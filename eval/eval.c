@@ -480,9 +480,10 @@ static int update_qstats(layer_run *r, int layer, int c) {
  * the chunks up to c it keeps in BF16, the query statistics, the carried
  * error) and the BF16 history, added to the sums over the steps. A peer's
  * recon has its bytes at the end only: it leaves both at 0. */
+static double chunk_bf16_bytes(const kvf_dump *d) { return 4.0 * (double)d->kv_heads * d->tokens * d->head_dim; }
+
 static void add_held(const layer_run *r, int c, kvf_eval_sums *bytes) {
-    const kvf_dump *d = r->d;
-    const double chunk_bf16 = 4.0 * (double)d->kv_heads * d->tokens * d->head_dim;
+    const double chunk_bf16 = chunk_bf16_bytes(r->d);
     double held = bytes->stored_bytes + (double)kvf_eval_backend_state_bytes(r->be) +
                   (r->rep->uses_qstats ? (double)r->rep->qstats_bytes : 0);
     for (int i = 0; i <= c; i++)
@@ -521,7 +522,7 @@ static int run_layer(layer_run *r, int layer, kvf_eval_sums *overall) {
     if (!rc) rc = kvf_st_check_unchanged(d->file);
     if (!rc && r->recon) rc = kvf_st_check_unchanged(r->recon->file);
     if (!rc) {
-        const double chunk_bf16 = 4.0 * (double)d->kv_heads * d->tokens * d->head_dim;
+        const double chunk_bf16 = chunk_bf16_bytes(d);
         double parts[KVF_RECON_MAX_PARTS] = {0};
         if (r->recon) {
             bytes.stored_bytes = kvf_recon_layer_bytes(r->recon, layer, parts);

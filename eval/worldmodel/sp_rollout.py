@@ -80,6 +80,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 from kvcache import BF16Cache, KvforgeCache, cache_memory  # noqa: E402
+from rollout import write_json  # noqa: E402
 from model import (apply_rope, attend, chunk_positions, frames_to_patches, generate,  # noqa: E402
                    load_model_and_frames, patches_to_frames, rope_cos_sin, weights_sha256)
 
@@ -531,14 +532,6 @@ def report(a, cfg, meta, start, P, N, sp, device, hk, hq, results, partial=False
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "torch": torch.__version__, "partial": partial, "schemes": results,
     }
-
-
-def write_json(path, obj):
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as fh:
-        json.dump(obj, fh, indent=1)
-    os.replace(tmp, path)
 
 
 def summary_line(name, r):
