@@ -1583,7 +1583,7 @@ __device__ __forceinline__ void residual(const void *src, i64 ts, i64 hs, float 
                 if (oidx[q] / 8 == lane) y[oidx[q] % 8] = kvf_bf16_to_f32(raw[oidx[q] % 8]);
             float e[8];
 #pragma unroll
-            for (int i = 0; i < 8; i++) e[i] = __fsub_rn(kvf_bf16_to_f32(raw[i]), y[i]);
+            for (int i = 0; i < 8; i++) e[i] = kvf_pipe::carried(kvf_bf16_to_f32(raw[i]), y[i]);
             float4 *fr = (float4 *)(pipe.fb + r * D + lane * 8);
             fr[0] = make_float4(e[0], e[1], e[2], e[3]);
             fr[1] = make_float4(e[4], e[5], e[6], e[7]);

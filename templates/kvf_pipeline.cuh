@@ -10,6 +10,13 @@
 
 namespace kvf_pipe {
 
+// The carried error of one value: x - y, or 0 where that is not finite
+// (METHODS.md 11: a NaN or Inf stays in its span; ref_encode.c).
+__device__ __forceinline__ float carried(float x, float y) {
+    const float e = __fsub_rn(x, y);
+    return fabsf(e) <= 3.40282347e38f ? e : 0.0f;
+}
+
 // 8 channels (lane * 8 + c0 ..) of the anchor's row `arow` (head h's row t %
 // tokens: the caller's index) as f32: BF16 rows at 16 bits, else RTN affine
 // with fp16 scale and zero per group of G (kvf_scheme_anchor's scheme):

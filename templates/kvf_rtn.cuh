@@ -112,7 +112,7 @@ __device__ __forceinline__ void encode(const u16 *__restrict__ x, i64 token_stri
         if (oidx[k] / 8 == lane) y[oidx[k] % 8] = kvf_bf16_to_f32(raw[oidx[k] % 8]);
     float e[8];
 #pragma unroll
-    for (int i = 0; i < 8; i++) e[i] = __fsub_rn(kvf_bf16_to_f32(raw[i]), y[i]);
+    for (int i = 0; i < 8; i++) e[i] = kvf_pipe::carried(kvf_bf16_to_f32(raw[i]), y[i]);
     ((float4 *)fb_row)[0] = make_float4(e[0], e[1], e[2], e[3]);
     ((float4 *)fb_row)[1] = make_float4(e[4], e[5], e[6], e[7]);
 }

@@ -252,6 +252,38 @@ static void feedback_cancels_the_error_over_time(void **state) {
     free(fb), free(sum_b), free(sum_c), free(sum_x), free(x0), free(noise);
 }
 
+/* A NaN or Inf input carries no error: the carried error stays finite, 0 at
+ * that value, and the next chunk's same token decodes as without it. */
+static void feedback_keeps_nonfinite_in_its_chunk(void **state) {
+    (void)state;
+    struct kvf_scheme s;
+    rtn_scheme(&s);
+    s.pipe.feedback_decay = 0.8;
+    tu_finalize(&s);
+    size_t n = (size_t)N * H * D;
+    uint16_t *x = synth(N, H, 21), *bad = malloc(n * 2);
+    memcpy(bad, x, n * 2);
+    bad[5] = 0x7fc1;  /* NaN */
+    bad[300] = 0xff80; /* -Inf */
+    float *fb = calloc(2 * n, sizeof(float)), *fb_clean = calloc(2 * n, sizeof(float));
+    kvf_encode_args ea = {.feedback = fb}, ec = {.feedback = fb_clean};
+    coded b = code(&s, bad, x, N, &ea, NULL), c = code(&s, x, x, N, &ec, NULL);
+    for (size_t i = 0; i < 2 * n; i++) assert_true(isfinite(fb[i]));
+    assert_true(fb[5] == 0.0f && fb[300] == 0.0f);
+    coded_free(&b), coded_free(&c);
+    /* The next chunk from either carried error: the poisoned groups aside
+     * (the values beside a NaN or Inf in its group of 64), the same. */
+    ea.feedback_in = ec.feedback_in = 1;
+    b = code(&s, x, x, N, &ea, NULL);
+    c = code(&s, x, x, N, &ec, NULL);
+    for (size_t i = 0; i < n; i++) {
+        assert_false(isnan(kvf_bf16_to_f32(b.k[i])));
+        if (i / 64 != 5 / 64 && i / 64 != 300 / 64) assert_int_equal(b.k[i], c.k[i]);
+    }
+    coded_free(&b), coded_free(&c);
+    free(x), free(bad), free(fb), free(fb_clean);
+}
+
 /* ------------------------------------------------------------ the policy */
 
 static void policy_marks_anchors(void **state) {
@@ -482,6 +514,7 @@ int main(void) {
         cmocka_unit_test(refinement_lowers_the_refined_channels_error_only),
         cmocka_unit_test(anchors_code_the_difference),
         cmocka_unit_test(feedback_cancels_the_error_over_time),
+        cmocka_unit_test(feedback_keeps_nonfinite_in_its_chunk),
         cmocka_unit_test(policy_marks_anchors),
         cmocka_unit_test(table_picks_and_refuses),
         cmocka_unit_test(calibration_table),

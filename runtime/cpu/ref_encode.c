@@ -407,8 +407,11 @@ static int encode_head(const section_job *j, const uint16_t *x, int32_t h, const
                 kvf_put_u16(packed + l->mscale_off + row * 2, sc);
             }
             pipeline_finish(j, p, h, t, packed, ref, radd, y);
-            if (fb)
-                for (int c = 0; c < d; c++) fb[t * d + c] = b->x0[t * d + c] - y[c];
+            if (fb) /* what is not finite carries nothing (METHODS.md 11) */
+                for (int c = 0; c < d; c++) {
+                    const float e = b->x0[t * d + c] - y[c];
+                    fb[t * d + c] = isfinite(e) ? e : 0.0f;
+                }
         }
     }
     free(ref);
