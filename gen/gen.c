@@ -79,7 +79,9 @@ static void upper_id(const struct kvf_scheme *s, char *buf, size_t len) {
 
 /* kvf_abi.h's names of a plan's enum values, so the generated file reads as
  * the configuration it is. */
-static const char *mode_name(int m) { return m == KVF_MODE_SYMMETRIC ? "KVF_MODE_SYMMETRIC" : "KVF_MODE_AFFINE"; }
+static const char *mode_name(int m) {
+    return m == KVF_MODE_TERNARY ? "KVF_MODE_TERNARY" : m == KVF_MODE_SYMMETRIC ? "KVF_MODE_SYMMETRIC" : "KVF_MODE_AFFINE";
+}
 static const char *sfmt_name(int f) {
     return f == KVF_SCALE_INT8_FP16 ? "KVF_SCALE_INT8_FP16" : f == KVF_SCALE_FP8 ? "KVF_SCALE_FP8" : "KVF_SCALE_FP16";
 }

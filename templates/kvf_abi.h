@@ -27,7 +27,9 @@
 /* ------------------------------------------------------------ scheme enums */
 
 enum { KVF_AXIS_CHANNEL = 0, KVF_AXIS_TOKEN = 1 };          /* groups along channels of a token, or tokens of a channel */
-enum { KVF_MODE_AFFINE = 0, KVF_MODE_SYMMETRIC = 1 };       /* scale + zero, or scale alone */
+/* scale + zero; scale alone; or scale alone with INT2's three symmetric
+ * levels stored 8 codes to a 13-bit field (KVF_TERNARY_*, FORMAT.md) */
+enum { KVF_MODE_AFFINE = 0, KVF_MODE_SYMMETRIC = 1, KVF_MODE_TERNARY = 2 };
 enum { KVF_SCALE_FP16 = 0, KVF_SCALE_INT8_FP16 = 1, KVF_SCALE_FP8 = 2 }; /* group scale formats (FORMAT.md) */
 enum { KVF_ROPE_NONE = 0, KVF_ROPE_PRE = 1, KVF_ROPE_POST = 2 }; /* rope.placement */
 enum { KVF_ROPE_HALF = 0, KVF_ROPE_INTERLEAVED = 1 };        /* rope.layout: pair p is (p, p + d/2) or (2p, 2p + 1) */
@@ -45,6 +47,13 @@ enum { KVF_DECODE_ROPE_NONE = 0, KVF_DECODE_ROPE_HALF = 1, KVF_DECODE_ROPE_INTER
  * kmeans: the workspace path (k-means smoothing, progressive stages, QSAC,
  *       PSAC): several launches over an f32 workspace. */
 enum { KVF_PATH_ROWS = 0, KVF_PATH_TOKEN_GROUPS = 1, KVF_PATH_KMEANS = 2 };
+
+/* Ternary codes: the codes c_0..c_7 (0, 1, 2) of channels 8b..8b+7 of a row
+ * are the number F_b = c_0 + 3 c_1 + ... + 3^7 c_7 (< 3^8 = 6561 < 2^13), at
+ * bits 13b .. 13b+12 of the row read as one little-endian bit string: 1.625
+ * bits a value instead of 2, and one lane of 8 channels decodes its own field. */
+#define KVF_TERNARY_FIELD_BITS 13
+#define KVF_TERNARY_ROW_BYTES(d) ((((d) / 8) * KVF_TERNARY_FIELD_BITS + 7) / 8)
 
 #define KVF_MAX_STAGES 8
 #define KVF_MAX_ROPE_SECTIONS 4

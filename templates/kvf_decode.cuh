@@ -128,6 +128,22 @@ __device__ __forceinline__ code_word load_code_word(const u8 *p) {
     return c;
 }
 
+// Ternary (kvf_abi.h): the field of the row's 8-channel block b (at row bit
+// 13b, in 2 or 3 bytes) as the INT2 code word load_code_word reads (code i
+// at bits 2i). A corrupt field >= 3^8 gives its last code the quotient
+// F / 3^7 (at most 3), as the CPU reference does.
+__device__ __forceinline__ code_word load_ternary_word(const u8 *row, int b) {
+    const int bit = KVF_TERNARY_FIELD_BITS * b, at = bit >> 3, sh = bit & 7;
+    u32 w = kvf_ldg_u8(row + at) | kvf_ldg_u8(row + at + 1) << 8;
+    if (sh + KVF_TERNARY_FIELD_BITS > 16) w |= kvf_ldg_u8(row + at + 2) << 16;
+    u32 f = (w >> sh) & ((1u << KVF_TERNARY_FIELD_BITS) - 1u), lo = 0;
+#pragma unroll
+    for (int i = 0; i < 7; i++, f /= 3u) lo |= (f % 3u) << (2 * i);
+    code_word c;
+    c.lo = lo | f << 14, c.hi = 0;
+    return c;
+}
+
 // 0x4b000000 (2^23) in a register: (w & mask) | exponent is then one LOP3
 // (it takes one immediate, the mask) instead of two. ptxas folds any
 // constant it can see, so it is built from zero = a kernel argument that is
@@ -267,7 +283,8 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
     // same group).
     constexpr int HALF_CH = D / 2, HALF_CODE = D * BITS / 16, HALF_GROUP = G <= D / 2 ? D / (2 * G) : 0;
     constexpr int RPT = tiling<NCENT, STAGES, PSAC_R, CPL>::RPT, TILE = ROWS * RPT;
-    constexpr int CB = D * BITS / 8; // code bytes per row (bits 16: the bf16 row)
+    constexpr int CB = kvf_quant::row_code_bytes<D, BITS, MODE>(); // code bytes per row (bits 16: the bf16 row)
+    constexpr bool TERN = MODE == KVF_MODE_TERNARY;
     constexpr int QMAX = (1 << (BITS < 16 ? BITS - 1 : 1)) - 1;
     constexpr int R = PSAC_R > 0 ? PSAC_R : 1, CW = (R + 3) / 4;
     static_assert(R <= 64, "PSAC's dot product must stay below 2^22 (DOT_BIAS)");
@@ -279,7 +296,7 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
     // (one wide multiply-add).
     const u64 head_row = (u64)h * n; // row index of (h, token 0)
     u16 *const out_h = opaque(y_out + (i64)h * head_stride + lane * 8);
-    const u8 *const codes_h = opaque(packed + p.stage[0].codes + head_row * CB + lane * BITS);
+    const u8 *const codes_h = opaque(packed + p.stage[0].codes + head_row * CB + (TERN ? 0 : lane * BITS));
     const u8 *const scales_h = opaque(packed + p.stage[0].scales + (head_row * GROUPS + lane / LPG) * SCALE_BYTES);
     const u8 *const zeros_h = opaque(packed + p.stage[0].zeros + (head_row * GROUPS + lane / LPG) * SCALE_BYTES);
     const u8 *const tscales_h = opaque(packed + p.stage[0].tscales + head_row * 2);
@@ -384,7 +401,9 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
 #pragma unroll
         for (int u = 0; u < RPT; u++) {
 #pragma unroll
-            for (int hf = 0; hf < NH; hf++) cw[u][hf] = load_code_word<BITS>(codes_h + (u64)t[u] * CB + hf * HALF_CODE);
+            for (int hf = 0; hf < NH; hf++)
+                cw[u][hf] = TERN ? load_ternary_word(codes_h + (u64)t[u] * CB, lane + hf * (D / 16))
+                                 : load_code_word<BITS>(codes_h + (u64)t[u] * CB + hf * HALF_CODE);
             if (AXIS == KVF_AXIS_TOKEN) {
                 const u64 at = (u64)(t[u] / GT) * (D * 2);
                 s8[u] = kvf_ldg16(kscales_h + at);

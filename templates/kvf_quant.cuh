@@ -16,7 +16,37 @@ struct lane_out {
     u16 scale;   // fp16 scale, or u8 group scale code (int8_fp16)
     u16 zero;    // fp16 offset, or int8 zero code (int8_fp16, as u16 low byte)
     u16 tscale;  // fp16 token scale (int8_fp16)
+    u32 tern;    // ternary: bits 16*lane .. 16*lane+15 of the row's packed codes
 };
+
+// Code bytes of a row: D codes of BITS bits, or ternary's 13-bit fields.
+template <int D, int BITS, int MODE>
+__host__ __device__ constexpr int row_code_bytes() {
+    return MODE == KVF_MODE_TERNARY ? KVF_TERNARY_ROW_BYTES(D) : D * BITS / 8;
+}
+
+// Ternary (kvf_abi.h): this lane's 16 bits of the row's packed codes. Its
+// 8 codes (0..2) make the field F = c_0 + 3 c_1 + ... + 3^7 c_7 at row bit
+// 13*lane; lane j stores row bits 16j .. 16j+15, which lie in the fields of
+// lanes a = 16j/13 .. a+2, so every lane of the warp joins three shuffles.
+// A row's LPR lanes are consecutive lanes of one warp (LPR divides 32:
+// head_dim 64, 128 or 256).
+template <int LPR>
+__device__ __forceinline__ u32 ternary_piece(const u32 (&q)[8]) {
+    static_assert(32 % LPR == 0, "a row's lanes in one warp");
+    const int wl = (int)(threadIdx.x & 31u), lane = wl % LPR, first = wl - lane;
+    u32 f = 0;
+#pragma unroll
+    for (int i = 7; i >= 0; i--) f = f * 3u + q[i];
+    const int a = 16 * lane / KVF_TERNARY_FIELD_BITS, s = 16 * lane - KVF_TERNARY_FIELD_BITS * a;
+    u64 w = 0;
+#pragma unroll
+    for (int k = 0; k < 3; k++) {
+        const u32 fk = __shfl_sync(0xffffffffu, f, first + min(a + k, LPR - 1));
+        if (a + k < LPR) w |= (u64)fk << (KVF_TERNARY_FIELD_BITS * k);
+    }
+    return (u32)(w >> s) & 0xffffu;
+}
 
 // Symmetric codes of 8 values under the effective scale S, for both scale
 // formats: clamp(rint(v / S), -QMAX, QMAX) + QMAX, or QMAX where S is 0.
@@ -31,7 +61,7 @@ __device__ __forceinline__ void codes_symmetric(const float (&v)[8], float S, u3
 
 // Quantize 8 values of a lane. LPR = lanes per row, LPG = lanes per group.
 template <int BITS, int LPG, int LPR, int MODE, int SFMT>
-__device__ __forceinline__ void encode8(const float (&v)[8], lane_out &o) {
+__device__ __forceinline__ void encode8_codes(const float (&v)[8], lane_out &o) {
     constexpr int L = (1 << BITS) - 1, QMAX = (1 << (BITS - 1)) - 1;
     float mn = v[0], mx = v[0], a = 0.0f;
 #pragma unroll
@@ -84,6 +114,14 @@ __device__ __forceinline__ void encode8(const float (&v)[8], lane_out &o) {
     }
 }
 
+// encode8_codes, and for ternary the lane's piece of the packed row: every
+// lane of the warp calls it (shuffles), live row or not.
+template <int BITS, int LPG, int LPR, int MODE, int SFMT>
+__device__ __forceinline__ void encode8(const float (&v)[8], lane_out &o) {
+    encode8_codes<BITS, LPG, LPR, MODE, SFMT>(v, o);
+    o.tern = MODE == KVF_MODE_TERNARY ? ternary_piece<LPR>(o.q) : 0u;
+}
+
 // Dequantize 8 codes. scale/zero/tscale are the stored plane values.
 template <int BITS, int MODE, int SFMT>
 __device__ __forceinline__ void decode8(const u32 q[8], u16 scale, u16 zero, u16 tscale, float out[8]) {
@@ -123,8 +161,14 @@ typedef kvf_stage_planes stage_planes;
 // Write a lane's codes and, from the group's first lane, its plane entries.
 template <int D, int BITS, int G, int MODE, int SFMT>
 __device__ __forceinline__ void store_row(u8 *packed, const stage_planes &p, i64 row, int lane, const lane_out &o) {
-    constexpr int LPG = G / 8, GROUPS = D / G;
-    store_codes<BITS>(packed + p.codes + row * (D * BITS / 8) + lane * BITS, o.q);
+    constexpr int LPG = G / 8, GROUPS = D / G, CB = row_code_bytes<D, BITS, MODE>();
+    if (MODE == KVF_MODE_TERNARY) {
+        u8 *const dst = packed + p.codes + row * CB;
+        if (2 * lane < CB) dst[2 * lane] = (u8)o.tern;
+        if (2 * lane + 1 < CB) dst[2 * lane + 1] = (u8)(o.tern >> 8);
+    } else {
+        store_codes<BITS>(packed + p.codes + row * CB + lane * BITS, o.q);
+    }
     if (lane % LPG) return;
     const i64 g = row * GROUPS + lane / LPG;
     if (SFMT == KVF_SCALE_FP16) {

@@ -1068,6 +1068,34 @@ static void decode_special_values(void **state) {
     }
 }
 
+/* Ternary codes (mode "ternary": 8 codes in a 13-bit field, packed across a
+ * row's lanes by shuffles) on every encode path and lane shape: the rows
+ * path with fp16 and FP8 scales and rotated, head_dim 64 (13-byte rows, odd)
+ * and 256 (a row is a whole warp), two-level scales (16 channels a decode
+ * lane), and the k-means path with QSAC and with progressive stages. */
+static void gpu_ternary(void **state) {
+    (void)state;
+    SKIP_WITHOUT_GPU();
+    const char *texts[] = {
+        "return { base = 'rtn_int2', name = 't_rtn', key = { mode = 'ternary' }, "
+        "value = { mode = 'ternary', scale_format = 'fp8', group_size = 32 } }",
+        "return { base = 'quarot_int2', name = 't_rot', key = { mode = 'ternary' }, value = { mode = 'ternary' } }",
+        "return { base = 'rtn_int2', name = 't_d64', head_dim = 64, key = { mode = 'ternary', group_size = 16 }, "
+        "value = { mode = 'ternary', scale_format = 'int8_fp16', group_size = 16 } }",
+        "return { base = 'rtn_int2', name = 't_d256', head_dim = 256, key = { mode = 'ternary', scale_format = 'fp8' }, "
+        "value = { mode = 'ternary', scale_format = 'int8_fp16' } }",
+        "return { base = 'quantwm_int2', name = 't_wm', key = { mode = 'ternary', psac_rank = 0 }, "
+        "value = { mode = 'ternary' } }",
+        "return { base = 'qvg_pro_int2', name = 't_pro', key = { mode = 'ternary' }, value = { mode = 'ternary' } }",
+    };
+    for (size_t i = 0; i < sizeof texts / sizeof texts[0]; i++) {
+        kvf_scheme *s = exact(tu_scheme_text(texts[i]));
+        run_scheme(s);
+        sv_case(s, 203, 3, 4);
+        kvf_scheme_free(s);
+    }
+}
+
 /* A corrupt cache's centroid index past a 16-row table (the CPU decode
  * refuses it, test_faults.c): the GPU decode reads the table's last row
  * instead of past it, so it gives the CPU's decode of the same cache with
@@ -1703,13 +1731,16 @@ static void gpu_pipeline_stream(void **state) {
                            "return { base = 'qvg7_int2', name = 'qvg7_pipe', chunk = { span = 1 },"
                            " key = { assign = 'exact' }, value = { assign = 'exact' }, outliers = { key = 1, value = 1 },"
                            " anchors = { every = 8, bits = 8 }, error_feedback = { decay = 0.7 },"
-                           " mixed_precision = { key_fraction = 0.125, value_fraction = 0.0625 } }"};
+                           " mixed_precision = { key_fraction = 0.125, value_fraction = 0.0625 } }",
+                           /* and over ternary codes, on the rows path */
+                           "return { base = 'stable_int2', name = 'stable_tern', key = { mode = 'ternary' },"
+                           " value = { mode = 'ternary' }, anchors = { every = 8, bits = 8 } }"};
     const char *const *names = kvf_builtin_schemes();
-    for (int which = 0; which < 2; which++)
+    for (int which = 0; which < 3; which++)
         for (const char *const *name = names; which ? name == names : *name != NULL; name++) {
             kvf_scheme *s;
             if (which) {
-                s = tu_scheme_text(texts[1]);
+                s = tu_scheme_text(texts[which]);
             } else {
                 kvf_scheme *b = tu_scheme(*name);
                 const int pipe = b->pipe.anchor_every || b->pipe.feedback_decay > 0 || b->pipe.outliers[0] ||
@@ -1829,6 +1860,7 @@ int main(void) {
         cmocka_unit_test(context_from_cache_and_image),
         cmocka_unit_test(gpu_warm_start),
         cmocka_unit_test(bad_arguments_refused),
+        cmocka_unit_test(gpu_ternary),
         cmocka_unit_test(gpu_pipeline_matches_cpu),
         cmocka_unit_test(gpu_pipeline_stream),
         cmocka_unit_test(gpu_fast_assign),

@@ -313,6 +313,83 @@ static void test_bit_order(void **state) {
     free(p);
 }
 
+/* Ternary codes (kvf_abi.h, FORMAT.md): 8 codes c_i in a 13-bit field
+ * F = sum c_i 3^i at row bit 13b. Hand-checked bytes, the fields placed bit
+ * by bit, the same decode as symmetric INT2, row sizes, and a corrupt field. */
+static void test_ternary(void **state) {
+    (void)state;
+    struct kvf_scheme s, sym;
+    kvf_layout L;
+    uint16_t x[128], y[128], z[128];
+    /* Channel c holds (c % 3) - 1: S = 1, codes c % 3. Block 0's codes are
+     * 0,1,2,0,1,2,0,1: F = 3 + 18 + 81 + 486 + 2187 = 2775 = 0xAD7. Block 1's
+     * are 2,0,1,2,0,1,2,0: F = 2 + 9 + 54 + 243 + 1458 = 1766 = 0x6E6. Byte 0
+     * = 0xD7; byte 1 = 0xAD7 >> 8 (0x0A) | (0x6E6 & 7) << 5 (0xC0) = 0xCA. */
+    for (int c = 0; c < 128; c++) x[c] = kvf_f32_to_bf16((float)(c % 3 - 1));
+    tu_hand_scheme(&s, 128, 2, 2, 64, KVF_MODE_TERNARY);
+    uint8_t *p = encode_one(&s, x, &L);
+    assert_int_equal(L.key.code_bytes_per_token, 26);
+    assert_int_equal(L.key.stage[0].codes_bytes, 26);
+    const uint8_t *row = p + L.key.stage[0].codes_off;
+    assert_int_equal(row[0], 0xD7);
+    assert_int_equal(row[1], 0xCA);
+    uint8_t want[26] = {0};
+    for (int b = 0; b < 16; b++) {
+        unsigned f = 0;
+        for (int i = 7; i >= 0; i--) f = f * 3 + (unsigned)((8 * b + i) % 3);
+        for (int k = 0; k < 13; k++)
+            if (f >> k & 1) want[(13 * b + k) / 8] |= (uint8_t)(1u << ((13 * b + k) % 8));
+    }
+    assert_memory_equal(row, want, 26);
+    assert_memory_equal(row, p + L.value.stage[0].codes_off, 26);
+    assert_int_equal(rd16(p + L.key.stage[0].scales_off), 0x3C00);
+    assert_int_equal(L.key.stage[0].zeros_bytes, 0);
+    kvf_shape sh = {1, 1, 0, 0};
+    assert_int_equal(kvf_ref_decode(&s, p, L.total_bytes, &sh, NULL, y, z), KVF_OK);
+    assert_memory_equal(y, x, sizeof x);
+
+    /* A corrupt field: all ones (8191 > 3^8 - 1) is 1,0,1,0,2,0,2 and the
+     * quotient 8191 / 3^7 = 3 for the last code: levels 0,-1,0,-1,1,-1,1,2. */
+    memset(p + L.key.stage[0].codes_off, 0xff, 2);
+    assert_int_equal(kvf_ref_decode(&s, p, L.total_bytes, &sh, NULL, y, z), KVF_OK);
+    static const float lv[8] = {0, -1, 0, -1, 1, -1, 1, 2};
+    for (int c = 0; c < 8; c++) assert_true(kvf_bf16_to_f32(y[c]) == lv[c]);
+    free(p);
+
+    /* The same values as symmetric INT2 on random data: scales and decode
+     * equal, for every head size and scale format the ternary rows take. */
+    static const struct { int d, g, fmt; } shapes[] = {
+        {128, 64, KVF_SCALE_FP16}, {64, 16, KVF_SCALE_FP8}, {256, 32, KVF_SCALE_INT8_FP16}, {24, 8, KVF_SCALE_FP16}};
+    for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
+        const int d = shapes[i].d, g = shapes[i].g, n = 37, h = 3;
+        tu_hand_scheme(&s, d, 2, 2, g, KVF_MODE_TERNARY);
+        tu_hand_scheme(&sym, d, 2, 2, g, KVF_MODE_SYMMETRIC);
+        s.key.scale_format = s.value.scale_format = sym.key.scale_format = sym.value.scale_format = shapes[i].fmt;
+        tu_finalize(&s);
+        tu_finalize(&sym);
+        const size_t nel = (size_t)n * h * d;
+        uint16_t *k = malloc(nel * 2), *v = malloc(nel * 2), *k1 = malloc(nel * 2), *v1 = malloc(nel * 2),
+                 *k2 = malloc(nel * 2), *v2 = malloc(nel * 2);
+        random_kv(k, n, h, d, g, 40 + i);
+        random_kv(v, n, h, d, g, 50 + i);
+        kvf_shape shn = {n, h, 0, 0};
+        size_t bt, bs;
+        uint8_t *pt = encode_new(&s, k, v, &shn, &bt), *ps = encode_new(&sym, k, v, &shn, &bs);
+        kvf_layout Lt, Ls;
+        assert_int_equal(kvf_layout_compute(&s, n, h, &Lt), KVF_OK);
+        assert_int_equal(kvf_layout_compute(&sym, n, h, &Ls), KVF_OK);
+        assert_int_equal(Lt.key.code_bytes_per_token, (size_t)((d / 8 * 13 + 7) / 8));
+        assert_true(Lt.key.stage[0].codes_bytes < Ls.key.stage[0].codes_bytes && bt <= bs);
+        assert_int_equal(kvf_ref_decode(&s, pt, bt, &shn, NULL, k1, v1), KVF_OK);
+        assert_int_equal(kvf_ref_decode(&sym, ps, bs, &shn, NULL, k2, v2), KVF_OK);
+        assert_memory_equal(k1, k2, nel * 2);
+        assert_memory_equal(v1, v2, nel * 2);
+        assert_memory_equal(pt + Lt.key.stage[0].scales_off, ps + Ls.key.stage[0].scales_off,
+                            Ls.key.stage[0].scales_bytes);
+        free(k), free(v), free(k1), free(v1), free(k2), free(v2), free(pt), free(ps);
+    }
+}
+
 /* Ties go to the even level (rintf in the default rounding mode, as CUDA's
  * rintf / cvt.rni), not away from zero. */
 static void test_rounding_ties(void **state) {
@@ -881,6 +958,7 @@ int main(void) {
         cmocka_unit_test(test_packed_size),
         cmocka_unit_test(test_header),
         cmocka_unit_test(test_bit_order),
+        cmocka_unit_test(test_ternary),
         cmocka_unit_test(test_rounding_ties),
         cmocka_unit_test(test_codes_use_stored_scale),
         cmocka_unit_test(test_golden),

@@ -411,6 +411,7 @@ static const char *const variants[] = {
     "return { name = 'v', rope = { sections = { 24, 24, 16 } } }",
     "return { name = 'v', rope = { sections = { 16, 16, 16, 16 } } }",
     "return { name = 'v', key = { mode = 'symmetric' } }",
+    "return { name = 'v', value = { mode = 'ternary' } }",
     "return { name = 'v', key = { scale_format = 'int8_fp16' } }",
     "return { name = 'v', key = { centroids = 256 } }",
     "return { name = 'v', key = { kmeans_iters = 3 } }",
@@ -567,6 +568,10 @@ static const bad_case bad_cases[] = {
      "key.kmeans_labels: must be \"final\" when qsac_candidates > 1 (QSAC is the final assignment) "
      "(got \"last_step\")", NULL},
     {"centroids_bf16.lua", 5, "key.centroids: must be 0 when bits = 16", NULL},
+    {"ternary_bits.lua", 4,
+     "key.mode: \"ternary\" stores the three levels of symmetric INT2: it needs bits = 2 (got bits = 4)", NULL},
+    {"ternary_token_axis.lua", 5,
+     "value.mode: \"ternary\" packs the codes of a row: it needs axis = \"channel\" (got \"token\")", NULL},
     {"syntax_error.lua", 4, "'}' expected (to close '{' at line 2) near 'key'", NULL},
     {"runtime_error.lua", 4, "attempt to index a nil value (local 'cfg')", NULL},
     {"error_call.lua", 3, "custom failure 3", NULL},

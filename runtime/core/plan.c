@@ -87,6 +87,12 @@ static int check_groups(const rules *r, const char *sec, const kvf_tensor_cfg *t
 /* The methods a section combines. */
 static int check_methods(const rules *r, const char *sec, const kvf_tensor_cfg *t, int is_key) {
     const struct kvf_scheme *s = r->s;
+    if (t->mode == KVF_MODE_TERNARY && t->bits != 2)
+        return bad(r, sec, "mode",
+                   "\"ternary\" stores the three levels of symmetric INT2: it needs bits = 2 (got bits = %d)",
+                   t->bits);
+    if (t->mode == KVF_MODE_TERNARY && t->axis != KVF_AXIS_CHANNEL)
+        return bad(r, sec, "mode", "\"ternary\" packs the codes of a row: it needs axis = \"channel\" (got \"token\")");
     if (t->bits == 16 && t->centroids > 0)
         return bad(r, sec, "centroids", "must be 0 when bits = 16 (BF16 values are kept as they are) (got %d)",
                    t->centroids);

@@ -32,6 +32,57 @@ static unsigned get_code(const uint8_t *row, int c, int bits) {
     return (row[c / per_byte] >> shift) & ((1u << bits) - 1u);
 }
 
+/* Ternary rows (mode "ternary", kvf_abi.h's KVF_TERNARY_*): the quantizer
+ * writes and reads a row's ordinary INT2 codes (0, 1, 2) in a scratch row;
+ * these turn that row into the stored one and back. 8 channels make one
+ * 13-bit field F = c_0 + 3 c_1 + ... + 3^7 c_7 at bit 13b of the row. */
+#define TERNARY_MAX_D 256 /* head_dim's largest value (runtime/scheme/fields.c) */
+
+static void ternary_pack(const uint8_t *codes2, int d, uint8_t *row) {
+    memset(row, 0, (size_t)KVF_TERNARY_ROW_BYTES(d));
+    for (int b = 0; b < d / 8; b++) {
+        uint32_t f = 0;
+        for (int i = 7; i >= 0; i--) f = f * 3u + get_code(codes2, 8 * b + i, 2);
+        const int bit = KVF_TERNARY_FIELD_BITS * b;
+        const uint32_t w = f << (bit % 8); /* at most 13 + 7 bits: 3 bytes */
+        for (int k = 0; k < 3 && bit / 8 + k < KVF_TERNARY_ROW_BYTES(d); k++) row[bit / 8 + k] |= (uint8_t)(w >> (8 * k));
+    }
+}
+
+/* A field of a corrupt cache can exceed 3^8 - 1: its last code is then the
+ * quotient F / 3^7 (at most 3, an INT2 code like any other), as the GPU
+ * decode computes it. */
+static void ternary_unpack(const uint8_t *row, int d, uint8_t *codes2) {
+    memset(codes2, 0, (size_t)d / 4);
+    for (int b = 0; b < d / 8; b++) {
+        const int bit = KVF_TERNARY_FIELD_BITS * b;
+        uint32_t w = 0;
+        for (int k = 0; k < 3 && bit / 8 + k < KVF_TERNARY_ROW_BYTES(d); k++) w |= (uint32_t)row[bit / 8 + k] << (8 * k);
+        uint32_t f = (w >> (bit % 8)) & ((1u << KVF_TERNARY_FIELD_BITS) - 1u);
+        for (int i = 0; i < 7; i++, f /= 3u) put_code(codes2, 8 * b + i, 2, f % 3u);
+        put_code(codes2, 8 * b + 7, 2, f);
+    }
+}
+
+/* Where a row's codes are written: the stored row, or for ternary the
+ * scratch row that row_codes_done packs into it. */
+static uint8_t *row_codes_out(const kvf_section_layout *l, uint8_t *stored, int d, uint8_t *scratch) {
+    if (l->mode != KVF_MODE_TERNARY) return stored;
+    memset(scratch, 0, (size_t)d / 4);
+    return scratch;
+}
+
+static void row_codes_done(const kvf_section_layout *l, const uint8_t *scratch, int d, uint8_t *stored) {
+    if (l->mode == KVF_MODE_TERNARY) ternary_pack(scratch, d, stored);
+}
+
+/* Where a row's codes are read: the stored row, or its INT2 codes unpacked. */
+static const uint8_t *row_codes_in(const kvf_section_layout *l, const uint8_t *stored, int d, uint8_t *scratch) {
+    if (l->mode != KVF_MODE_TERNARY) return stored;
+    ternary_unpack(stored, d, scratch);
+    return scratch;
+}
+
 /* ------------------------------------------------------------ group statistics */
 
 /* -0 and +0 compare equal and min/max may return either: store +0 so that
@@ -148,15 +199,17 @@ static void fp16_group_encode(const kvf_section_layout *l, const group_ref *g, u
 static void channel_fp16_encode(const kvf_section_layout *l, const kvf_stage_layout *st, int64_t n,
                                 int32_t h, int d, const float *r, uint8_t *packed) {
     size_t gpt = (size_t)l->groups_per_token, sb = l->scale_format == KVF_SCALE_FP8 ? 1 : 2;
+    uint8_t scratch[TERNARY_MAX_D / 4];
     for (int64_t t = 0; t < n; t++) {
         size_t row = (size_t)h * (size_t)n + (size_t)t;
+        uint8_t *stored = code_row(l, st, packed, row), *codes = row_codes_out(l, stored, d, scratch);
         for (int g = 0; g < l->groups_per_token; g++) {
             int c0 = g * l->group_size;
             group_ref gr = {r + t * d + c0, l->group_size, 1, 0, 0, c0, 1};
             size_t at = (row * gpt + (size_t)g) * sb;
-            fp16_group_encode(l, &gr, code_row(l, st, packed, row), packed + st->scales_off + at,
-                              packed + st->zeros_off + at);
+            fp16_group_encode(l, &gr, codes, packed + st->scales_off + at, packed + st->zeros_off + at);
         }
+        row_codes_done(l, scratch, d, stored);
     }
 }
 
@@ -165,9 +218,10 @@ static void channel_fp16_decode(const kvf_section_layout *l, const kvf_stage_lay
     size_t gpt = (size_t)l->groups_per_token;
     bool affine = l->mode == KVF_MODE_AFFINE;
     const int fp8 = l->scale_format == KVF_SCALE_FP8;
+    uint8_t scratch[TERNARY_MAX_D / 4];
     for (int64_t t = 0; t < n; t++) {
         size_t row = (size_t)h * (size_t)n + (size_t)t;
-        const uint8_t *codes = packed + st->codes_off + row * l->code_bytes_per_token;
+        const uint8_t *codes = row_codes_in(l, packed + st->codes_off + row * l->code_bytes_per_token, d, scratch);
         for (int g = 0; g < l->groups_per_token; g++) {
             const size_t at = (row * gpt + (size_t)g) * (fp8 ? 1 : 2);
             const uint8_t *sp = packed + st->scales_off + at, *zp = packed + st->zeros_off + at;
@@ -277,19 +331,23 @@ static void int8_token_decode(const kvf_section_layout *l, const uint8_t *codes,
 static void channel_int8_encode(const kvf_section_layout *l, const kvf_stage_layout *st, int64_t n,
                                 int32_t h, int d, const float *r, uint8_t *packed) {
     size_t gpt = (size_t)l->groups_per_token;
+    uint8_t scratch[TERNARY_MAX_D / 4];
     for (int64_t t = 0; t < n; t++) {
         size_t row = (size_t)h * (size_t)n + (size_t)t;
-        int8_token_encode(l, r + t * d, code_row(l, st, packed, row), packed + st->scales_off + row * gpt,
+        uint8_t *stored = code_row(l, st, packed, row);
+        int8_token_encode(l, r + t * d, row_codes_out(l, stored, d, scratch), packed + st->scales_off + row * gpt,
                           packed + st->tscales_off + row * 2, packed + st->zeros_off + row * gpt);
+        row_codes_done(l, scratch, d, stored);
     }
 }
 
 static void channel_int8_decode(const kvf_section_layout *l, const kvf_stage_layout *st, int64_t n,
                                 int32_t h, int d, const uint8_t *packed, float *rhat) {
     size_t gpt = (size_t)l->groups_per_token;
+    uint8_t scratch[TERNARY_MAX_D / 4];
     for (int64_t t = 0; t < n; t++) {
         size_t row = (size_t)h * (size_t)n + (size_t)t;
-        int8_token_decode(l, packed + st->codes_off + row * l->code_bytes_per_token,
+        int8_token_decode(l, row_codes_in(l, packed + st->codes_off + row * l->code_bytes_per_token, d, scratch),
                           packed + st->scales_off + row * gpt, packed + st->tscales_off + row * 2,
                           packed + st->zeros_off + row * gpt, rhat + t * d);
     }

@@ -1,0 +1,7 @@
+-- ternary packs the three levels of symmetric INT2: no other width
+return {
+  key = {
+    mode = "ternary",
+    bits = 4,
+  },
+}
