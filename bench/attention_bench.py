@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 import kvforge
 from kvforge import attention as A
+from sdpa import time_once  # bench/sdpa.py: the script's own folder is on sys.path
 
 # LongCat's benchmark layer (docs/BENCHMARKS.md): 32 heads x 29640 tokens x 128,
 # here 6 chunks of 4940; the world model: 2 KV heads, 8 query heads, 4680 tokens a chunk.
@@ -70,18 +71,7 @@ class Timer:
 
     def once(self, fn, inner):
         """Milliseconds per call over inner back-to-back calls."""
-        if self.cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(inner):
-                fn()
-            b.record()
-            b.synchronize()
-            return a.elapsed_time(b) / inner
-        t = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        return (time.perf_counter() - t) * 1e3 / inner
+        return time_once(fn, inner, self.cuda)
 
     def interleaved(self, fns, rounds, inner):
         for fn in fns:

@@ -30,6 +30,7 @@ import argparse
 import ctypes as C
 import os
 import statistics
+import time
 
 import torch
 import torch.nn.functional as F
@@ -53,8 +54,14 @@ def check(L, rc):
         raise RuntimeError(L.kvf_last_error().decode())
 
 
-def time_once(fn, inner):
-    """Milliseconds per call of fn, over inner back-to-back calls, with CUDA events."""
+def time_once(fn, inner, cuda=True):
+    """Milliseconds per call of fn, over inner back-to-back calls, with CUDA events; with
+    cuda=False, by the wall clock (fn runs synchronously on the CPU)."""
+    if not cuda:
+        t = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        return (time.perf_counter() - t) * 1e3 / inner
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
     for _ in range(inner):

@@ -236,10 +236,10 @@ class Attention(nn.Module):
             self.norm_q = RMSNorm(hq * d)
             self.norm_k = RMSNorm(hk * d)
 
-    def forward(self, x, cos, sin, n_chunks, layer, cache=None, positions=None):
-        """x [B, T*Nc, width] for T = n_chunks consecutive chunks; cos/sin [T*Nc, d/2].
-        Chunk i of x attends to the cache's tokens (all earlier chunks) and to chunks <= i of x.
-        With a cache (B = 1), each chunk's K, V (and Q) are appended after use."""
+    def project(self, x, cos, sin):
+        """The heads of x [B, N, width] with cos/sin [N, d/2]: (q, k, v, q_pre, k_pre), where q
+        [B, Hq, N, d] and k, v [B, Hkv, N, d] are in the compute dtype (autocast's where it is
+        on, else x's; q and k RoPE-rotated) and q_pre, k_pre are q and k before RoPE in f32."""
         cfg = self.cfg
         B, N, _ = x.shape
         hq, hk, d = cfg.heads, cfg.kv_heads, cfg.head_dim
@@ -252,6 +252,17 @@ class Attention(nn.Module):
         v = v.view(B, N, hk, d).transpose(1, 2).to(dt)
         q = apply_rope(q_pre, cos, sin).to(dt)
         k = apply_rope(k_pre, cos, sin).to(dt)
+        return q, k, v, q_pre, k_pre
+
+    def forward(self, x, cos, sin, n_chunks, layer, cache=None, positions=None):
+        """x [B, T*Nc, width] for T = n_chunks consecutive chunks; cos/sin [T*Nc, d/2].
+        Chunk i of x attends to the cache's tokens (all earlier chunks) and to chunks <= i of x.
+        With a cache (B = 1), each chunk's K, V (and Q) are appended after use."""
+        cfg = self.cfg
+        B, N, _ = x.shape
+        hq, d = cfg.heads, cfg.head_dim
+        q, k, v, q_pre, k_pre = self.project(x, cos, sin)
+        dt = q.dtype                                                  # the compute dtype
         nc = N // n_chunks
         past = cache.keys_values(layer) if cache is not None else None
         if past is not None:

@@ -81,7 +81,7 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 from kvcache import BF16Cache, KvforgeCache, cache_memory  # noqa: E402
 from rollout import write_json  # noqa: E402
-from model import (apply_rope, attend, chunk_positions, frames_to_patches, generate,  # noqa: E402
+from model import (attend, chunk_positions, frames_to_patches, generate,  # noqa: E402
                    load_model_and_frames, patches_to_frames, rope_cos_sin, weights_sha256)
 
 
@@ -155,16 +155,9 @@ def sp_attention(attn, x, cos, sin, layer, cache, positions, sp: Ulysses, pre: b
     The cache holds this rank's heads. Returns [1, n, width]."""
     cfg = attn.cfg
     B, n, _ = x.shape
-    hq, hk, d = cfg.heads, cfg.kv_heads, cfg.head_dim
-    dt = x.dtype if not torch.is_autocast_enabled(x.device.type) else torch.get_autocast_dtype(x.device.type)
-    q, k, v = attn.wq(x), attn.wk(x), attn.wv(x)
-    if cfg.qk_norm:
-        q, k = attn.norm_q(q), attn.norm_k(k)
-    q_pre = q.float().view(B, n, hq, d).transpose(1, 2)            # [1, Hq, n, d] f32
-    k_pre = k.float().view(B, n, hk, d).transpose(1, 2)
-    v = v.view(B, n, hk, d).transpose(1, 2).to(dt)
-    q = apply_rope(q_pre, cos, sin).to(dt)
-    k = apply_rope(k_pre, cos, sin).to(dt)
+    hq, d = cfg.heads, cfg.head_dim
+    q, k, v, q_pre, k_pre = attn.project(x, cos, sin)               # q [1, Hq, n, d], k, v [1, Hkv, n, d]
+    dt = q.dtype                                                    # the compute dtype
     send = [q[0], k[0], v[0]] + ([q_pre[0].to(dt), k_pre[0].to(dt)] if pre else [])
     got = sp.seq_to_heads(send)
     qh, kh, vh = got[:3]                                            # [Hq/P, N, d], [Hkv/P, N, d] x 2

@@ -28,13 +28,8 @@ for b in out/bin/kvf_bench out/bin/test_gpu; do
   [ -x "$b" ] || { echo "fastassign.sh: $b missing: carry out/ (built by make -j2)" >&2; exit 2; }
 done
 # run NAME LIMIT CMD...: CMD's output into $OUT/NAME, its exit status and seconds in the summary.
-run() {
-  local name=$1 limit=$2 start=$SECONDS rc
-  shift 2
-  timeout "$limit" "$@" >"$OUT/$name" 2>&1; rc=$?
-  echo "-- $name: exit $rc after $((SECONDS - start)) s (limit $limit s)"
-  return $rc
-}
+. "$(dirname "$0")/lib.sh"
+RUN_OUT=$OUT
 {
 echo "== commit $(cat out/COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader 2>/dev/null

@@ -25,16 +25,10 @@ export KVF_SRC=$PWD KVFORGE_CACHE_DIR=$(mktemp -d) KVFORGE_LIB=$PWD/out/lib/libk
 parts=${*:-tests bench python eval}
 has() { case " $parts " in *" $1 "*) return 0;; esac; return 1; }
 t0=$SECONDS
-# run NAME LIMIT CMD...: CMD's output into $OUT/NAME, its exit status and seconds in the summary.
-run() {
-  local name=$1 limit=$2 start=$SECONDS rc left=$((560 - (SECONDS - t0)))
-  shift 2
-  [ "$left" -lt "$limit" ] && limit=$left
-  [ "$limit" -lt 5 ] && { echo "-- $name: skipped (no time left)"; return 1; }
-  timeout "$limit" "$@" >"$OUT/$name" 2>&1; rc=$?
-  echo "-- $name: exit $rc after $((SECONDS - start)) s (limit $limit s)"
-  return $rc
-}
+# run NAME LIMIT CMD...: CMD's output into $OUT/NAME, its exit status and seconds in the
+# summary; every part within the 560 s of the whole.
+. "$(dirname "$0")/lib.sh"
+RUN_OUT=$OUT RUN_BUDGET=560 RUN_T0=$t0
 {
 echo "== commit $(cat out/COMMIT 2>/dev/null || echo unknown)"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader 2>/dev/null
