@@ -28,7 +28,6 @@ runs the same code on the CPU reference (perf_counter times) as a smoke test.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import statistics
@@ -40,14 +39,16 @@ sys.path.insert(0, os.path.join(HERE, "..", "eval", "peer"))
 SKIP = 77
 
 
-def synth(torch, lib_path, tokens, heads, d, seed):
-    """kvf_synth_kv's BF16 data [heads, tokens, d] as a torch.bfloat16 CPU tensor."""
-    import numpy as np
-    lib = ctypes.CDLL(lib_path)
-    buf = np.empty((heads, tokens, d), dtype=np.uint16)
-    lib.kvf_synth_kv.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_uint64]
-    lib.kvf_synth_kv(buf.ctypes.data, tokens, heads, d, seed)
-    return torch.from_numpy(buf.view(np.int16)).view(torch.bfloat16)
+def synth(torch, tokens, heads, d, seed):
+    """Seeded BF16 data [heads, tokens, d] shaped as kvf_synth_kv's (unit-scale
+    values and two outlier channels of amplitude ~20 a token, on random channels):
+    a torch.bfloat16 CPU tensor. Both systems are timed on the same tensor."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(heads, tokens, d, generator=g)
+    ch = torch.randint(0, d, (heads, tokens, 2), generator=g)
+    amp = 20.0 * (1.0 + 0.25 * torch.randn(heads, tokens, 2, generator=g))
+    x.scatter_(2, ch, amp)
+    return x.to(torch.bfloat16)
 
 
 class Timer:
@@ -187,8 +188,8 @@ def main(argv=None) -> int:
         log(f"the peer is skipped: {why}")
         peers = []
     dev = torch.device(a.device)
-    k = synth(torch, kvforge.library_path(), a.tokens, a.heads, a.head_dim, 1).to(dev)
-    v = synth(torch, kvforge.library_path(), a.tokens, a.heads, a.head_dim, 2).to(dev)
+    k = synth(torch, a.tokens, a.heads, a.head_dim, 1).to(dev)
+    v = synth(torch, a.tokens, a.heads, a.head_dim, 2).to(dev)
     bf16_bytes = 2 * k.numel() * k.element_size()
     timer = Timer(torch, a.device, a.reps, a.warmup)
     src = torch.cat([k.reshape(-1), v.reshape(-1)])

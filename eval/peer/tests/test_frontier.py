@@ -1,6 +1,7 @@
 """eval/frontier.py: the Pareto front, the plot, and the driver over `kvforge eval`."""
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -84,3 +85,21 @@ def test_driver_over_kvforge(tmp_path):
         assert (tmp_path / "p.png").exists()
     with pytest.raises(RuntimeError, match="exit 1"):
         frontier.run(KVFORGE, dump, [], [dump])  # a dump is not a recon file
+
+
+def test_peer_bench_on_the_cpu(tmp_path):
+    """bench/peer_bench.py's CPU mode (what tools/gpu/peer.sh runs with KVF_PEER_GPU=0): kvforge's
+    schemes encode and decode through the binding and the JSON says so; the peer is left out."""
+    lib = os.path.join(os.path.dirname(os.path.dirname(KVFORGE)), "lib", "libkvforge.so")
+    if not os.path.exists(lib):
+        pytest.skip(f"{lib} is not built (make)")
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+    env = dict(os.environ, KVFORGE_LIB=lib, LD_LIBRARY_PATH=os.path.dirname(lib),
+               PYTHONPATH=os.pathsep.join([os.path.join(root, "python"), os.path.join(root, "eval", "peer")]))
+    out = tmp_path / "bench.json"
+    p = subprocess.run([sys.executable, os.path.join(root, "bench", "peer_bench.py"), "--device", "cpu",
+                        "--tokens", "256", "--heads", "2", "--reps", "1", "--warmup", "1", "--peers", "none",
+                        "--json", str(out)], capture_output=True, text=True, env=env)
+    assert p.returncode == 0, p.stderr
+    report = json.loads(out.read_text())
+    assert "rtn_int2" in json.dumps(report)
