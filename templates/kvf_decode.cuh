@@ -130,18 +130,25 @@ __device__ __forceinline__ code_word load_code_word(const u8 *p) {
 
 // Ternary (kvf_abi.h): the field of the row's 8-channel block b (at row bit
 // 13b, in 2 or 3 bytes) as the INT2 code word load_code_word reads (code i
-// at bits 2i). A corrupt field >= 3^8 gives its last code the quotient
-// F / 3^7 (at most 3), as the CPU reference does.
-__device__ __forceinline__ code_word load_ternary_word(const u8 *row, int b) {
+// at bits 2i). F = lo + 81 hi: lut (ternary_lut) turns lo (codes 0-3) and
+// hi (codes 4-7) into 4 codes each, one division by 81 and two shared-memory
+// reads instead of seven divisions by 3 (the decode is instruction-bound). A
+// corrupt field >= 3^8 has hi up to 101, whose last code is hi / 27 = F /
+// 3^7 (at most 3), as the CPU reference decodes it.
+__device__ __forceinline__ code_word load_ternary_word(const u8 *row, int b, const u8 *lut) {
     const int bit = KVF_TERNARY_FIELD_BITS * b, at = bit >> 3, sh = bit & 7;
     u32 w = kvf_ldg_u8(row + at) | kvf_ldg_u8(row + at + 1) << 8;
     if (sh + KVF_TERNARY_FIELD_BITS > 16) w |= kvf_ldg_u8(row + at + 2) << 16;
-    u32 f = (w >> sh) & ((1u << KVF_TERNARY_FIELD_BITS) - 1u), lo = 0;
-#pragma unroll
-    for (int i = 0; i < 7; i++, f /= 3u) lo |= (f % 3u) << (2 * i);
+    const u32 f = (w >> sh) & ((1u << KVF_TERNARY_FIELD_BITS) - 1u), hi = f / 81u;
     code_word c;
-    c.lo = lo | f << 14, c.hi = 0;
+    c.lo = (u32)lut[f - 81u * hi] | (u32)lut[hi] << 8, c.hi = 0;
     return c;
+}
+
+// Entry x < 128 of the table above: x's base-3 digits x%3, x/3%3, x/9%3 and
+// the quotient x/27 as 2-bit codes (x <= 101: the quotient is at most 3).
+__device__ __forceinline__ u8 ternary_lut(u32 x) {
+    return (u8)((x % 3u) | (x / 3u % 3u) << 2 | (x / 9u % 3u) << 4 | (x / 27u & 3u) << 6);
 }
 
 // 0x4b000000 (2^23) in a register: (w & mask) | exponent is then one LOP3
@@ -335,6 +342,12 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
         }
         __syncthreads();
     }
+    // Ternary codes' table (load_ternary_word); block-uniform, as above.
+    __shared__ u8 tlut[TERN ? 128 : 1];
+    if (TERN) {
+        for (int x = threadIdx.x; x < 128; x += BLOCK) tlut[x] = ternary_lut((u32)x);
+        __syncthreads();
+    }
     const float bscale = PSAC_R ? __uint_as_float(kvf_ldg_u32(packed + p.bscale + (u64)h * 4)) : 0.0f;
     // The pipeline's per-head data: the lane's slots among the refined channels.
     u8 mapl[NH][8];
@@ -402,7 +415,7 @@ __device__ __forceinline__ void decode(const u8 *__restrict__ packed, const sect
         for (int u = 0; u < RPT; u++) {
 #pragma unroll
             for (int hf = 0; hf < NH; hf++)
-                cw[u][hf] = TERN ? load_ternary_word(codes_h + (u64)t[u] * CB, lane + hf * (D / 16))
+                cw[u][hf] = TERN ? load_ternary_word(codes_h + (u64)t[u] * CB, lane + hf * (D / 16), tlut)
                                  : load_code_word<BITS>(codes_h + (u64)t[u] * CB + hf * HALF_CODE);
             if (AXIS == KVF_AXIS_TOKEN) {
                 const u64 at = (u64)(t[u] / GT) * (D * 2);
