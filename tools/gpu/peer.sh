@@ -13,7 +13,9 @@
 # Files under $OUT: peer.log, harness.json, frontier.json, frontier.png, peer_bench.json.
 # Expected: about 4 minutes on one H200 (Triton's autotuning included); every step is cut
 # to what is left of KVF_PEER_BUDGET (560 s) so the whole stays within one 600 s command.
-# KVF_PEER_CONFIGS: the QVG configurations (default: the three); KVF_PEER_BENCH=0: no step 5;
+# KVF_PEER_CONFIGS: the QVG configurations (default: the three); KVF_PEER_LAYERS: the dump's
+# layers (default all; "0,2,5" is the 16-chunk CPU frontier's dump); KVF_PEER_ARGS: more
+# qvg_peer.py options (e.g. "--quant-factor 8": QVG's spans of 8 chunks, as qvg7_int2's); KVF_PEER_BENCH=0: no step 5;
 # KVF_PEER_SCHEMES: kvforge's schemes to score (default below); KVF_PEER_TABLES: the
 # sensitivity tables of mixed-precision schemes (NAME.json, `kvforge calibrate` on a dump
 # of the same model); KVF_PEER_CHUNKS: chunks of the dump (default 5); KVF_PEER_GPU=0: score and
@@ -45,7 +47,7 @@ if [ -f out/data/vtest.avi ]; then
   dev=cuda; [ "$gpu" = 0 ] && dev=cpu
   timeout $(tl 60) $PY eval/worldmodel/frames.py out/data/vtest.avi /tmp/f.npz && \
   timeout $(tl 90) $PY eval/worldmodel/dump_kv.py --weights eval/worldmodel/weights.safetensors --frames /tmp/f.npz \
-    --layers all --chunks ${KVF_PEER_CHUNKS:-5} --q-stride 16 --device $dev --out /tmp/kv_full.safetensors 2>&1 | tail -2 && \
+    --layers ${KVF_PEER_LAYERS:-all} --chunks ${KVF_PEER_CHUNKS:-5} --q-stride 16 --device $dev --out /tmp/kv_full.safetensors 2>&1 | tail -2 && \
   [ -f /tmp/kv_full.safetensors ] && dump=/tmp/kv_full.safetensors
 fi
 echo "dump: $dump"
@@ -54,7 +56,7 @@ stamp "QVG over the dump (eval/peer/qvg_peer.py)"
 recons=""
 for c in $configs; do
   timeout $(tl 120) $PY eval/peer/qvg_peer.py --data "$dump" --config $c --out /tmp/recon_$c.safetensors \
-    --json /tmp/harness_$c.json
+    --json /tmp/harness_$c.json ${KVF_PEER_ARGS:-}
   rc=$?
   if [ $rc = 0 ]; then recons="$recons /tmp/recon_$c.safetensors"; else echo "qvg_peer $c: exit $rc"; fi
 done
