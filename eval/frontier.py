@@ -226,10 +226,25 @@ def compare_plot(entries: list, png: str, title: str | None = None) -> dict:
     return drawn
 
 
+def _line(e: dict) -> str:
+    o = e["report"]["overall"]
+    return (f"{e['kind']:6s} {e['name']:28s} bits/value {bits_per_value(e['report']):6.3f}  "
+            f"top-1 shift {o['top1_shift']}  attn-out rel. err {o['attn_out_rel_err']}")
+
+
+def _write(path: str, entries: list) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(entries, f, indent=1)
+    os.replace(tmp, path)
+
+
 def run(kvforge: str, data: str, schemes: list, peers: list, gpu: bool = False, threads: int | None = None,
-        table_dir: str | None = None) -> list:
+        table_dir: str | None = None, out: str | None = None) -> list:
     """`kvforge eval --json` for every scheme and peer recon file; the combined list.
-    table_dir: where a mixed-precision scheme's sensitivity table is, NAME.json."""
+    table_dir: where a mixed-precision scheme's sensitivity table is, NAME.json.
+    out: the combined JSON, rewritten after every entry (a run cut short by a time
+    limit keeps what it scored), each entry's line printed as it comes."""
     entries = []
     extra = ["--threads", str(threads)] if threads else []
     for kind, items in (("scheme", schemes), ("peer", peers)):
@@ -249,6 +264,9 @@ def run(kvforge: str, data: str, schemes: list, peers: list, gpu: bool = False, 
             name = os.path.basename(item)[:-4] if kind == "scheme" and item.endswith(".lua") else \
                 item if kind == "scheme" else report["scheme"]
             entries.append({"name": name, "kind": kind, "report": report})
+            if out:
+                _write(out, entries)
+                print(_line(entries[-1]), flush=True)
     return entries
 
 
@@ -278,13 +296,8 @@ def main(argv=None) -> int:
     c.add_argument("--title")
     a = ap.parse_args(argv)
     if a.cmd == "run":
-        entries = run(a.kvforge, a.data, a.schemes, a.peers, a.gpu, a.threads, a.table_dir)
-        with open(a.out, "w") as f:
-            json.dump(entries, f, indent=1)
-        for e in entries:
-            o = e["report"]["overall"]
-            print(f"{e['kind']:6s} {e['name']:28s} bits/value {bits_per_value(e['report']):6.3f}  "
-                  f"top-1 shift {o['top1_shift']}  attn-out rel. err {o['attn_out_rel_err']}")
+        entries = run(a.kvforge, a.data, a.schemes, a.peers, a.gpu, a.threads, a.table_dir, out=a.out)
+        _write(a.out, entries)  # also when there was nothing to score
         return 0
     entries = load(a.combined)
     if a.cmd == "compare":

@@ -16,7 +16,8 @@
 # KVF_PEER_CONFIGS: the QVG configurations (default: the three); KVF_PEER_LAYERS: the dump's
 # layers (default all; "0,2,5" is the 16-chunk CPU frontier's dump); KVF_PEER_ARGS: more
 # qvg_peer.py options (e.g. "--quant-factor 8": QVG's spans of 8 chunks, as qvg7_int2's); KVF_PEER_BENCH=0: no step 5;
-# KVF_PEER_SCHEMES: kvforge's schemes to score (default below); KVF_PEER_TABLES: the
+# KVF_PEER_SCHEMES: kvforge's schemes to score (default below); KVF_PEER_EVAL_S: the scoring step's
+# cap in seconds (150); KVF_PEER_TABLES: the
 # sensitivity tables of mixed-precision schemes (NAME.json, `kvforge calibrate` on a dump
 # of the same model); KVF_PEER_CHUNKS: chunks of the dump (default 5); KVF_PEER_GPU=0: score and
 # bench on the CPU (to try the script where there is no GPU: the peer then skips).
@@ -72,8 +73,12 @@ PY
 
 stamp "kvforge eval: schemes and peers (eval/frontier.py)"
 gflag=--gpu; [ "$gpu" = 0 ] && gflag=
-timeout $(tl 150) $PY eval/frontier.py run --kvforge out/bin/kvforge --data "$dump" --schemes $schemes \
-  --peers $recons $gflag --threads 16 ${KVF_PEER_TABLES:+--table-dir "$KVF_PEER_TABLES"} --out "$O/frontier.json" && \
+# frontier.json is rewritten after every entry: a step cut short keeps what it scored (and the plot
+# shows it). Ten schemes over a 16-chunk dump of 3 layers took more than 150 s on the H200.
+timeout $(tl ${KVF_PEER_EVAL_S:-150}) $PY eval/frontier.py run --kvforge out/bin/kvforge --data "$dump" \
+  --schemes $schemes --peers $recons $gflag --threads 16 ${KVF_PEER_TABLES:+--table-dir "$KVF_PEER_TABLES"} \
+  --out "$O/frontier.json"
+[ -s "$O/frontier.json" ] && \
   $PY eval/frontier.py plot "$O/frontier.json" --png "$O/frontier.png" --title "kvforge and QVG on $(basename $dump)"
 
 if [ "${KVF_PEER_BENCH:-1}" = 0 ]; then stamp "done (no bench: KVF_PEER_BENCH=0)"; exit 0; fi

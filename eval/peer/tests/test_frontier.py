@@ -103,3 +103,14 @@ def test_peer_bench_on_the_cpu(tmp_path):
     assert p.returncode == 0, p.stderr
     report = json.loads(out.read_text())
     assert "rtn_int2" in json.dumps(report)
+
+
+def test_driver_keeps_what_it_scored(tmp_path):
+    """run --out: the combined JSON holds every entry scored so far, so a run cut short keeps them."""
+    if not os.path.exists(KVFORGE):
+        pytest.skip(f"{KVFORGE} is not built (make)")
+    dump, out = str(tmp_path / "d.safetensors"), str(tmp_path / "c.json")
+    fakes.write_dump(dump, layers=1, chunks=2)
+    with pytest.raises(RuntimeError, match="exit"):
+        frontier.run(KVFORGE, dump, ["rtn_int2", "no_such_scheme"], [], threads=2, out=out)
+    assert [e["name"] for e in json.loads(open(out).read())] == ["rtn_int2"]
