@@ -19,7 +19,7 @@ repo=$(cd "$here/../.." && pwd)
 dump=$1 out=$2 table=${3:-$repo/eval/worldmodel/tables/stable_int2.small.json}
 py=${PYTHON:-$repo/.venv/bin/python}
 [ -x "$py" ] || py=python3
-shipped=${KVF_FRONTIER_SHIPPED:-"rtn_int2 kivi_int2 quarot_int2 qvg_int2 quantwm_int2 qvg7_int2 quantwm7_int2 qvg8_ternary qvg7k_ternary stable_int2 stable_noef_int2 stable_qvg_int2 rtn_int4 qvg_int4"}
+shipped=${KVF_FRONTIER_SHIPPED:-"rtn_int2 kivi_int2 quarot_int2 qvg_int2 quantwm_int2 qvg7_int2 quantwm7_int2 qvg8_ternary qvg9_ternary qvg7k_ternary stable_int2 stable_noef_int2 stable_qvg_int2 rtn_int4 qvg_int4"}
 files=${KVF_FRONTIER_FILES:-$(ls "$here"/*.lua)}
 mkdir -p "$out/tables"
 # frontier.py gives a mixed-precision scheme NAME the table NAME.json: one copy a name.
