@@ -94,8 +94,9 @@ static void place_section(placer *p, const kvf_section_plan *c, int head_dim, in
     l->stages = c->stages;
     l->psac_rank = c->psac_rank;
     l->rotation = c->rotation;
-    l->code_bytes_per_token = c->mode == KVF_MODE_TERNARY && c->bits == 2 ? (size_t)KVF_TERNARY_ROW_BYTES(head_dim)
-                                                                          : (size_t)head_dim * (size_t)c->bits / 8;
+    /* ternary implies bits 2 (the plan's rule) */
+    l->code_bytes_per_token = c->mode == KVF_MODE_TERNARY ? (size_t)KVF_TERNARY_ROW_BYTES(head_dim)
+                                                          : (size_t)head_dim * (size_t)c->bits / 8;
     place_quant(p, l, rows, heads, head_dim, &l->stage[0]);
     for (int s = 0; s < l->stages; s++) place_centroids(p, l, rows, heads, head_dim, &l->stage[s]);
     if (l->psac_rank > 0) {

@@ -36,7 +36,6 @@ static unsigned get_code(const uint8_t *row, int c, int bits) {
  * writes and reads a row's ordinary INT2 codes (0, 1, 2) in a scratch row;
  * these turn that row into the stored one and back. 8 channels make one
  * 13-bit field F = c_0 + 3 c_1 + ... + 3^7 c_7 at bit 13b of the row. */
-#define TERNARY_MAX_D 256 /* head_dim's largest value (runtime/scheme/fields.c) */
 
 static void ternary_pack(const uint8_t *codes2, int d, uint8_t *row) {
     memset(row, 0, (size_t)KVF_TERNARY_ROW_BYTES(d));
@@ -199,7 +198,7 @@ static void fp16_group_encode(const kvf_section_layout *l, const group_ref *g, u
 static void channel_fp16_encode(const kvf_section_layout *l, const kvf_stage_layout *st, int64_t n,
                                 int32_t h, int d, const float *r, uint8_t *packed) {
     size_t gpt = (size_t)l->groups_per_token, sb = l->scale_format == KVF_SCALE_FP8 ? 1 : 2;
-    uint8_t scratch[TERNARY_MAX_D / 4];
+    uint8_t scratch[KVF_REF_MAX_DIM / 4];
     for (int64_t t = 0; t < n; t++) {
         size_t row = (size_t)h * (size_t)n + (size_t)t;
         uint8_t *stored = code_row(l, st, packed, row), *codes = row_codes_out(l, stored, d, scratch);
@@ -218,7 +217,7 @@ static void channel_fp16_decode(const kvf_section_layout *l, const kvf_stage_lay
     size_t gpt = (size_t)l->groups_per_token;
     bool affine = l->mode == KVF_MODE_AFFINE;
     const int fp8 = l->scale_format == KVF_SCALE_FP8;
-    uint8_t scratch[TERNARY_MAX_D / 4];
+    uint8_t scratch[KVF_REF_MAX_DIM / 4];
     for (int64_t t = 0; t < n; t++) {
         size_t row = (size_t)h * (size_t)n + (size_t)t;
         const uint8_t *codes = row_codes_in(l, packed + st->codes_off + row * l->code_bytes_per_token, d, scratch);
@@ -331,7 +330,7 @@ static void int8_token_decode(const kvf_section_layout *l, const uint8_t *codes,
 static void channel_int8_encode(const kvf_section_layout *l, const kvf_stage_layout *st, int64_t n,
                                 int32_t h, int d, const float *r, uint8_t *packed) {
     size_t gpt = (size_t)l->groups_per_token;
-    uint8_t scratch[TERNARY_MAX_D / 4];
+    uint8_t scratch[KVF_REF_MAX_DIM / 4];
     for (int64_t t = 0; t < n; t++) {
         size_t row = (size_t)h * (size_t)n + (size_t)t;
         uint8_t *stored = code_row(l, st, packed, row);
@@ -344,7 +343,7 @@ static void channel_int8_encode(const kvf_section_layout *l, const kvf_stage_lay
 static void channel_int8_decode(const kvf_section_layout *l, const kvf_stage_layout *st, int64_t n,
                                 int32_t h, int d, const uint8_t *packed, float *rhat) {
     size_t gpt = (size_t)l->groups_per_token;
-    uint8_t scratch[TERNARY_MAX_D / 4];
+    uint8_t scratch[KVF_REF_MAX_DIM / 4];
     for (int64_t t = 0; t < n; t++) {
         size_t row = (size_t)h * (size_t)n + (size_t)t;
         int8_token_decode(l, row_codes_in(l, packed + st->codes_off + row * l->code_bytes_per_token, d, scratch),
